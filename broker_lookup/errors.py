@@ -1,0 +1,81 @@
+"""The one exception tree of broker-lookup.
+
+::
+
+    BrokerLookupError                 root: catch this to catch everything we raise
+    ├── ConfigError (ValueError)      a config field has a bad value; names the field, env var, value
+    ├── InvalidRequest (ValueError)   a lookup the caller asked for breaks a documented limit
+    ├── MalformedMessage              a wire entry could not be decoded; keeps ``.payload``
+    ├── BrokerUnavailable             Redis could not be reached or timed out (translated at the boundary)
+    ├── BrokerResponseError           Redis answered with an error we do not handle
+    └── UnknownScheme (ValueError)    an external lookup URI names a scheme nobody registered
+
+Redis exceptions never escape the package: :func:`translate_redis_errors` maps them
+at the boundary, always ``from`` the original so the cause stays in the traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis.exceptions as rexc
+
+__all__ = [
+    "BrokerLookupError",
+    "BrokerResponseError",
+    "BrokerUnavailable",
+    "ConfigError",
+    "InvalidRequest",
+    "MalformedMessage",
+    "UnknownScheme",
+    "translate_redis_errors",
+]
+
+
+class BrokerLookupError(Exception):
+    """Root of every error broker-lookup raises."""
+
+
+class ConfigError(BrokerLookupError, ValueError):
+    """A configuration value is invalid; the message names the field and the value."""
+
+
+class InvalidRequest(BrokerLookupError, ValueError):
+    """A lookup request breaks a documented limit (id length, chunk count, configs size)."""
+
+
+class MalformedMessage(BrokerLookupError):
+    """A stream entry could not be decoded into a known message."""
+
+    def __init__(self, reason: str, payload: object = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.payload = payload
+
+
+class BrokerUnavailable(BrokerLookupError):
+    """The Redis server could not be reached, or a call timed out."""
+
+
+class BrokerResponseError(BrokerLookupError):
+    """The Redis server answered with an error this package does not handle itself."""
+
+
+class UnknownScheme(BrokerLookupError, ValueError):
+    """An external lookup URI uses a scheme that no plugin registered."""
+
+
+@contextmanager
+def translate_redis_errors(what: str) -> Iterator[None]:
+    """Translate redis-py exceptions raised inside the block into our tree.
+
+    ``what`` says what was being done, e.g. ``"submitting lookups"``; it ends up in
+    the message so a log line is actionable without a traceback.
+    """
+    try:
+        yield
+    except (rexc.ConnectionError, rexc.TimeoutError) as exc:
+        raise BrokerUnavailable(f"Redis unavailable while {what}: {exc}") from exc
+    except rexc.ResponseError as exc:
+        raise BrokerResponseError(f"Redis error while {what}: {exc}") from exc
