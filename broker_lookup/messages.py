@@ -1,0 +1,151 @@
+"""Wire messages: every byte that crosses Redis is one of these msgspec Structs.
+
+Request stream entry (``bl:{E}:requests``), written by the scheduler's client::
+
+    type         "lookup" | "abort"           readable copy for redis-cli
+    id           lookup id                    readable copy
+    gen          generation (int)             readable copy
+    deadline_ms  epoch ms (lookups only)      readable copy
+    chunks       number of chunks (lookups)   readable copy
+    m            msgpack of LookupRequest | Abort (tagged union): the only field decoded
+
+Completion entry (``bl:{E}:done``), written by ``report.lua``: ``id``, ``gen``, ``result``.
+Dead letter (``bl:{E}:dead``): ``rank``, ``entry`` (stream id), ``reason``, ``raw``.
+
+Schema evolution: new fields get defaults, nothing is reordered, unknown fields
+are ignored, so old and new processes can share one stream during an upgrade.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from broker_lookup.errors import MalformedMessage
+
+__all__ = [
+    "Abort",
+    "DoneEvent",
+    "LookupRequest",
+    "Request",
+    "check_lookup_id",
+    "decode_done",
+    "decode_request",
+    "encode_request",
+    "request_fields",
+    "validate_request",
+]
+
+_INT64_MIN = -(2**63)
+_UINT64_MAX = 2**64 - 1
+
+
+class LookupRequest(msgspec.Struct, tag="lookup", frozen=True, kw_only=True):
+    """Ask every expected rank for its cached prefix of these chunks."""
+
+    lookup_id: str
+    gen: int  #: generation: distinguishes attempts that reuse one lookup id
+    hashes: list[int]  #: per-chunk prefix hashes (int64 for builtin, uint64 for digests)
+    offsets: list[int]  #: per-chunk token counts (not cumulative), LMCache's convention
+    expected: list[int]  #: ranks whose reports complete the lookup
+    deadline_ms: int  #: epoch ms after which the answer is worthless; workers drop it
+    request_configs: dict[str, Any] | None = None  #: any JSON-able values (LMCache D13)
+    tokens: int = 0  #: sum of offsets: the largest valid hit count
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
+    """Release whatever this generation of the lookup pinned; drop it if not started."""
+
+    lookup_id: str
+    gen: int
+
+
+Request = LookupRequest | Abort
+
+
+class DoneEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """A lookup every expected rank answered: ``result`` is the minimum."""
+
+    lookup_id: str
+    gen: int
+    result: int
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Request)
+
+
+def encode_request(msg: LookupRequest | Abort) -> bytes:
+    """msgpack bytes of a request, for the ``m`` field."""
+    return _ENCODER.encode(msg)
+
+
+def request_fields(msg: LookupRequest | Abort) -> dict[str, bytes | str | int]:
+    """All fields of the stream entry for ``msg``: readable copies plus ``m``."""
+    if isinstance(msg, LookupRequest):
+        return {
+            "type": "lookup",
+            "id": msg.lookup_id,
+            "gen": msg.gen,
+            "deadline_ms": msg.deadline_ms,
+            "chunks": len(msg.hashes),
+            "m": _ENCODER.encode(msg),
+        }
+    return {"type": "abort", "id": msg.lookup_id, "gen": msg.gen, "m": _ENCODER.encode(msg)}
+
+
+def decode_request(fields: dict[bytes, bytes] | None) -> LookupRequest | Abort:
+    """Decode a request entry's fields; raise MalformedMessage saying why it can't be."""
+    if fields is None:
+        raise MalformedMessage("entry was trimmed while pending (nil payload)")
+    raw = fields.get(b"m")
+    if raw is None:
+        raise MalformedMessage("entry has no 'm' field", fields)
+    try:
+        return _DECODER.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise MalformedMessage(f"undecodable 'm' field: {exc}", raw) from None
+
+
+def decode_done(fields: dict[bytes, bytes]) -> DoneEvent:
+    """Decode a completion entry written by ``report.lua``."""
+    try:
+        return DoneEvent(
+            lookup_id=fields[b"id"].decode(),
+            gen=int(fields[b"gen"]),
+            result=int(fields[b"result"]),
+        )
+    except (KeyError, ValueError, UnicodeDecodeError) as exc:
+        raise MalformedMessage(f"bad completion entry: {exc!r}", fields) from None
+
+
+def check_lookup_id(lookup_id: object, max_length: int) -> str | None:
+    """Why ``lookup_id`` can't be used (None if it can): printable ASCII, no spaces."""
+    if not isinstance(lookup_id, str):
+        return f"lookup_id must be a str, got {type(lookup_id).__name__}"
+    if not 0 < len(lookup_id) <= max_length:
+        return f"lookup_id length {len(lookup_id)} is outside 1..{max_length}"
+    if not (lookup_id.isascii() and lookup_id.isprintable()) or " " in lookup_id:
+        return f"lookup_id {lookup_id[:64]!r} must be printable ASCII without spaces"
+    return None
+
+
+def validate_request(msg: LookupRequest, *, max_chunks: int, max_id_length: int) -> str | None:
+    """Semantic checks a worker applies after decoding; the reason, or None if valid."""
+    reason = check_lookup_id(msg.lookup_id, max_id_length)
+    if reason:
+        return reason
+    if len(msg.hashes) != len(msg.offsets):
+        return f"{len(msg.hashes)} hashes but {len(msg.offsets)} offsets"
+    if not 0 < len(msg.hashes) <= max_chunks:
+        return f"{len(msg.hashes)} chunks is outside 1..{max_chunks}"
+    if any(o <= 0 for o in msg.offsets):
+        return "offsets must be positive token counts"
+    if any(h < _INT64_MIN or h > _UINT64_MAX for h in msg.hashes):
+        return "a hash is outside the 64-bit range"
+    if not msg.expected or any(r < 0 for r in msg.expected):
+        return "expected ranks must be a non-empty list of ranks >= 0"
+    if msg.tokens != sum(msg.offsets):
+        return f"tokens={msg.tokens} does not equal the sum of offsets"
+    return None

@@ -1,0 +1,14 @@
+-- cancel.lua: forget one generation of a lookup and tell every rank to release it.
+-- KEYS[1] lookup hash   KEYS[2] request stream
+-- ARGV: gen, stream maxlen, then the abort entry's field/value pairs.
+-- The hash is deleted only if it still holds this generation: cancelling an old
+-- attempt must not wipe a newer one. The abort is always sent, so ranks that
+-- finished (or will finish) this generation release its pinned memory.
+local deleted = 0
+if redis.call('HGET', KEYS[1], 'gen') == ARGV[1] then
+  deleted = redis.call('DEL', KEYS[1])
+end
+local fields = {}
+for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(fields))
+return deleted
