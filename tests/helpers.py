@@ -1,0 +1,79 @@
+"""Helpers shared by every test suite: waiting without sleeping, and the backend handle.
+
+Importable from any test as ``from helpers import Backend, wait_until`` (pytest puts
+``tests/`` on ``sys.path`` because that is where the root ``conftest.py`` lives).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import fakeredis
+import redis
+
+__all__ = ["Backend", "wait_until"]
+
+
+def wait_until(
+    predicate: Callable[[], object],
+    timeout: float = 5.0,
+    interval: float = 0.005,
+    message: str = "",
+) -> object:
+    """Poll ``predicate`` until it returns something truthy, and return that.
+
+    Tests synchronise with this, never with a bare ``time.sleep``.
+
+    Raises:
+        AssertionError: ``predicate`` stayed falsy for ``timeout`` seconds; the message
+            says what was awaited and the last value seen.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            what = message or getattr(predicate, "__name__", repr(predicate))
+            raise AssertionError(f"waited {timeout:g}s for {what}; last value: {value!r}")
+        time.sleep(interval)
+
+
+@dataclass
+class Backend:
+    """One Redis backend a protocol test runs against: fakeredis or a real server.
+
+    Attributes:
+        kind: ``"fake"`` or ``"real"``.
+        url: The real server's URL; None for fake.
+        fake_server: The test's own ``fakeredis.FakeServer``; set
+            ``fake_server.connected = False`` to simulate losing the connection. None for real.
+    """
+
+    kind: Literal["fake", "real"]
+    url: str | None = None
+    fake_server: fakeredis.FakeServer | None = None
+    _clients: list[redis.Redis] = field(default_factory=list, repr=False)
+
+    def factory(self, **kwargs: Any) -> redis.Redis:
+        """A NEW client each call (extra kwargs such as ``decode_responses`` pass through).
+
+        Every client made here is closed when the test ends.
+        """
+        client: redis.Redis
+        if self.kind == "fake":
+            client = fakeredis.FakeRedis(server=self.fake_server, **kwargs)
+        else:
+            assert self.url is not None
+            client = redis.Redis.from_url(self.url, **kwargs)
+        self._clients.append(client)
+        return client
+
+    def close(self) -> None:
+        """Close every client :meth:`factory` made (the fixture calls this)."""
+        for client in self._clients:
+            client.close()
+        self._clients.clear()
