@@ -17,14 +17,13 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NoReturn
+from typing import NoReturn
 
 import fakeredis
 import pytest
 import redis
-from helpers import Backend
+from helpers import Backend, RealServer
 
 from broker_lookup.embedded import EmbeddedServer
 from broker_lookup.errors import BrokerUnavailable
@@ -35,15 +34,6 @@ BINARY_ENV = "BROKER_LOOKUP_TEST_SERVER_BINARY"
 FAKE_SERVER_VERSION = (7, 2)
 _REAL_DIR = Path(__file__).parent / "real"
 _REAL_FIXTURES = {"real_server", "fresh_real_server"}
-
-
-@dataclass(frozen=True)
-class RealServer:
-    """The session's real server: ``kind`` is ``"external"`` (env URL) or ``"embedded"``."""
-
-    url: str
-    kind: Literal["external", "embedded"]
-    server: EmbeddedServer | None = None
 
 
 def _in_ci() -> bool:

@@ -14,7 +14,9 @@ from typing import Any, Literal
 import fakeredis
 import redis
 
-__all__ = ["Backend", "wait_until"]
+from broker_lookup.embedded import EmbeddedServer
+
+__all__ = ["Backend", "RealServer", "wait_until"]
 
 
 def wait_until(
@@ -40,6 +42,15 @@ def wait_until(
             what = message or getattr(predicate, "__name__", repr(predicate))
             raise AssertionError(f"waited {timeout:g}s for {what}; last value: {value!r}")
         time.sleep(interval)
+
+
+@dataclass(frozen=True)
+class RealServer:
+    """The session's real server: ``kind`` is ``"external"`` (env URL) or ``"embedded"``."""
+
+    url: str
+    kind: Literal["external", "embedded"]
+    server: EmbeddedServer | None = None  #: the process, when embedded; never restart it
 
 
 @dataclass

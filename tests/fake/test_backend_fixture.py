@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import redis
-from conftest import RealServer
-from helpers import Backend
+from helpers import Backend, RealServer
 
 from broker_lookup.embedded import EmbeddedServer
 
@@ -49,7 +49,8 @@ def test_factory_makes_new_clients_on_one_server(backend: Backend, engine_id: st
 def test_blocking_read_sees_an_entry_added_from_another_client(
     backend: Backend, engine_id: str
 ) -> None:
-    stream, got = f"bl:{{{engine_id}}}:done", []
+    stream = f"bl:{{{engine_id}}}:done"
+    got: list[Any] = []
     reader = threading.Thread(
         target=lambda: got.extend(backend.factory().xread({stream: "0-0"}, block=3000) or []),
     )
