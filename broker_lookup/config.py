@@ -70,7 +70,9 @@ def _shown(field: str, value: object) -> str:
 
 def _require(ok: bool, field: str, value: object, rule: str) -> None:
     if not ok:
-        raise ConfigError(f"{field}={_shown(field, value)} (env {env_name(field)}) is invalid: {rule}")
+        raise ConfigError(
+            f"{field}={_shown(field, value)} (env {env_name(field)}) is invalid: {rule}"
+        )
 
 
 class LookupConfig(_Validated, frozen=True, kw_only=True):
@@ -93,7 +95,7 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     enable_chunk_statistics: bool = False  #: count total and unique chunks seen
     pre_caching_hash_algorithm: str = "builtin"  #: chunk hash function (LMCache's setting)
     # The broker's own knobs.
-    redis_url: str = "redis://127.0.0.1:6379/0"  #: redis://, rediss://, unix://, redis+sentinel://, redis+cluster://
+    redis_url: str = "redis://127.0.0.1:6379/0"  #: see connection.py for schemes
     redis_username: str | None = None  #: ACL user; overrides the URL's
     redis_password: str | None = None  #: overrides the URL's; never logged
     ssl_ca_certs: str | None = None  #: CA bundle for rediss://
@@ -117,35 +119,64 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     redis_retries: int = 3  #: attempts for one write before it counts as failed
 
     def __repr__(self) -> str:
-        shown = ", ".join(
-            f"{f}={_shown(f, getattr(self, f))}" for f in self.__struct_fields__
-        )
+        shown = ", ".join(f"{f}={_shown(f, getattr(self, f))}" for f in self.__struct_fields__)
         return f"LookupConfig({shown})"
 
     __str__ = __repr__
 
     def _check(self) -> None:
-        for name in ("chunk_size", "lookup_timeout_ms", "socket_timeout_ms", "block_ms",
-                     "heartbeat_interval_ms", "heartbeat_ttl_ms", "stream_maxlen", "done_maxlen",
-                     "dead_maxlen", "max_pending", "result_retention_ms", "max_lookup_id_length",
-                     "max_chunks_per_request", "max_request_configs_bytes", "worker_pin_ttl_ms",
-                     "worker_dedupe_capacity", "redis_retries"):
+        for name in (
+            "chunk_size",
+            "lookup_timeout_ms",
+            "socket_timeout_ms",
+            "block_ms",
+            "heartbeat_interval_ms",
+            "heartbeat_ttl_ms",
+            "stream_maxlen",
+            "done_maxlen",
+            "dead_maxlen",
+            "max_pending",
+            "result_retention_ms",
+            "max_lookup_id_length",
+            "max_chunks_per_request",
+            "max_request_configs_bytes",
+            "worker_pin_ttl_ms",
+            "worker_dedupe_capacity",
+            "redis_retries",
+        ):
             value = getattr(self, name)
             _require(value > 0, name, value, "must be > 0")
         _require(self.key_grace_ms >= 0, "key_grace_ms", self.key_grace_ms, "must be >= 0")
-        _require(self.redis_url.startswith(_URL_SCHEMES), "redis_url", self.redis_url,
-                 "must start with one of " + ", ".join(_URL_SCHEMES))
-        _require(self.block_ms + 1000 <= self.socket_timeout_ms, "block_ms", self.block_ms,
-                 f"must be at least 1000 ms under socket_timeout_ms={self.socket_timeout_ms} "
-                 "(a blocking read longer than the socket timeout fails)")
-        _require(self.heartbeat_ttl_ms >= 2 * self.heartbeat_interval_ms, "heartbeat_ttl_ms",
-                 self.heartbeat_ttl_ms, "must be at least twice heartbeat_interval_ms")
+        _require(
+            self.redis_url.startswith(_URL_SCHEMES),
+            "redis_url",
+            self.redis_url,
+            "must start with one of " + ", ".join(_URL_SCHEMES),
+        )
+        _require(
+            self.block_ms + 1000 <= self.socket_timeout_ms,
+            "block_ms",
+            self.block_ms,
+            f"must be at least 1000 ms under socket_timeout_ms={self.socket_timeout_ms} "
+            "(a blocking read longer than the socket timeout fails)",
+        )
+        _require(
+            self.heartbeat_ttl_ms >= 2 * self.heartbeat_interval_ms,
+            "heartbeat_ttl_ms",
+            self.heartbeat_ttl_ms,
+            "must be at least twice heartbeat_interval_ms",
+        )
         ratio = self.hit_miss_ratio
-        _require(ratio is None or 0.0 <= ratio <= 1.0, "hit_miss_ratio", ratio,
-                 "must be between 0 and 1")
+        _require(
+            ratio is None or 0.0 <= ratio <= 1.0, "hit_miss_ratio", ratio, "must be between 0 and 1"
+        )
         ids = self.lookup_server_worker_ids
-        _require(ids is None or all(i >= 0 for i in ids), "lookup_server_worker_ids", ids,
-                 "ranks are >= 0")
+        _require(
+            ids is None or all(i >= 0 for i in ids),
+            "lookup_server_worker_ids",
+            ids,
+            "ranks are >= 0",
+        )
 
     @property
     def key_ttl_ms(self) -> int:
@@ -249,8 +280,12 @@ class LookupMetadata(_Validated, frozen=True, kw_only=True):
         except ConfigError as exc:
             raise ConfigError(f"{exc} (env {env_name('engine_id')})") from None
         _require(self.world_size >= 1, "world_size", self.world_size, "must be >= 1")
-        _require(0 <= self.worker_id < self.world_size, "worker_id", self.worker_id,
-                 f"must be in [0, world_size={self.world_size})")
+        _require(
+            0 <= self.worker_id < self.world_size,
+            "worker_id",
+            self.worker_id,
+            f"must be in [0, world_size={self.world_size})",
+        )
 
 
 def expected_ranks(config: LookupConfig, metadata: LookupMetadata) -> tuple[int, ...]:

@@ -86,10 +86,10 @@ def _sentinel_factory(config: LookupConfig, name: str) -> ConnectionFactory:
     kwargs = _common_kwargs(config, name)
     kwargs.setdefault("password", password)
     kwargs.setdefault("username", user)
-    sentinel = redis.Sentinel(
+    sentinel = redis.Sentinel(  # type: ignore[no-untyped-call]  # redis-py lacks annotations
         hosts, socket_timeout=kwargs["socket_timeout"], sentinel_kwargs={"socket_timeout": 1.0}
     )
-    return lambda: sentinel.master_for(service, db=db, **kwargs)
+    return lambda: sentinel.master_for(service, db=db, **kwargs)  # type: ignore[no-untyped-call]
 
 
 def _cluster_factory(config: LookupConfig, name: str) -> ConnectionFactory:
@@ -102,7 +102,7 @@ def _cluster_factory(config: LookupConfig, name: str) -> ConnectionFactory:
     kwargs.pop("health_check_interval")
     kwargs.setdefault("password", password)
     kwargs.setdefault("username", user)
-    nodes = [ClusterNode(h, p) for h, p in hosts]
+    nodes = [ClusterNode(h, p) for h, p in hosts]  # type: ignore[no-untyped-call]
 
     def make() -> redis.Redis:
         client: Any = RedisCluster(startup_nodes=nodes, **kwargs)
@@ -147,4 +147,5 @@ def server_version(client: redis.Redis) -> tuple[int, int, int]:
         info: dict[str, Any] = client.info("server")
     raw = str(info.get("valkey_version") or info.get("redis_version") or "0.0.0")
     nums = [int(p) if p.isdigit() else 0 for p in raw.split(".")[:3]]
-    return (nums + [0, 0, 0])[0], (nums + [0, 0, 0])[1], (nums + [0, 0, 0])[2]
+    major, minor, patch = [*nums, 0, 0, 0][:3]
+    return major, minor, patch

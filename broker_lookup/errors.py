@@ -3,10 +3,10 @@
 ::
 
     BrokerLookupError                 root: catch this to catch everything we raise
-    ├── ConfigError (ValueError)      a config field has a bad value; names the field, env var, value
+    ├── ConfigError (ValueError)      a bad config value; names field, env var, value
     ├── InvalidRequest (ValueError)   a lookup the caller asked for breaks a documented limit
     ├── MalformedMessage              a wire entry could not be decoded; keeps ``.payload``
-    ├── BrokerUnavailable             Redis could not be reached or timed out (translated at the boundary)
+    ├── BrokerUnavailable             Redis unreachable or timed out (translated here)
     ├── BrokerResponseError           Redis answered with an error we do not handle
     └── UnknownScheme (ValueError)    an external lookup URI names a scheme nobody registered
 

@@ -1,0 +1,1 @@
+"""broker-lookup: Redis-brokered KV-cache lookup coordination for vLLM + LMCache."""

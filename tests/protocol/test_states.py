@@ -1,0 +1,256 @@
+"""Every client state transition (reference §1.6), on fakeredis and on a real server."""
+
+from __future__ import annotations
+
+import time
+
+from engines import InstantEngine, ManualEngine
+from helpers import wait_until
+
+from broker_lookup.client import RedisLookupClient
+from broker_lookup.keys import KeySpace
+from broker_lookup.scripts import REPORT, Call, ScriptSet
+
+TOKENS = list(range(40))  # 10 chunks of 4 tokens
+
+
+def _ready(*servers):
+    wait_until(
+        lambda: all(s.ready and s.stats()["last_heartbeat"] for s in servers),
+        message="servers ready and beating",
+    )
+
+
+def _alive(client):
+    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees every rank alive")
+
+
+def test_unknown_then_pending_then_result_then_cleared(make_server, make_client):
+    engine = ManualEngine()
+    server = make_server(engine)
+    _ready(server)
+    client = make_client()
+    _alive(client)
+    assert client.lookup_cache("r1") == -1
+    assert client.lookup(TOKENS, "r1") is None
+    assert client.lookup_cache("r1") is None
+    wait_until(lambda: engine.started_ids() == ["r1"])
+    assert client.lookup_cache("r1") is None
+    engine.report("r1", 24)
+    assert wait_until(lambda: client.lookup_cache("r1") == 24)
+    assert client.lookup_cache("r1") == 24  # stable until cleared
+    client.clear_lookup_status("r1")
+    assert client.lookup_cache("r1") == -1
+
+
+def test_min_over_ranks_that_differ(make_server, make_client, backend, engine_id):
+    engines = [ManualEngine(), ManualEngine(), ManualEngine()]
+    servers = [make_server(e, rank=r, world_size=3) for r, e in enumerate(engines)]
+    _ready(*servers)
+    client = make_client(world_size=3)
+    _alive(client)
+    client.lookup(TOKENS, "r1")
+    wait_until(lambda: all(e.started_ids() == ["r1"] for e in engines))
+    engines[0].report("r1", 40)
+    engines[2].report("r1", 12)
+    redis = backend.factory()
+    wait_until(lambda: redis.hget(KeySpace(engine_id).lookup("r1"), "r2") == b"12")
+    assert client.lookup_cache("r1") is None  # rank 1 has not answered
+    engines[1].report("r1", 0 + 20)
+    assert wait_until(lambda: client.lookup_cache("r1") == 12)
+    fields = redis.hgetall(KeySpace(engine_id).lookup("r1"))
+    assert fields[b"state"] == b"done" and fields[b"result"] == b"12"
+    assert (fields[b"r0"], fields[b"r1"], fields[b"r2"]) == (b"40", b"20", b"12")
+
+
+def test_duplicate_report_from_one_rank_does_not_complete(
+    make_server, make_client, backend, engine_id
+):
+    engines = [ManualEngine(), ManualEngine()]
+    servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]
+    _ready(*servers)
+    client = make_client(world_size=2)
+    _alive(client)
+    client.lookup(TOKENS, "r1")
+    wait_until(lambda: all(e.started_ids() for e in engines))
+    engines[0].report("r1", 16)
+    ks = KeySpace(engine_id)
+    redis = backend.factory()
+    wait_until(lambda: redis.hexists(ks.lookup("r1"), "r0"))
+    gen = int(redis.hget(ks.lookup("r1"), "gen"))
+    # A redelivered report of rank 0 (e.g. after a crash and replay) must not count as rank 1.
+    again = ScriptSet().call(
+        redis, Call(REPORT, (ks.lookup("r1"), ks.done), [0, gen, 16, 1000, "r1", 1000])
+    )
+    assert again == b"duplicate"
+    assert client.lookup_cache("r1") is None
+    assert redis.hget(ks.lookup("r1"), "state") == b"pending"
+    engines[1].report("r1", 8)
+    assert wait_until(lambda: client.lookup_cache("r1") == 8)
+
+
+def test_timeout_is_terminal_zero_and_cancels(make_server, make_client, backend, engine_id):
+    engine = ManualEngine()  # never reports
+    server = make_server(engine)
+    _ready(server)
+    client = make_client(lookup_timeout_ms=300)
+    _alive(client)
+    client.lookup(TOKENS, "r1")
+    wait_until(lambda: engine.started_ids() == ["r1"])
+    assert wait_until(lambda: client.lookup_cache("r1") == 0, timeout=3)
+    for _ in range(3):
+        assert client.lookup_cache("r1") == 0  # re-polls: 0 again, never raise (LMCache D4)
+    redis = backend.factory()
+    wait_until(
+        lambda: not redis.exists(KeySpace(engine_id).lookup("r1")),
+        message="timeout deletes the lookup key",
+    )
+    wait_until(lambda: server.stats()["counts"].get("aborts", 0) == 1)
+    engine.report("r1", 40)  # the slow prefetch finishes after the timeout
+    wait_until(lambda: engine.released == ["r1"], message="rank releases the pinned memory")
+    assert not redis.exists(KeySpace(engine_id).lookup("r1"))  # the late report changed nothing
+    assert client.stats()["outcomes"]["timeout"] == 1
+    client.clear_lookup_status("r1")
+    assert client.lookup_cache("r1") == -1
+
+
+def test_timeout_fires_without_polling(make_server, make_client):
+    engine = ManualEngine()
+    server = make_server(engine)
+    _ready(server)
+    client = make_client(lookup_timeout_ms=200)
+    _alive(client)
+    client.lookup(TOKENS, "r1")
+    wait_until(lambda: engine.started_ids() == ["r1"])
+    # Nobody polls: the listener's sweep still ends it and tells the rank (LMCache D11).
+    wait_until(lambda: server.stats()["counts"].get("aborts", 0) == 1, timeout=3)
+    assert client.stats()["outcomes"]["timeout"] == 1
+    engine.report("r1", 40)
+    wait_until(lambda: engine.released == ["r1"])
+    assert client.lookup_cache("r1") == 0
+
+
+def test_cancel_before_the_rank_starts(make_server, make_client, backend, engine_id):
+    engine = ManualEngine()
+    client = make_client()
+    redis = backend.factory()
+    # A heartbeat without a consuming server: the request waits in the stream.
+    ks = KeySpace(engine_id)
+    redis.set(ks.heartbeat(0), "{}", px=60000)
+    _alive(client)
+    redis.xgroup_create(ks.requests, ks.group(0), id="0", mkstream=True)
+    client.lookup(TOKENS, "r1")
+    wait_until(lambda: redis.exists(ks.lookup("r1")))
+    client.cancel_lookup("r1")
+    wait_until(lambda: not redis.exists(ks.lookup("r1")))
+    assert client.lookup_cache("r1") == -1
+    server = make_server(engine)  # starts now: sees the lookup, then its abort
+    _ready(server)
+    wait_until(lambda: server.stats()["counts"].get("aborted", 0) == 1)
+    assert engine.started_ids() == []
+
+
+def test_cancel_during_prefetch_releases_when_it_finishes(
+    make_server, make_client, backend, engine_id
+):
+    engine = ManualEngine()
+    server = make_server(engine)
+    _ready(server)
+    client = make_client()
+    _alive(client)
+    client.lookup(TOKENS, "r1")
+    wait_until(lambda: engine.started_ids() == ["r1"])
+    client.cancel_lookup("r1")
+    wait_until(lambda: server.stats()["counts"].get("aborts", 0) == 1)
+    assert engine.released == []  # still prefetching: nothing to release yet
+    engine.report("r1", 40)  # the prefetch finishes late
+    wait_until(lambda: engine.released == ["r1"])
+    redis = backend.factory()
+    assert not redis.exists(KeySpace(engine_id).lookup("r1"))  # no resurrected key
+    assert client.lookup_cache("r1") == -1
+
+
+def test_cancel_after_prefetch_releases_at_once(make_server, make_client):
+    engine = InstantEngine(hits=40)
+    server = make_server(engine)
+    _ready(server)
+    client = make_client()
+    _alive(client)
+    client.lookup(TOKENS, "r1")
+    assert wait_until(lambda: client.lookup_cache("r1") == 40)
+    assert engine.released == []  # pins are held for the retrieve
+    client.cancel_lookup("r1")
+    wait_until(lambda: engine.released == ["r1"])
+    assert server.stats()["held"] == 0
+
+
+def test_late_report_after_cancel_resurrects_no_key(backend, engine_id, make_client):
+    client = make_client()
+    ks = KeySpace(engine_id)
+    redis = backend.factory()
+    redis.set(ks.heartbeat(0), "{}", px=60000)
+    _alive(client)
+    client.lookup(TOKENS, "r1")
+    wait_until(lambda: redis.exists(ks.lookup("r1")))
+    gen = int(redis.hget(ks.lookup("r1"), "gen"))
+    client.cancel_lookup("r1")
+    wait_until(lambda: not redis.exists(ks.lookup("r1")))
+    late = ScriptSet().call(
+        redis, Call(REPORT, (ks.lookup("r1"), ks.done), [0, gen, 40, 1000, "r1", 1000])
+    )
+    assert late == b"dropped"
+    assert not redis.exists(ks.lookup("r1"))
+
+
+def test_id_reuse_gets_a_new_generation(make_server, make_client, backend, engine_id):
+    engine = ManualEngine()
+    server = make_server(engine)
+    _ready(server)
+    client = make_client()
+    _alive(client)
+    ks = KeySpace(engine_id)
+    redis = backend.factory()
+    client.lookup(TOKENS, "r1")
+    wait_until(lambda: engine.started_ids() == ["r1"])
+    gen1 = int(redis.hget(ks.lookup("r1"), "gen"))
+    client.clear_lookup_status("r1")  # e.g. preempted before allocation
+    client.lookup(TOKENS, "r1")
+    wait_until(lambda: int(redis.hget(ks.lookup("r1"), "gen") or 0) > gen1)
+    # Attempt 1's report arrives now: it is stale and must not complete attempt 2.
+    stale = ScriptSet().call(
+        redis, Call(REPORT, (ks.lookup("r1"), ks.done), [0, gen1, 40, 1000, "r1", 1000])
+    )
+    assert stale == b"stale"
+    assert client.lookup_cache("r1") is None
+    engine.report("r1", 40)  # the engine finishes attempt 1 (superseded: released, not sent)
+    wait_until(lambda: engine.started_ids() == ["r1", "r1"], message="attempt 2 starts after 1")
+    assert "r1" in engine.released
+    engine.report("r1", 8)
+    assert wait_until(lambda: client.lookup_cache("r1") == 8)
+
+
+def test_short_prompt_answers_zero_without_a_round_trip(make_client, backend, engine_id):
+    client = make_client()
+    assert client.lookup([1, 2, 3], "tiny") == 0
+    assert client.lookup_cache("tiny") == -1
+    assert not backend.factory().exists(KeySpace(engine_id).lookup("tiny"))
+
+
+def test_dead_rank_answers_zero_at_once(make_client, backend, engine_id):
+    client = make_client(world_size=2, lookup_timeout_ms=60000)
+    started = time.monotonic()
+    assert client.lookup(TOKENS, "r1") == 0
+    assert client.lookup_cache("r1") == 0
+    assert time.monotonic() - started < 1.0
+    assert client.stats()["outcomes"]["dead_rank"] == 1
+    assert not backend.factory().exists(KeySpace(engine_id).lookup("r1"))
+
+
+def test_sync_client_returns_the_int(make_server, make_client):
+    server = make_server(InstantEngine(hits=20))
+    _ready(server)
+    client = make_client(cls=RedisLookupClient)
+    _alive(client)
+    assert client.lookup(TOKENS, "r1") == 20
+    assert client.lookup_cache("r1") == 20
+    assert client.lookup_cache("nope") == -1

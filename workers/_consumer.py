@@ -1,0 +1,232 @@
+"""The rank's read loop: its consumer group on the request stream, acks, dead letters, heartbeat.
+
+On start (and after NOGROUP) it creates the group idempotently, then re-reads its
+own pending entries with id ``0`` (a restarted rank finishes what it had been
+given), then reads new entries with ``>`` and a short BLOCK on its own connection.
+Every entry is acked after dispatch; undecodable ones are dead-lettered first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from redis.exceptions import ResponseError
+
+from broker_lookup.config import LookupConfig
+from broker_lookup.connection import ensure_group
+from broker_lookup.errors import BrokerLookupError, MalformedMessage, translate_redis_errors
+from broker_lookup.keys import KeySpace
+from broker_lookup.messages import Abort, LookupRequest, decode_request, validate_request
+
+__all__ = ["Consumer"]
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[LookupRequest | Abort], None]
+
+
+class Consumer:
+    """Owns the rank's blocking connection and loop thread."""
+
+    def __init__(
+        self,
+        config: LookupConfig,
+        keys: KeySpace,
+        rank: int,
+        factory: Callable[[], redis.Redis],
+        handle: Handler,
+        beat_info: Callable[[], dict[str, Any]],
+        on_tick: Callable[[], None],
+    ) -> None:
+        self._config = config
+        self._keys = keys
+        self._rank = rank
+        self._factory = factory
+        self._handle = handle
+        self._beat_info = beat_info
+        self._on_tick = on_tick
+        self._group = keys.group(rank)
+        self._name = keys.consumer(rank)
+        self._stop = threading.Event()
+        self._replaying = True
+        self._next_beat = 0.0
+        self._next_info = 0.0
+        self.stats: dict[str, int] = {
+            "entries": 0,
+            "dead_letters": 0,
+            "redis_errors": 0,
+            "nogroup": 0,
+            "replayed": 0,
+            "pending": 0,
+            "lag": 0,
+        }
+        self.last_beat = 0.0
+        self.ready = threading.Event()
+        self._started_ms = int(time.time() * 1000)
+        self._thread = threading.Thread(
+            target=self._run, name=f"broker-lookup-rank-{rank}", daemon=True
+        )
+
+    def start(self) -> None:
+        """Start the loop thread."""
+        self._thread.start()
+
+    def alive(self) -> bool:
+        """Whether the loop thread is running."""
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float) -> bool:
+        """Stop reading and join (bounded by BLOCK); False if the join timed out."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        client = self._factory()
+        try:
+            while not self._stop.is_set():
+                self._iteration(client)
+        finally:
+            self._clear_heartbeat(client)
+            client.close()
+
+    def _iteration(self, client: redis.Redis) -> None:
+        try:
+            if not self.ready.is_set():
+                ensure_group(client, self._keys.requests, self._group)
+                self.ready.set()
+            self._beat(client)
+            self._read_batch(client)
+            self._on_tick()
+        except BrokerLookupError as exc:
+            self._on_error(exc)
+
+    def _on_error(self, exc: BrokerLookupError) -> None:
+        if is_nogroup(exc):
+            # Flushed, restarted without persistence, or the stream was evicted.
+            self.stats["nogroup"] += 1
+            logger.warning(
+                "rank %d: consumer group %s missing on %s; re-creating it",
+                self._rank,
+                self._group,
+                self._keys.requests,
+            )
+            self.ready.clear()
+            self._replaying = True
+            return
+        self.stats["redis_errors"] += 1
+        self.ready.clear()
+        count = self.stats["redis_errors"]
+        if count == 1 or count % 50 == 0:
+            logger.warning("rank %d: Redis error #%d: %s (retrying)", self._rank, count, exc)
+        self._stop.wait(0.2)
+
+    def _read_batch(self, client: redis.Redis) -> None:
+        start = "0" if self._replaying else ">"
+        block = None if self._replaying else self._config.block_ms
+        with translate_redis_errors(f"reading {self._keys.requests} as {self._group}"):
+            resp: Any = client.xreadgroup(
+                self._group, self._name, {self._keys.requests: start}, count=100, block=block
+            )
+        entries = resp[0][1] if resp else []
+        if self._replaying:
+            if not entries:
+                self._replaying = False
+                return
+            self.stats["replayed"] += len(entries)
+        decoded = [self._decode(client, entry_id, fields) for entry_id, fields in entries]
+        # Aborts first: a lookup and its abort read in one batch never reach the engine.
+        for msg in sorted(
+            (m for m in decoded if m is not None), key=lambda m: not isinstance(m, Abort)
+        ):
+            self._handle(msg)
+        if entries:
+            with translate_redis_errors("acking entries"):
+                client.xack(self._keys.requests, self._group, *[e for e, _ in entries])
+
+    def _decode(
+        self, client: redis.Redis, entry_id: bytes, fields: dict[bytes, bytes] | None
+    ) -> LookupRequest | Abort | None:
+        self.stats["entries"] += 1
+        try:
+            msg = decode_request(fields)
+        except MalformedMessage as exc:
+            self.dead_letter(client, entry_id, exc.reason, fields)
+            return None
+        if isinstance(msg, LookupRequest):
+            cfg = self._config
+            reason = validate_request(
+                msg, max_chunks=cfg.max_chunks_per_request, max_id_length=cfg.max_lookup_id_length
+            )
+            if reason is not None:
+                self.dead_letter(client, entry_id, reason, fields)
+                return None
+        return msg
+
+    def dead_letter(
+        self, client: redis.Redis, entry_id: bytes | str, reason: str, raw: object
+    ) -> None:
+        """Park an entry that can't be served in ``bl:{E}:dead`` with the reason; count it."""
+        self.stats["dead_letters"] += 1
+        logger.warning("rank %d: dead-lettering entry %r: %s", self._rank, entry_id, reason)
+        with translate_redis_errors("dead-lettering"):
+            client.xadd(
+                self._keys.dead,
+                {"rank": self._rank, "entry": entry_id, "reason": reason, "raw": repr(raw)[:1024]},
+                maxlen=self._config.dead_maxlen,
+                approximate=True,
+            )
+
+    def _beat(self, client: redis.Redis) -> None:
+        now = time.monotonic()
+        if now < self._next_beat:
+            return
+        self._next_beat = now + self._config.heartbeat_interval_ms / 1000
+        info = {
+            "rank": self._rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started_ms": self._started_ms,
+            "ts_ms": int(time.time() * 1000),
+            **self._beat_info(),
+        }
+        with translate_redis_errors("writing the heartbeat"):
+            client.set(
+                self._keys.heartbeat(self._rank), json.dumps(info), px=self._config.heartbeat_ttl_ms
+            )
+        self.last_beat = time.time()
+        if now >= self._next_info:
+            self._next_info = now + 5.0
+            self._group_info(client)
+
+    def _group_info(self, client: redis.Redis) -> None:
+        with translate_redis_errors("reading group info"):
+            groups: Any = client.xinfo_groups(self._keys.requests)
+        for g in groups:
+            name = g.get("name")
+            if name in (self._group, self._group.encode()):
+                self.stats["pending"] = int(g.get("pending") or 0)
+                self.stats["lag"] = int(g.get("lag") or 0)
+
+    def _clear_heartbeat(self, client: redis.Redis) -> None:
+        # Clients see this rank dead at once instead of after the heartbeat TTL.
+        try:
+            with translate_redis_errors("deleting the heartbeat"):
+                client.delete(self._keys.heartbeat(self._rank))
+        except BrokerLookupError as exc:
+            logger.warning("rank %d: heartbeat not deleted at shutdown: %s", self._rank, exc)
+
+
+def is_nogroup(exc: BaseException) -> bool:
+    """True if ``exc`` (or its cause) is Redis's NOGROUP error."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    return isinstance(cause, ResponseError) and str(cause).startswith("NOGROUP")
