@@ -1,0 +1,300 @@
+"""LMCache-compatible chunk hashing: what the scheduler sends instead of tokens.
+
+:class:`ChunkedTokenHasher` is bit-identical to LMCache 0.5.6
+``ChunkedTokenDatabase.process_tokens(tokens, make_key=False)``: chunks of ``chunk_size``
+tokens (the short tail only with ``save_unfull_chunk``) chained as
+``h = hash_fn((h, tuple(chunk), ()))`` from ``NONE_HASH``. Workers build keys from these
+ints, so every process must agree on :meth:`ChunkedTokenHasher.fingerprint`. Unlike
+LMCache, resolving ``NONE_HASH`` mutates no global (LMCache defect D12).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+import random
+import statistics
+import sys
+import timeit
+from collections.abc import Callable, Iterator, Sequence
+from numbers import Integral
+from types import ModuleType, SimpleNamespace
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, Union, cast
+
+from broker_lookup.errors import ConfigError, InvalidRequest
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ChunkedTokenHasher", "HashingConfig", "measure_ns_per_token", "normalize_hash"]
+
+logger = logging.getLogger(__name__)
+
+#: A sequence of ints (a list; vLLM passes a ``ConstantList``) or a 1-D integer tensor.
+TokenInput: TypeAlias = Union[Sequence[int], "torch.Tensor"]
+HashFn: TypeAlias = Callable[[object], object]
+
+#: LMCache's behaviour when it is given no config.
+_NO_CONFIG = SimpleNamespace(
+    chunk_size=256, save_unfull_chunk=True, pre_caching_hash_algorithm="builtin"
+)
+#: Names LMCache treats as one algorithm (vLLM PR#23673 renamed the 64-bit variant).
+_ALIASES = dict.fromkeys(("sha256_cbor", "sha256_cbor_64bit"), ("sha256_cbor", "sha256_cbor_64bit"))
+#: Prompts of at least this many chunks take the zip path in ``_chain``: below, its fixed
+#: cost (an iterator slot per token of a chunk) outweighs what it saves per token.
+_ZIP_MIN_CHUNKS = 16
+#: Where vLLM keeps its hash functions, newest first, searched in LMCache's order.
+_VLLM_HASH_MODULES = ("vllm.utils.hashing", "vllm.utils")
+
+
+class HashingConfig(Protocol):
+    """The settings hashing depends on; ``LookupConfig`` and LMCache's config have them."""
+
+    @property
+    def chunk_size(self) -> int: ...
+    @property
+    def save_unfull_chunk(self) -> bool: ...
+    @property
+    def pre_caching_hash_algorithm(self) -> str: ...
+
+
+def normalize_hash(raw: object) -> int:
+    """Fold a hash result into LMCache's int form; an int passes unchanged.
+
+    A digest (``bytes``, e.g. from vLLM ``sha256_cbor``) becomes its first 8 bytes read
+    big-endian, an unsigned 64-bit int.
+    """
+    if isinstance(raw, bytes):
+        return int.from_bytes(raw[:8], "big")
+    if isinstance(raw, int):
+        return raw
+    raise TypeError(f"hash function returned {type(raw).__name__}, expected int or bytes")
+
+
+def _import_optional(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except (ImportError, AttributeError):  # what LMCache takes for "no vLLM (or too old)"
+        return None
+
+
+def _resolve_hash_fn(algorithm: str) -> tuple[str, HashFn]:
+    """Find ``algorithm`` where LMCache 0.5.6 looks; returns (resolved name, function)."""
+    if algorithm == "builtin":  # not a vLLM name: LMCache ends up with Python's hash
+        return "builtin", hash
+    names = _ALIASES.get(algorithm, (algorithm,))
+    modules = [m for m in map(_import_optional, _VLLM_HASH_MODULES) if m is not None]
+    for module in modules:
+        for name in names if hasattr(module, "get_hash_fn_by_name") else ():
+            try:
+                return name, module.get_hash_fn_by_name(name)
+            except ValueError:
+                continue
+    for module in modules:  # older vLLM: the functions themselves
+        for name in names:
+            if callable(fn := getattr(module, name, None)):
+                return name, fn
+    msg = "pre_caching_hash_algorithm=%r unavailable (no vLLM): builtin hash, as LMCache uses"
+    logger.warning(msg, algorithm)
+    return "builtin", hash
+
+
+@functools.lru_cache(maxsize=16)
+def _resolve_none_hash(hash_fn: HashFn) -> int:
+    """The NONE_HASH LMCache would use with ``hash_fn``; computed, no global touched.
+
+    LMCache runs vLLM's ``init_none_hash`` when it exists: ``hash_fn(PYTHONHASHSEED)``, or
+    random bytes with no seed (the cache keeps that one value per process).
+    """
+    kv_cache_utils = _import_optional("vllm.v1.core.kv_cache_utils")
+    if kv_cache_utils is None or not hasattr(kv_cache_utils, "init_none_hash"):
+        return 0
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is None:
+        logger.warning(
+            "vLLM is installed and PYTHONHASHSEED is unset: NONE_HASH is random in every "
+            "process, so scheduler and worker chunk hashes will NEVER match (0%% hits). "
+            "Set the same PYTHONHASHSEED (e.g. 0) for the scheduler and every worker."
+        )
+        return int.from_bytes(os.urandom(8), "big")
+    return normalize_hash(hash_fn(seed))
+
+
+def _tensor_as_sequence(tokens: torch.Tensor, bool_dtype: object) -> Sequence[int]:
+    if tokens.dim() != 1:
+        raise InvalidRequest(f"token tensor must be 1-D, got shape {tuple(tokens.shape)}")
+    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == bool_dtype:
+        raise InvalidRequest(f"token tensor must have an integer dtype, got {tokens.dtype}")
+    tokens = tokens.cpu()  # a no-op on CPU
+    try:
+        # A memoryview makes ints on demand, freed chunk by chunk: faster than tolist().
+        return tokens.numpy().data
+    except (RuntimeError, TypeError, ValueError):  # no numpy, or a dtype it cannot hold
+        return cast("list[int]", tokens.tolist())
+
+
+def _as_sequence(tokens: object) -> Sequence[int]:
+    """Validate ``tokens``; return a sequence of ints that can be sliced and iterated."""
+    kind = type(tokens)
+    if kind is not list and kind is not tuple:
+        torch = sys.modules.get("torch")  # no tensor can exist unless torch is imported
+        if torch is not None and isinstance(tokens, torch.Tensor):
+            return _tensor_as_sequence(tokens, torch.bool)
+        if not isinstance(tokens, Sequence) or isinstance(tokens, (str, bytes, bytearray)):
+            raise InvalidRequest(
+                f"tokens must be ints in a list or a 1-D tensor, not {kind.__name__}"
+            )
+    seq: Sequence[object] = tokens  # type: ignore[assignment]  # narrowed above
+    # The ends catch the usual mistakes (nested lists, strings, floats) at no per-token cost.
+    if seq and not all(type(x) is int or isinstance(x, Integral) for x in (seq[0], seq[-1])):
+        got = f"{type(seq[0]).__name__} ... {type(seq[-1]).__name__}"
+        raise InvalidRequest(f"tokens must be ints, got {got}")
+    return seq  # type: ignore[return-value]  # elements checked above
+
+
+def _count_false(mask: object, n_tokens: int) -> int:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(mask, torch.Tensor):
+        mask = mask.tolist()
+    if not isinstance(mask, (list, tuple)) or len(mask) != n_tokens:
+        raise InvalidRequest(f"mask must be {n_tokens} bools (list, tuple or 1-D tensor)")
+    return mask.count(False)  # also counts 0, like LMCache's sum of the mask
+
+
+class ChunkedTokenHasher:
+    """Hashes token chunks exactly as LMCache 0.5.6 ``ChunkedTokenDatabase`` does.
+
+    Args:
+        config: has ``chunk_size``, ``save_unfull_chunk``, ``pre_caching_hash_algorithm``;
+            ``None`` is LMCache's no-config behaviour (256, tail kept, builtin).
+
+    Raises:
+        ConfigError: a setting has the wrong type or ``chunk_size`` is not positive.
+    """
+
+    def __init__(self, config: HashingConfig | None = None) -> None:
+        c = _NO_CONFIG if config is None else config
+        size, unfull, algorithm = c.chunk_size, c.save_unfull_chunk, c.pre_caching_hash_algorithm
+        if type(size) is not int or size <= 0:
+            raise ConfigError(f"chunk_size={size!r} is invalid: use a positive int")
+        if not isinstance(unfull, bool):
+            raise ConfigError(f"save_unfull_chunk={unfull!r} is invalid: use a bool")
+        if not isinstance(algorithm, str):
+            raise ConfigError(f"pre_caching_hash_algorithm={algorithm!r} is invalid: use a str")
+        self.chunk_size: int = size
+        self.save_unfull_chunk: bool = unfull
+        self.algorithm, self._hash_fn = _resolve_hash_fn(algorithm)
+        self.none_hash: int = _resolve_none_hash(self._hash_fn)
+        self._fingerprint: dict[str, str | int | bool] | None = None
+
+    def num_chunks(self, n_tokens: int) -> int:
+        """Return how many chunk hashes a prompt of ``n_tokens`` tokens produces."""
+        if n_tokens < 0:
+            raise InvalidRequest(f"n_tokens={n_tokens} is negative")
+        full, rest = divmod(n_tokens, self.chunk_size)
+        return full + (1 if rest and self.save_unfull_chunk else 0)
+
+    def hashes_and_offsets(self, tokens: TokenInput) -> tuple[list[int], list[int]]:
+        """Hash a prompt for a lookup request (the scheduler's fast path).
+
+        Returns:
+            The chained hash of each chunk and each chunk's token count (``end - start``,
+            not cumulative), as LMCache's lookup clients send them.
+
+        Raises:
+            InvalidRequest: ``tokens`` is neither a sequence of ints nor a 1-D int tensor.
+        """
+        seq = _as_sequence(tokens)
+        hashes = self._chain(seq)
+        offsets = [self.chunk_size] * len(hashes)
+        if hashes and self.save_unfull_chunk and len(seq) % self.chunk_size:
+            offsets[-1] = len(seq) % self.chunk_size
+        return hashes, offsets
+
+    def process_tokens(
+        self, tokens: TokenInput, mask: object = None, make_key: bool = False
+    ) -> Iterator[tuple[int, int, int]]:
+        """Return ``(start, end, hash)`` per chunk, as LMCache's ``make_key=False`` path.
+
+        Args:
+            tokens: the prompt's token ids.
+            mask: optional bools, one per token, False for a handled prefix whose length
+                must be a multiple of ``chunk_size``: chained but not returned.
+            make_key: must be False: cache-engine keys are the worker engine's business.
+
+        Raises:
+            InvalidRequest: bad ``tokens`` or ``mask`` (a ``ValueError``, like LMCache's).
+            NotImplementedError: ``make_key`` is True.
+        """
+        if make_key:  # a key embeds model, rank and dtype: only the worker's engine knows them
+            raise NotImplementedError("make_key=True: the worker's engine builds the keys")
+        seq = _as_sequence(tokens)
+        size, total = self.chunk_size, len(seq)
+        skip = 0 if mask is None else _count_false(mask, total)
+        if skip % size:
+            raise InvalidRequest(f"mask has {skip} False: not a multiple of chunk_size={size}")
+        starts = range(0, size * self.num_chunks(total), size)
+        chunks = zip(starts, self._chain(seq), strict=True)
+        return ((start, min(start + size, total), h) for start, h in chunks if start >= skip)
+
+    def _chain(self, seq: Sequence[int]) -> list[int]:
+        size, total, chain = self.chunk_size, len(seq), self.none_hash
+        end = total if self.save_unfull_chunk else total - total % size
+        out: list[int] = []
+        append, empty = out.append, ()
+        fn = self._hash_fn
+        if fn is not hash or total < _ZIP_MIN_CHUNKS * size:
+            for start in range(0, end, size):
+                chain = normalize_hash(fn((chain, tuple(seq[start : start + size]), empty)))
+                append(chain)
+            return out
+        # zip over one shared iterator builds each full chunk's tuple in C; dropping our
+        # reference lets zip recycle that tuple instead of allocating one per chunk.
+        for chunk in zip(*[iter(seq)] * size, strict=False):
+            chain = hash((chain, chunk, empty))
+            append(chain)
+            del chunk
+        if end % size:
+            append(hash((chain, tuple(seq[end - end % size :]), empty)))
+        return out
+
+    def fingerprint(self) -> dict[str, str | int | bool]:
+        """Describe what the hashes depend on: equal fingerprints hash identically.
+
+        ``probe``, the last hash of ``range(2 * chunk_size + 3)``, catches what the names
+        cannot (another interpreter, another vLLM hash function).
+        """
+        if self._fingerprint is None:
+            self._fingerprint = {
+                "algorithm": self.algorithm,
+                "chunk_size": self.chunk_size,
+                "save_unfull_chunk": self.save_unfull_chunk,
+                "none_hash": self.none_hash,
+                "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+                "probe": self._chain(range(2 * self.chunk_size + 3))[-1],
+            }
+        return dict(self._fingerprint)
+
+
+def measure_ns_per_token(
+    n_tokens: int, kind: Literal["list", "tensor"] = "list", repeat: int = 5
+) -> float:
+    """Time :meth:`ChunkedTokenHasher.hashes_and_offsets`: median ns per token.
+
+    For ``broker-lookup bench``. Tokens are seeded pseudo-random ids below 128 000 (a
+    typical vocabulary), so runs compare; ``kind`` picks list or int64 tensor input.
+    """
+    if n_tokens <= 0 or repeat <= 0 or kind not in ("list", "tensor"):
+        raise ValueError(f"bad benchmark: {n_tokens=} {repeat=} {kind=}")
+    rng = random.Random(0)
+    tokens: TokenInput = [rng.randrange(128_000) for _ in range(n_tokens)]
+    if kind == "tensor":
+        import torch  # only the tensor benchmark needs it
+
+        tokens = torch.tensor(tokens, dtype=torch.int64)
+    hasher = ChunkedTokenHasher()
+    hasher.hashes_and_offsets(tokens)  # warm-up: imports, allocator pools
+    runs = timeit.repeat(lambda: hasher.hashes_and_offsets(tokens), repeat=repeat, number=1)
+    return statistics.median(runs) * 1e9 / n_tokens
