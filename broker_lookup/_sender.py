@@ -59,6 +59,7 @@ class Sender:
         self._expected = ""
         self.errors = 0
         self.batches = 0
+        self.lost_cancels = 0
         self._thread = threading.Thread(target=self._run, name="broker-lookup-sender", daemon=True)
 
     def start(self, expected: str) -> None:
@@ -175,9 +176,13 @@ class Sender:
             # Redis is unreachable or refused: answer 0 now instead of at the timeout.
             self._table.expire(lookup_id, entry, "error")
         else:
+            self.lost_cancels += 1
+            if self.lost_cancels % 100 != 1:
+                return
             logger.warning(
-                "cancel of %s gen %d not delivered: %s; the key expires by TTL and "
-                "workers release its pins after worker_pin_ttl_ms",
+                "%d cancel(s) not delivered, latest %s gen %d: %s; keys expire by TTL and "
+                "workers release pins after worker_pin_ttl_ms",
+                self.lost_cancels,
                 lookup_id,
                 msg.gen,
                 exc,

@@ -79,14 +79,20 @@ class LookupTable:
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
 
-    def add(self, lookup_id: str, entry: Entry) -> bool:
-        """Register a new generation; False if the table is full (caller answers 0)."""
+    def add(self, lookup_id: str, entry: Entry, finished: Outcome | None = None) -> bool:
+        """Register a new generation; False if the table is full (caller answers 0).
+
+        ``finished`` registers it as already answered 0 (e.g. a rank is dead): it is
+        never sent, so there is nothing to cancel in Redis.
+        """
         with self._lock:
             old = self.entries.get(lookup_id)
             if old is None and len(self.entries) >= self._max_pending:
                 return False
             self.entries[lookup_id] = entry
             self.inflight[lookup_id] = entry
+            if finished is not None:
+                self._finish_locked(lookup_id, entry, 0, finished)
         if old is not None and old.result is None:
             self._cancel(lookup_id, old.gen)
         return True

@@ -121,13 +121,14 @@ class RedisAsyncLookupClient(LookupClientInterface):
         entry = Entry(
             next(self._gens), now, now + self._timeout_s, tokens, self.expected, with_event
         )
+        if self._listener.dead.intersection(self.expected):
+            self._table.add(lookup_id, entry, finished="dead_rank")
+            return 0
         if not self._table.add(lookup_id, entry):
             logger.warning(
                 "max_pending=%d lookups tracked; %s answers 0", self.config.max_pending, lookup_id
             )
             return 0
-        if self._listener.dead.intersection(self.expected):
-            return self._table.expire(lookup_id, entry, "dead_rank")
         deadline_ms = int(time.time() * 1000) + self.config.lookup_timeout_ms
         request = LookupRequest(
             lookup_id=lookup_id,

@@ -124,9 +124,17 @@ class Tracker:
         with self._lock:
             return self.running.pop(lookup_id, None)
 
-    def settle(self, lookup_id: str, job: Job, keep: bool, now: float) -> LookupRequest | None:
-        """After a report: hold the pins (``keep``) or not; return a waiting request to start."""
+    def settle(
+        self, lookup_id: str, job: Job, keep: bool, now: float
+    ) -> tuple[bool, LookupRequest | None]:
+        """After a report: hold the pins (``keep``) or not; also return a request to start.
+
+        An abort that arrived while the report was in flight wins: the pins are not kept.
+        """
         with self._lock:
+            if keep and (lookup_id, job.gen) in self._aborted:
+                self._aborted.discard((lookup_id, job.gen))
+                keep = False
             if keep:
                 self.held[lookup_id] = (job.gen, now + self._pin_ttl_s)
                 self.held.move_to_end(lookup_id)
@@ -134,7 +142,7 @@ class Tracker:
             if nxt is not None:
                 self.running[lookup_id] = Job(nxt.gen, nxt.tokens, now)
                 self.held.pop(lookup_id, None)
-            return nxt
+            return keep and nxt is None, nxt
 
     def expired_holds(self, now: float) -> list[str]:
         """Ids whose pins outlived ``worker_pin_ttl_ms``; they are removed from ``held``."""

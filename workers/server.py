@@ -174,12 +174,10 @@ class RedisAsyncLookupServer:
             self._release(lookup_id, job, keep=answer in _KEEP)
 
     def _release(self, lookup_id: str, job: Job, keep: bool) -> None:
-        if not keep:
+        held, nxt = self.tracker.settle(lookup_id, job, keep, time.monotonic())
+        if not held:
             self._cleanup(lookup_id)
-        nxt = self.tracker.settle(lookup_id, job, keep, time.monotonic())
         if nxt is not None:
-            if keep:
-                self._cleanup(lookup_id)
             self._start(nxt)
 
     def _cleanup(self, lookup_id: str) -> None:
