@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,14 @@ ENV_PREFIX = "BROKER_LOOKUP_"
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "redis+cluster://")
 _SECRET_IN_URL = re.compile(r"(://[^:/@]*:)([^@]*)@")
+_AT_FIELD = re.compile(r" - at `\$\.([a-z_]+)`")
+#: Fields that must be > 0.
+_POSITIVE = (
+    "chunk_size lookup_timeout_ms socket_timeout_ms block_ms heartbeat_interval_ms "
+    "heartbeat_ttl_ms stream_maxlen done_maxlen dead_maxlen max_pending result_retention_ms "
+    "max_lookup_id_length max_chunks_per_request max_request_configs_bytes worker_pin_ttl_ms "
+    "worker_dedupe_capacity redis_retries"
+).split()
 
 
 def env_name(field: str) -> str:
@@ -125,25 +134,7 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     __str__ = __repr__
 
     def _check(self) -> None:
-        for name in (
-            "chunk_size",
-            "lookup_timeout_ms",
-            "socket_timeout_ms",
-            "block_ms",
-            "heartbeat_interval_ms",
-            "heartbeat_ttl_ms",
-            "stream_maxlen",
-            "done_maxlen",
-            "dead_maxlen",
-            "max_pending",
-            "result_retention_ms",
-            "max_lookup_id_length",
-            "max_chunks_per_request",
-            "max_request_configs_bytes",
-            "worker_pin_ttl_ms",
-            "worker_dedupe_capacity",
-            "redis_retries",
-        ):
+        for name in _POSITIVE:
             value = getattr(self, name)
             _require(value > 0, name, value, "must be > 0")
         _require(self.key_grace_ms >= 0, "key_grace_ms", self.key_grace_ms, "must be >= 0")
@@ -192,7 +183,7 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         try:
             return msgspec.convert(dict(values), cls, strict=False)
         except msgspec.ValidationError as exc:
-            raise ConfigError(f"invalid config in {source}: {exc}") from None
+            raise ConfigError(_explain(exc, values, source)) from None
 
     @classmethod
     def from_env(
@@ -201,14 +192,16 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         """``base`` (or the defaults) overridden by every ``BROKER_LOOKUP_<FIELD>`` set."""
         env = os.environ if environ is None else environ
         values = msgspec.structs.asdict(base) if base is not None else {}
-        for field in cls.__struct_fields__:
-            raw = env.get(env_name(field))
+        given: dict[str, str] = {}
+        for info in msgspec.structs.fields(cls):
+            raw = env.get(env_name(info.name))
             if raw is not None:
-                values[field] = _parse_env(field, raw)
+                values[info.name] = _parse_env(info.name, raw, info.type)
+                given[info.name] = raw
         try:
             return msgspec.convert(values, cls, strict=False)
         except msgspec.ValidationError as exc:
-            raise ConfigError(f"invalid environment configuration: {exc}") from None
+            raise ConfigError(_explain(exc, given, "environment")) from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> LookupConfig:
@@ -232,9 +225,21 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         return cls.from_env(env, base=base)
 
 
-def _parse_env(field: str, raw: str) -> object:
+def _explain(exc: msgspec.ValidationError, given: Mapping[str, object], source: str) -> str:
+    """``exc`` rephrased to name the field, its env var and the (redacted) value given."""
+    text, found = str(exc), _AT_FIELD.search(str(exc))
+    if found is None or found.group(1) not in given:  # e.g. a _check message: names all three
+        return f"invalid config in {source}: {text}"
+    field, why = found.group(1), _AT_FIELD.sub("", text)
+    return f"invalid config in {source}: {field}={_shown(field, given[field])} " + (
+        f"(env {env_name(field)}) has the wrong type: {why}"
+    )
+
+
+def _parse_env(field: str, raw: str, kind: object) -> object:
+    # none/null/empty only for Optional fields, yes/no only for bools: a str stays a str.
     text = raw.strip()
-    if text.lower() in ("", "none", "null"):
+    if type(None) in typing.get_args(kind) and text.lower() in ("", "none", "null"):
         return None
     if field == "lookup_server_worker_ids":
         try:
@@ -243,9 +248,9 @@ def _parse_env(field: str, raw: str) -> object:
             raise ConfigError(
                 f"{env_name(field)}={raw!r} is invalid: expected comma-separated ranks like 0,1"
             ) from None
-    if text.lower() in ("true", "yes", "on"):
+    if kind is bool and text.lower() in ("true", "yes", "on"):
         return True
-    if text.lower() in ("false", "no", "off"):
+    if kind is bool and text.lower() in ("false", "no", "off"):
         return False
     return text
 

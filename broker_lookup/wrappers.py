@@ -45,6 +45,11 @@ class _Forwarding(LookupClientInterface):
     def __init__(self, inner: LookupClientInterface) -> None:
         self.inner = inner
 
+    @property
+    def actual_lookup_client(self) -> LookupClientInterface:
+        """LMCache's name for ``inner``: its ``/lookup/info`` unwraps wrappers through it."""
+        return self.inner
+
     def lookup(
         self,
         token_ids: list[int] | torch.Tensor,

@@ -1,0 +1,337 @@
+"""LookupConfig / LookupMetadata: LMCache's defaults, validation, env and file loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from broker_lookup.config import LookupConfig, LookupMetadata, env_name, expected_ranks
+from broker_lookup.errors import ConfigError
+
+#: LMCache 0.5.6 defaults (reference section 9) for the fields that carry LMCache's names.
+LMCACHE_DEFAULTS = {
+    "chunk_size": 256,
+    "save_unfull_chunk": False,
+    "lookup_timeout_ms": 3000,
+    "lookup_server_worker_ids": None,
+    "enable_async_loading": False,
+    "enable_scheduler_bypass_lookup": False,
+    "external_lookup_client": None,
+    "hit_miss_ratio": None,
+    "enable_chunk_statistics": False,
+    "pre_caching_hash_algorithm": "builtin",
+}
+
+
+def meta(world_size: int = 4, **kw: object) -> LookupMetadata:
+    return LookupMetadata(engine_id="e", world_size=world_size, **kw)  # type: ignore[arg-type]
+
+
+# -- defaults and keyword construction ---------------------------------------------------
+
+
+def test_defaults_equal_lmcache() -> None:
+    cfg = LookupConfig()
+    assert {k: getattr(cfg, k) for k in LMCACHE_DEFAULTS} == LMCACHE_DEFAULTS
+
+
+def test_keyword_construction_defaults_every_other_field() -> None:
+    cfg = LookupConfig(redis_url="redis://h:6380/1", lookup_timeout_ms=1500)
+    assert cfg.redis_url == "redis://h:6380/1" and cfg.lookup_timeout_ms == 1500
+    assert cfg.chunk_size == 256 and cfg.block_ms == 200
+    assert cfg.key_ttl_ms == 1500 + cfg.key_grace_ms
+    m = LookupMetadata(engine_id="vllm-0", world_size=2)
+    assert (m.worker_id, m.use_mla, m.kv_connector_extra_config) == (0, False, None)
+
+
+def test_config_is_frozen_and_comparable() -> None:
+    cfg = LookupConfig()
+    with pytest.raises(AttributeError):
+        cfg.chunk_size = 16  # type: ignore[misc]
+    assert cfg == LookupConfig() and hash(cfg) == hash(LookupConfig())
+
+
+def test_positional_construction_is_refused() -> None:
+    with pytest.raises(TypeError):
+        LookupConfig(256)  # type: ignore[misc]
+
+
+# -- wrong types and bad values -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("chunk_size", "256"),
+        ("chunk_size", True),
+        ("chunk_size", 2.5),
+        ("save_unfull_chunk", 1),
+        ("hit_miss_ratio", "0.5"),
+        ("redis_url", 6379),
+        ("lookup_server_worker_ids", "0,1"),
+    ],
+)
+def test_wrong_type_names_field_env_and_value(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as err:
+        LookupConfig(**{field: value})  # type: ignore[arg-type]
+    text = str(err.value)
+    assert field in text and env_name(field) in text and repr(value) in text
+    assert "wrong type" in text
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("chunk_size", 0),
+        ("lookup_timeout_ms", -1),
+        ("block_ms", 0),
+        ("max_pending", 0),
+        ("redis_retries", 0),
+        ("key_grace_ms", -5),
+        ("hit_miss_ratio", 1.5),
+        ("hit_miss_ratio", -0.1),
+        ("redis_url", "http://localhost:6379"),
+        ("lookup_server_worker_ids", (0, -1)),
+    ],
+)
+def test_bad_value_names_field_env_and_value(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as err:
+        LookupConfig(**{field: value})  # type: ignore[arg-type]
+    text = str(err.value)
+    assert field in text and env_name(field) in text and repr(value) in text
+    assert "is invalid" in text
+
+
+def test_config_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        LookupConfig(chunk_size=0)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1, 1.0])
+def test_hit_miss_ratio_bounds_are_inclusive(ratio: float) -> None:
+    assert LookupConfig(hit_miss_ratio=ratio).hit_miss_ratio == ratio
+
+
+# -- cross-field checks ---------------------------------------------------------------------
+
+
+def test_block_must_stay_a_second_under_the_socket_timeout() -> None:
+    LookupConfig(block_ms=4000, socket_timeout_ms=5000)
+    with pytest.raises(ConfigError, match=r"block_ms=4001 .*socket_timeout_ms=5000"):
+        LookupConfig(block_ms=4001, socket_timeout_ms=5000)
+    with pytest.raises(ConfigError, match="block_ms"):
+        LookupConfig(socket_timeout_ms=1000)  # default block_ms=200 no longer fits
+
+
+def test_heartbeat_ttl_must_cover_two_intervals() -> None:
+    LookupConfig(heartbeat_interval_ms=100, heartbeat_ttl_ms=200)
+    with pytest.raises(ConfigError, match=r"heartbeat_ttl_ms=199 .*heartbeat_interval_ms"):
+        LookupConfig(heartbeat_interval_ms=100, heartbeat_ttl_ms=199)
+
+
+# -- metadata ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine_id", ["", "a{b}", "has space", "x" * 129, "ü"])
+def test_metadata_rejects_engine_ids_that_cannot_be_a_hash_tag(engine_id: str) -> None:
+    with pytest.raises(ConfigError, match="engine_id"):
+        LookupMetadata(engine_id=engine_id, world_size=1)
+
+
+def test_metadata_checks_world_size_and_worker_id() -> None:
+    with pytest.raises(ConfigError, match=r"world_size=0 .*BROKER_LOOKUP_WORLD_SIZE"):
+        LookupMetadata(engine_id="e", world_size=0)
+    with pytest.raises(ConfigError, match=r"worker_id=2 .*world_size=2"):
+        LookupMetadata(engine_id="e", world_size=2, worker_id=2)
+    with pytest.raises(ConfigError, match=r"world_size='2'.*wrong type"):
+        LookupMetadata(engine_id="e", world_size="2")  # type: ignore[arg-type]
+    extra = {"lmcache_rpc_port": 5555, "nested": {"a": [1]}}
+    assert meta(kv_connector_extra_config=extra).kv_connector_extra_config == extra
+
+
+# -- expected_ranks: LMCache's get_lookup_server_worker_ids ----------------------------------
+
+
+def test_expected_ranks_default_is_every_rank_or_rank_zero_with_mla() -> None:
+    cfg = LookupConfig()
+    assert expected_ranks(cfg, meta(4)) == (0, 1, 2, 3)
+    assert expected_ranks(cfg, meta(4, use_mla=True)) == (0,)
+    assert expected_ranks(LookupConfig(lookup_server_worker_ids=()), meta(2)) == (0, 1)
+
+
+def test_expected_ranks_explicit_list_is_used_even_with_mla() -> None:
+    cfg = LookupConfig(lookup_server_worker_ids=(3, 1, 1))
+    assert expected_ranks(cfg, meta(4)) == (1, 3)
+    assert expected_ranks(cfg, meta(4, use_mla=True)) == (1, 3)
+
+
+def test_expected_ranks_explicit_list_is_checked_against_world_size() -> None:
+    cfg = LookupConfig(lookup_server_worker_ids=(0, 4))
+    with pytest.raises(ConfigError, match=r"lookup_server_worker_ids.*\[4\].*world_size=4"):
+        expected_ranks(cfg, meta(4))
+
+
+# -- environment ---------------------------------------------------------------------------
+
+
+def test_from_env_reads_every_kind_of_field() -> None:
+    cfg = LookupConfig.from_env(
+        environ={
+            "BROKER_LOOKUP_CHUNK_SIZE": "16",
+            "BROKER_LOOKUP_SAVE_UNFULL_CHUNK": "true",
+            "BROKER_LOOKUP_ENABLE_ASYNC_LOADING": "1",
+            "BROKER_LOOKUP_ENABLE_CHUNK_STATISTICS": "yes",
+            "BROKER_LOOKUP_ENABLE_SCHEDULER_BYPASS_LOOKUP": "off",
+            "BROKER_LOOKUP_LOOKUP_SERVER_WORKER_IDS": "0, 2,3",
+            "BROKER_LOOKUP_HIT_MISS_RATIO": "0.25",
+            "BROKER_LOOKUP_REDIS_URL": "redis://cache:6379/2",
+            "UNRELATED": "x",
+        }
+    )
+    assert cfg.chunk_size == 16 and cfg.save_unfull_chunk is True
+    assert cfg.enable_async_loading is True and cfg.enable_chunk_statistics is True
+    assert cfg.enable_scheduler_bypass_lookup is False
+    assert cfg.lookup_server_worker_ids == (0, 2, 3)
+    assert cfg.hit_miss_ratio == 0.25 and cfg.redis_url == "redis://cache:6379/2"
+
+
+@pytest.mark.parametrize("word", ["none", "None", "null", "", "  "])
+def test_from_env_none_words_unset_optional_fields(word: str) -> None:
+    base = LookupConfig(hit_miss_ratio=0.5, lookup_server_worker_ids=(0,))
+    env = {"BROKER_LOOKUP_HIT_MISS_RATIO": word, "BROKER_LOOKUP_LOOKUP_SERVER_WORKER_IDS": word}
+    cfg = LookupConfig.from_env(environ=env, base=base)
+    assert cfg.hit_miss_ratio is None and cfg.lookup_server_worker_ids is None
+
+
+def test_from_env_keeps_words_in_str_fields() -> None:
+    env = {
+        "BROKER_LOOKUP_REDIS_PASSWORD": "no",
+        "BROKER_LOOKUP_PRE_CACHING_HASH_ALGORITHM": "true",
+    }
+    cfg = LookupConfig.from_env(environ=env)
+    assert cfg.redis_password == "no" and cfg.pre_caching_hash_algorithm == "true"
+
+
+def test_from_env_overrides_a_base_and_leaves_the_rest() -> None:
+    base = LookupConfig(chunk_size=16, lookup_timeout_ms=900)
+    cfg = LookupConfig.from_env(environ={"BROKER_LOOKUP_LOOKUP_TIMEOUT_MS": "1200"}, base=base)
+    assert (cfg.chunk_size, cfg.lookup_timeout_ms) == (16, 1200)
+    assert LookupConfig.from_env(environ={}) == LookupConfig()
+
+
+@pytest.mark.parametrize(
+    ("var", "raw"),
+    [
+        ("BROKER_LOOKUP_CHUNK_SIZE", "abc"),
+        ("BROKER_LOOKUP_CHUNK_SIZE", "-3"),
+        ("BROKER_LOOKUP_ENABLE_ASYNC_LOADING", "maybe"),
+        ("BROKER_LOOKUP_HIT_MISS_RATIO", "2"),
+        ("BROKER_LOOKUP_LOOKUP_SERVER_WORKER_IDS", "0,x"),
+    ],
+)
+def test_from_env_errors_name_the_variable_and_value(var: str, raw: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        LookupConfig.from_env(environ={var: raw})
+    text = str(err.value)
+    assert var in text and (repr(raw) in text or raw in text)
+
+
+def test_from_env_error_hides_a_password_in_the_url() -> None:
+    env = {"BROKER_LOOKUP_REDIS_URL": "http://user:hunter2@h:6379"}
+    with pytest.raises(ConfigError) as err:
+        LookupConfig.from_env(environ=env)
+    assert "hunter2" not in str(err.value) and "***" in str(err.value)
+
+
+def test_load_reads_the_file_named_in_env_then_env_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "broker.yaml"
+    path.write_text("chunk_size: 16\nlookup_timeout_ms: 900\n")
+    env = {"BROKER_LOOKUP_CONFIG_FILE": str(path), "BROKER_LOOKUP_LOOKUP_TIMEOUT_MS": "1200"}
+    cfg = LookupConfig.load(environ=env)
+    assert (cfg.chunk_size, cfg.lookup_timeout_ms) == (16, 1200)
+    assert LookupConfig.load(environ={}) == LookupConfig()
+
+
+# -- files ---------------------------------------------------------------------------------
+
+
+def test_yaml_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yml"
+    path.write_text(
+        "chunk_size: 16\nsave_unfull_chunk: true\nlookup_server_worker_ids: [0, 1]\n"
+        "hit_miss_ratio: 0.5\nredis_url: redis://h:1/0\n"
+    )
+    cfg = LookupConfig.from_file(path)
+    assert cfg.chunk_size == 16 and cfg.save_unfull_chunk is True
+    assert tuple(cfg.lookup_server_worker_ids or ()) == (0, 1)
+    assert cfg.hit_miss_ratio == 0.5 and cfg.redis_url == "redis://h:1/0"
+
+
+def test_toml_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('chunk_size = 64\nenable_async_loading = true\nredis_url = "unix:///s"\n')
+    cfg = LookupConfig.from_file(str(path))
+    assert (cfg.chunk_size, cfg.enable_async_loading, cfg.redis_url) == (64, True, "unix:///s")
+
+
+def test_empty_yaml_file_is_the_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert LookupConfig.from_file(path) == LookupConfig()
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "match"),
+    [
+        ("u.yaml", "chunk_size: 16\nchunk_sise: 8\nbogus: 1\n", "unknown.*bogus, chunk_sise"),
+        ("u.toml", "nope = 1\n", "unknown.*nope"),
+        ("bad.yaml", "chunk_size: [\n", "cannot parse"),
+        ("bad.toml", "chunk_size = \n", "cannot parse"),
+        ("list.yaml", "- 1\n- 2\n", "mapping"),
+        ("v.yaml", "chunk_size: 0\n", r"chunk_size=0 .*BROKER_LOOKUP_CHUNK_SIZE"),
+        ("t.yaml", "chunk_size: abc\n", r"chunk_size='abc' .*BROKER_LOOKUP_CHUNK_SIZE"),
+    ],
+)
+def test_bad_files_are_refused(tmp_path: Path, name: str, text: str, match: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        LookupConfig.from_file(path)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        LookupConfig.from_file(tmp_path / "absent.yaml")
+
+
+def test_unknown_mapping_keys_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"unknown config field.*lookup_backoff_time"):
+        LookupConfig.from_mapping({"lookup_backoff_time": 0.01})
+
+
+# -- secrets -------------------------------------------------------------------------------
+
+
+def test_repr_and_str_hide_passwords() -> None:
+    cfg = LookupConfig(
+        redis_url="redis://alice:hunter2@redis:6379/0",
+        redis_password="s3cret",
+        redis_username="alice",
+    )
+    for text in (repr(cfg), str(cfg), f"{cfg}"):
+        assert "hunter2" not in text and "s3cret" not in text
+        assert "redis://alice:***@redis:6379/0" in text and "alice" in text
+        assert "redis_password='***'" in text
+
+
+def test_repr_hides_passwords_of_sentinel_urls_and_password_only_urls() -> None:
+    text = repr(LookupConfig(redis_url="redis+sentinel://:pw1@h1:26379,h2:26379/mymaster"))
+    assert "pw1" not in text and ":***@h1" in text
+    assert "redis_password=None" in repr(LookupConfig())
+
+
+def test_errors_hide_passwords() -> None:
+    with pytest.raises(ConfigError) as err:
+        LookupConfig(redis_password=1234)  # type: ignore[arg-type]
+    assert "1234" not in str(err.value) and "***" in str(err.value)

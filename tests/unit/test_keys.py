@@ -1,0 +1,75 @@
+"""The key scheme: formats, hash tags, engine id validation, the lookup-id inverse."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker_lookup.errors import ConfigError
+from broker_lookup.keys import PREFIX, KeySpace, validate_engine_id
+
+
+def test_key_formats() -> None:
+    ks = KeySpace("vllm-0")
+    assert ks.engine_id == "vllm-0"
+    assert ks.requests == "bl:{vllm-0}:requests"
+    assert ks.done == "bl:{vllm-0}:done"
+    assert ks.dead == "bl:{vllm-0}:dead"
+    assert ks.fingerprint == "bl:{vllm-0}:fp"
+    assert ks.lookup("req-1") == "bl:{vllm-0}:lookup:req-1"
+    assert ks.heartbeat(3) == "bl:{vllm-0}:hb:3"
+
+
+def test_patterns_and_group_names() -> None:
+    ks = KeySpace("e")
+    assert ks.lookup_pattern == "bl:{e}:lookup:*"
+    assert ks.heartbeat_pattern == "bl:{e}:hb:*"
+    assert ks.pattern == "bl:{e}:*"
+    assert (KeySpace.group(2), KeySpace.consumer(2), KeySpace.rank_field(2)) == (
+        "rank-2",
+        "rank-2",
+        "r2",
+    )
+
+
+def test_every_key_shares_one_hash_tag_and_the_prefix() -> None:
+    ks = KeySpace("a.b:c_d-1")
+    keys = [ks.requests, ks.done, ks.dead, ks.fingerprint, ks.lookup("x"), ks.heartbeat(0)]
+    for key in keys:
+        assert key.startswith(PREFIX + ":")
+        tag = key[key.index("{") + 1 : key.index("}")]
+        assert tag == "a.b:c_d-1"
+
+
+def test_engines_do_not_share_keys() -> None:
+    a, b = KeySpace("a"), KeySpace("b")
+    assert a.lookup("x") != b.lookup("x") and a.pattern != b.pattern
+
+
+@pytest.mark.parametrize("engine_id", ["e", "vllm-0", "A.b:c_d-9", "x" * 128, "0"])
+def test_valid_engine_ids(engine_id: str) -> None:
+    assert validate_engine_id(engine_id) == engine_id
+    assert KeySpace(engine_id).engine_id == engine_id
+
+
+@pytest.mark.parametrize(
+    "engine_id", ["", "a{b}", "a}", "{", "sp ace", "x" * 129, "é", "a/b", "a*", "new\nline"]
+)
+def test_invalid_engine_ids(engine_id: str) -> None:
+    with pytest.raises(ConfigError, match="engine_id"):
+        validate_engine_id(engine_id)
+    with pytest.raises(ConfigError):
+        KeySpace(engine_id)
+
+
+@pytest.mark.parametrize("engine_id", [None, 5, b"e"])
+def test_engine_id_must_be_a_str(engine_id: object) -> None:
+    with pytest.raises(ConfigError):
+        validate_engine_id(engine_id)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("lookup_id", ["r", "req-1", "a:b:c", "lookup:x", "{t}", "id#3"])
+def test_lookup_id_of_inverts_lookup(lookup_id: str) -> None:
+    ks = KeySpace("eng")
+    key = ks.lookup(lookup_id)
+    assert ks.lookup_id_of(key) == lookup_id
+    assert ks.lookup_id_of(key.encode()) == lookup_id
