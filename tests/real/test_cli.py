@@ -1,0 +1,214 @@
+"""``broker-lookup demo``, ``inspect`` and ``worker`` as a user runs them: subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from helpers import wait_until
+
+from broker_lookup._procs import child_env, python_module, spawn, terminate
+from broker_lookup.keys import KeySpace
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+STARTUP_S = 90.0
+FAST = {
+    "BROKER_LOOKUP_HEARTBEAT_INTERVAL_MS": "200",
+    "BROKER_LOOKUP_HEARTBEAT_TTL_MS": "800",
+    "BROKER_LOOKUP_BLOCK_MS": "100",
+}
+
+
+def _cli(*args: str) -> list[str]:
+    """``broker-lookup ARGS`` (the console script when installed, else ``python -m``)."""
+    script = Path(sys.executable).with_name("broker-lookup")
+    if script.exists():
+        return [str(script), *args]
+    return python_module("broker_lookup.cli", args)
+
+
+def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        _cli(*args), env=child_env(os.environ), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if text.encode() in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def _check_demo_output(out: str) -> list[int]:
+    """Assert the demo's story; return every pid it started."""
+    for case in ("FULL", "PARTIAL", "ZERO"):
+        assert re.search(rf"^{case} .*expected +\d+ +got +\d+ +OK", out, re.M), out
+    assert re.search(r"^CANCEL ", out, re.M) and "exists=0" in out and "lookup_cache=-1" in out
+    assert "per-rank hits (HGETALL): r0=" in out
+    for command in ("--scan --pattern", "HGETALL", "TTL", "XINFO GROUPS", "XPENDING", "XLEN"):
+        assert re.search(rf"^  redis-cli -h 127\.0\.0\.1 -p \d+ -n 0 {command} 'bl:{{", out, re.M)
+    assert "broker-lookup inspect --redis-url" in out
+    assert re.search(r"ranks stopped: r0=0", out)
+    assert out.rstrip().endswith("demo OK")
+    return [int(p) for p in re.findall(r"pid (\d+)", out)]
+
+
+def test_demo_with_embedded_server_exits_0_and_leaves_no_process():
+    proc = _run("demo", timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pids = _check_demo_output(proc.stdout)
+    assert len(pids) == 3  # the embedded server and two ranks
+    assert all(_gone(pid) for pid in pids)
+    engine = re.search(r"engine: (\S+)", proc.stdout)
+    assert engine is not None
+    assert _processes_mentioning(engine.group(1)) == []
+
+
+def test_demo_on_a_given_server_with_one_rank(real_server):
+    proc = _run("demo", "--redis-url", real_server.url, "--ranks", "1", timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pids = _check_demo_output(proc.stdout)
+    assert len(pids) == 1 and _gone(pids[0])
+    assert "(given)" in proc.stdout
+
+
+@pytest.fixture
+def live_engine(
+    real_server, engine_id: str, tmp_path: Path
+) -> Iterator[dict[int, subprocess.Popen[bytes]]]:
+    """Ranks 0 and 1 of ``engine_id`` as processes, heartbeating."""
+    env = child_env(os.environ, {**FAST, "BROKER_LOOKUP_REDIS_URL": real_server.url})
+    procs = {}
+    for rank in (0, 1):
+        argv = ["--engine-id", engine_id, "--world-size", "2", "--rank", str(rank)]
+        with open(tmp_path / f"rank-{rank}.log", "wb") as out:
+            procs[rank] = spawn(python_module("workers", [*argv, "--metrics-port", "0"]), env, out)
+    client = redis.Redis.from_url(real_server.url)
+    keys = KeySpace(engine_id)
+    try:
+        wait_until(
+            lambda: client.exists(keys.heartbeat(0), keys.heartbeat(1)) == 2,
+            timeout=STARTUP_S,
+            interval=0.05,
+        )
+        yield procs
+    finally:
+        client.close()
+        terminate(list(procs.values()), 15.0)
+
+
+def test_inspect_json_shows_live_ranks_and_check_follows_them(real_server, engine_id, live_engine):
+    proc = _run("inspect", "--redis-url", real_server.url, "--engine-id", engine_id, "--json")
+    assert proc.returncode == 0, proc.stderr
+    snap = json.loads(proc.stdout)
+    assert sorted(snap["ranks"]) == ["0", "1"]
+    assert {snap["ranks"][str(r)]["pid"] for r in (0, 1)} == {p.pid for p in live_engine.values()}
+    assert sorted(g["name"] for g in snap["groups"]) == ["rank-0", "rank-1"]
+    assert snap["world_size"] == 2 and snap["check"] == {"ok": True, "reasons": []}
+
+    check = ["inspect", "--redis-url", real_server.url, "--engine-id", engine_id, "--check"]
+    ok = _run(*check, "--world-size", "2")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "CHECK OK" in ok.stdout
+
+    live_engine[1].send_signal(signal.SIGTERM)
+    assert live_engine[1].wait(timeout=10) == 0
+    failed = _run(*check)  # world size from the groups, which outlive the rank
+    assert failed.returncode == 1, failed.stdout
+    assert "CHECK FAILED" in failed.stdout and "rank 1: no heartbeat" in failed.stdout
+
+
+def test_inspect_shows_a_pending_lookup_with_its_missing_rank(real_server, engine_id):
+    client = redis.Redis.from_url(real_server.url)
+    key = KeySpace(engine_id).lookup("req-7")
+    try:
+        client.hset(key, mapping={"state": "pending", "gen": "1", "expected": "0,1", "r0": "32"})
+        client.pexpire(key, 60_000)
+        proc = _run("inspect", "--redis-url", real_server.url, "--engine-id", engine_id)
+        as_json = _run(
+            "inspect", "--redis-url", real_server.url, "--engine-id", engine_id, "--json"
+        )
+    finally:
+        client.delete(key)
+        client.close()
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^  req-7 +pending .* r0=32 +1$", proc.stdout, re.M), proc.stdout
+    (item,) = json.loads(as_json.stdout)["lookups"]["shown"]
+    assert item["id"] == "req-7" and item["hits"] == {"0": 32} and item["missing"] == [1]
+    assert 0 < item["ttl_ms"] <= 60_000
+
+
+def test_inspect_never_prints_the_password(fresh_real_server, engine_id):
+    url = fresh_real_server.url.replace("redis://", "redis://:s3cret-pw@")  # wrong password
+    proc = _run("inspect", "--redis-url", url, "--engine-id", engine_id, "--check")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "s3cret-pw" not in out and "redis://:***@127.0.0.1" in out
+
+
+def test_inspect_watch_repeats_until_ctrl_c(real_server, engine_id, tmp_path):
+    out_path = tmp_path / "watch.out"
+    argv = ["inspect", "--redis-url", real_server.url, "--engine-id", engine_id, "--watch", "0.2"]
+    with open(out_path, "wb") as out:
+        proc = spawn(_cli(*argv), child_env(os.environ), out)
+    try:
+        wait_until(lambda: out_path.read_text().count("-" * 72) >= 2, timeout=60, interval=0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        terminate([proc], 5.0)
+
+
+def test_inspect_unreachable_redis_exits_3():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = _run("inspect", "--redis-url", f"redis://127.0.0.1:{port}/0", "--engine-id", "e")
+    assert proc.returncode == 3
+    assert "cannot inspect redis://127.0.0.1" in proc.stderr
+
+
+def test_worker_subcommand_is_python_m_workers():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_LOOKUP_")}
+    proc = subprocess.run(
+        _cli("worker", "--world-size", "1", "--rank", "0"),
+        env=child_env(env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "--engine-id (env BROKER_LOOKUP_ENGINE_ID) is required" in proc.stderr
+    help_text = _run("worker", "--help")
+    assert help_text.returncode == 0 and "python -m workers" in help_text.stdout
+
+
+def test_cli_usage_errors_exit_2():
+    assert _run("nope").returncode == 2
+    assert _run("inspect").returncode == 2  # --engine-id is required
+    assert _run("demo", "--ranks", "0").returncode == 2

@@ -1,0 +1,199 @@
+"""The Prometheus collectors export exactly the documented names, from ``stats()`` alone."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker_lookup._state import LATENCY_BUCKETS, OUTCOMES
+from broker_lookup.metrics import (
+    CLIENT_METRICS,
+    METRIC_NAMES,
+    WORKER_METRICS,
+    ClientCollector,
+    ServerCollector,
+)
+
+CLIENT_NAMES = {n for n in METRIC_NAMES if n.startswith("broker_lookup_client_")}
+WORKER_NAMES = {n for n in METRIC_NAMES if n.startswith("broker_lookup_worker_")}
+
+
+class FakeClient:
+    def __init__(self, **stats: Any) -> None:
+        self.calls = 0
+        self._stats = {
+            "outcomes": {"hit": 3, "miss": 1, "timeout": 2, "cancelled": 0, "dead_rank": 1},
+            "hit_tokens": 4096,
+            "inflight": 5,
+            "redis_errors": 7,
+            "latency_counts": [1, 0, 2] + [0] * (len(LATENCY_BUCKETS) - 3) + [4],
+            "latency_sum": 12.5,
+            **stats,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        self.calls += 1
+        return dict(self._stats)
+
+
+class FakeServer:
+    def __init__(self, rank: int = 1, last_heartbeat: float = 990.0, **extra: Any) -> None:
+        self.engine_seconds = [0, 2, 0] + [0] * (len(LATENCY_BUCKETS) - 3) + [1]
+        self.engine_seconds_sum = 4.25
+        self._stats = {
+            "rank": rank,
+            "counts": {
+                "requests": 9,
+                "expired": 2,
+                "aborts": 3,
+                "engine_errors": 1,
+                "report_complete": 4,
+                "report_recorded": 5,
+                "report_dropped": 1,
+                "report_stale": 2,
+                "report_skipped_aborted": 6,
+            },
+            "running": 2,
+            "waiting": 1,
+            "held": 8,
+            "consumer": {"pending": 11, "lag": 12, "dead_letters": 3, "redis_errors": 4},
+            "reporter_errors": 1,
+            "last_heartbeat": last_heartbeat,
+            **extra,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+
+def _scrape(collector: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):  # the exposition parses back
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def _names(samples: dict[tuple[str, Any], float]) -> set[str]:
+    return {name for name, _ in samples}
+
+
+def test_client_collector_exports_exactly_the_client_names():
+    assert _names(_scrape(ClientCollector(FakeClient()))) == CLIENT_NAMES
+
+
+def test_worker_collector_exports_exactly_the_worker_names():
+    assert _names(_scrape(ServerCollector(FakeServer(), clock=lambda: 1000.0))) == WORKER_NAMES
+
+
+def test_every_declared_name_is_exported_by_one_collector():
+    assert CLIENT_NAMES | WORKER_NAMES == METRIC_NAMES
+    assert {n[: -len("_bucket")] for n in METRIC_NAMES if n.endswith("_bucket")} == {
+        name for name, (kind, _) in {**CLIENT_METRICS, **WORKER_METRICS}.items()
+        if kind == "histogram"
+    }  # fmt: skip
+
+
+def test_client_values_and_outcome_label():
+    samples = _scrape(ClientCollector(FakeClient()))
+    outcome = {
+        dict(labels)["outcome"]: v
+        for (name, labels), v in samples.items()
+        if name == "broker_lookup_client_lookups_total"
+    }
+    assert outcome == {
+        "hit": 3,
+        "miss": 1,
+        "timeout": 2,
+        "cancelled": 0,
+        "dead_rank": 1,
+        "error": 0,
+    }
+    assert set(OUTCOMES) <= set(outcome)
+    assert samples[("broker_lookup_client_hit_tokens_total", ())] == 4096
+    assert samples[("broker_lookup_client_inflight", ())] == 5
+    assert samples[("broker_lookup_client_redis_errors_total", ())] == 7
+
+
+def test_client_histogram_is_cumulative_with_overflow_in_inf():
+    samples = _scrape(ClientCollector(FakeClient()))
+    name = "broker_lookup_client_latency_seconds_bucket"
+    buckets = {dict(labels)["le"]: v for (n, labels), v in samples.items() if n == name}
+    assert buckets[str(LATENCY_BUCKETS[0])] == 1
+    assert buckets[str(LATENCY_BUCKETS[1])] == 1
+    assert buckets[str(LATENCY_BUCKETS[2])] == 3
+    assert buckets[str(LATENCY_BUCKETS[-1])] == 3
+    assert buckets["+Inf"] == 7
+    assert len(buckets) == len(LATENCY_BUCKETS) + 1
+    assert samples[("broker_lookup_client_latency_seconds_count", ())] == 7
+    assert samples[("broker_lookup_client_latency_seconds_sum", ())] == 12.5
+
+
+def test_no_per_lookup_labels():
+    client = _scrape(ClientCollector(FakeClient()))
+    worker = _scrape(ServerCollector(FakeServer(), clock=lambda: 1000.0))
+    allowed = {"outcome", "rank", "result", "reason", "state", "le"}
+    for _, labels in [*client, *worker]:
+        assert {k for k, _ in labels} <= allowed
+
+
+def test_worker_series_carry_the_rank_and_read_stats():
+    samples = _scrape(ServerCollector(FakeServer(rank=3), clock=lambda: 1000.0))
+    for (name, labels), _ in samples.items():
+        assert dict(labels)["rank"] == "3", name
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted({"rank": "3", **labels}.items())))]
+
+    assert value("broker_lookup_worker_requests_total") == 9
+    assert value("broker_lookup_worker_expired_total") == 2
+    assert value("broker_lookup_worker_aborts_total") == 3
+    assert value("broker_lookup_worker_group_pending") == 11
+    assert value("broker_lookup_worker_group_lag") == 12
+    assert value("broker_lookup_worker_redis_errors_total") == 5  # loop + reporter
+    assert value("broker_lookup_worker_heartbeat_age_seconds") == pytest.approx(10.0)
+    assert value("broker_lookup_worker_reports_total", result="complete") == 4
+    assert value("broker_lookup_worker_reports_total", result="recorded") == 5
+    assert value("broker_lookup_worker_reports_dropped_total", reason="late") == 1
+    assert value("broker_lookup_worker_reports_dropped_total", reason="stale") == 2
+    assert value("broker_lookup_worker_reports_dropped_total", reason="aborted") == 6
+    assert value("broker_lookup_worker_dead_letters_total", reason="all") == 3
+    assert value("broker_lookup_worker_lookups", state="held") == 8
+    assert value("broker_lookup_worker_engine_seconds_bucket", le="+Inf") == 3
+    assert value("broker_lookup_worker_engine_seconds_count") == 3
+    assert value("broker_lookup_worker_engine_seconds_sum") == 4.25
+
+
+def test_dead_letters_by_reason_when_the_consumer_counts_them():
+    server = FakeServer()
+    server._stats["consumer"] = {"dead_letter_reasons": {"undecodable": 2, "invalid": 1}}
+    samples = _scrape(ServerCollector(server, clock=lambda: 1000.0))
+    reasons = {
+        dict(labels)["reason"]: v
+        for (name, labels), v in samples.items()
+        if name == "broker_lookup_worker_dead_letters_total"
+    }
+    assert reasons == {"undecodable": 2, "invalid": 1}
+
+
+def test_heartbeat_age_is_infinite_before_the_first_beat():
+    samples = _scrape(ServerCollector(FakeServer(last_heartbeat=0.0), clock=lambda: 1000.0))
+    age = samples[("broker_lookup_worker_heartbeat_age_seconds", (("rank", "1"),))]
+    assert math.isinf(age)
+
+
+def test_stats_are_read_at_scrape_time_only():
+    client = FakeClient()
+    registry = CollectorRegistry()
+    registry.register(ClientCollector(client))
+    assert client.calls == 0  # registering does not read
+    generate_latest(registry)
+    generate_latest(registry)
+    assert client.calls == 2
