@@ -43,7 +43,10 @@ class Listener:
         table: LookupTable,
         factory: Callable[[], redis.Redis],
         expected: tuple[int, ...],
+        on_sweep: Callable[[redis.Redis], None] | None = None,
     ) -> None:
+        #: Called with the listener's connection on every sweep (the fingerprint's tick).
+        self._on_sweep = on_sweep
         self._config = config
         self._keys = keys
         self._table = table
@@ -135,6 +138,8 @@ class Listener:
         if now >= self._next["evict"]:
             self._next["evict"] = now + _EVICT_EVERY_S
             self._table.evict_finished(now)
+        if self._on_sweep is not None:
+            self._on_sweep(client)
 
     def check_heartbeats(self, client: redis.Redis) -> None:
         """Refresh :attr:`dead`; fail the in-flight lookups of ranks that just died."""

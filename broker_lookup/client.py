@@ -20,6 +20,7 @@ from broker_lookup._state import Entry, LookupTable
 from broker_lookup.config import LookupConfig, LookupMetadata, expected_ranks
 from broker_lookup.connection import ConnectionFactory, make_factory
 from broker_lookup.errors import InvalidRequest
+from broker_lookup.fingerprint import Publisher
 from broker_lookup.hashing import ChunkedTokenHasher
 from broker_lookup.interface import LookupClientInterface
 from broker_lookup.keys import KeySpace
@@ -64,12 +65,17 @@ class RedisAsyncLookupClient(LookupClientInterface):
             self._cancel_gen, config.max_pending, config.result_retention_ms / 1000
         )
         self._sender = Sender(config, self.keys, self._table, factory, scripts)
-        self._listener = Listener(config, self.keys, self._table, factory, self.expected)
+        #: Publishes our hashing fingerprint and lists processes that hash differently.
+        self.fingerprint = Publisher(self.keys, "client", self.hasher)
+        self._listener = Listener(
+            config, self.keys, self._table, factory, self.expected, self.fingerprint.tick
+        )
         self._closed = False
         self._sender.start(",".join(map(str, self.expected)))
         probe = factory()
         try:
             self._listener.start(probe)
+            self.fingerprint.run(probe)
         finally:
             probe.close()
 

@@ -19,6 +19,8 @@ from broker_lookup._state import LATENCY_BUCKETS
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.connection import ConnectionFactory, make_factory
 from broker_lookup.engine import LookupEngine
+from broker_lookup.fingerprint import Publisher
+from broker_lookup.hashing import ChunkedTokenHasher
 from broker_lookup.keys import KeySpace
 from broker_lookup.messages import Abort, LookupRequest
 from broker_lookup.scripts import ScriptSet
@@ -60,6 +62,10 @@ class RedisAsyncLookupServer:
         )
         self.tracker = Tracker(
             cfg.worker_dedupe_capacity, cfg.worker_pin_ttl_ms / 1000, cfg.key_ttl_ms / 1000
+        )
+        #: Publishes this rank's hashing fingerprint from the consumer's tick, and checks.
+        self.fingerprint = Publisher(
+            self.keys, f"rank{self.rank}", ChunkedTokenHasher(cfg), factory
         )
         self.counts: dict[str, int] = {}
         self._count_lock = threading.Lock()
@@ -121,6 +127,7 @@ class RedisAsyncLookupServer:
         grace = self.config.block_ms / 1000 + 2.0
         ok = self._consumer.stop(grace)
         ok = self._reporter.stop(grace) and ok
+        self.fingerprint.close()
         for lookup_id in self.tracker.release_all():
             self._cleanup(lookup_id)
         if not ok:
@@ -191,6 +198,7 @@ class RedisAsyncLookupServer:
     def _sweep(self) -> None:
         for lookup_id in self.tracker.expired_holds(time.monotonic()):
             self._cleanup(lookup_id)
+        self.fingerprint.tick()
 
     # -- observability --------------------------------------------------------------
 

@@ -1,0 +1,83 @@
+"""Hash fingerprints: processes that hash differently are named loudly, on both backends."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+from engines import ManualEngine
+from helpers import wait_until
+
+from broker_lookup import fingerprint
+from broker_lookup.hashing import ChunkedTokenHasher
+from broker_lookup.keys import KeySpace
+
+CLIENT = fingerprint.member("client")
+RANK0 = fingerprint.member("rank0")
+
+
+def published(redis, engine_id: str, *members: str) -> bool:
+    names = {m.decode() for m in redis.hkeys(KeySpace(engine_id).fingerprint)}
+    return set(members) <= names
+
+
+def test_same_hashing_no_mismatch(make_server, make_client, backend, engine_id, caplog):
+    redis = backend.factory()
+    server = make_server(ManualEngine())
+    wait_until(lambda: published(redis, engine_id, RANK0), message="server fingerprint")
+    client = make_client()
+    assert client.fingerprint.mismatches == []
+    assert published(redis, engine_id, RANK0, CLIENT)
+    assert server.fingerprint.run() == []
+    key = KeySpace(engine_id).fingerprint
+    assert 0 < redis.pttl(key) <= fingerprint.TTL_MS
+    value = json.loads(redis.hget(key, CLIENT))
+    assert value.pop("ts_ms") > 0
+    assert value == client.hasher.fingerprint()
+    assert "HASH MISMATCH" not in caplog.text
+
+
+def test_other_chunk_size_is_a_loud_mismatch(
+    make_server, make_client, backend, engine_id, config, caplog
+):
+    caplog.set_level(logging.ERROR)
+    redis = backend.factory()
+    assert config.chunk_size == 4
+    server = make_server(ManualEngine(), chunk_size=8)
+    wait_until(lambda: published(redis, engine_id, RANK0), message="server fingerprint")
+    client = make_client()
+    assert client.fingerprint.mismatches == [RANK0]
+    errors = [r.getMessage() for r in caplog.records if "HASH MISMATCH" in r.getMessage()]
+    assert errors and RANK0 in errors[0] and engine_id in errors[0]
+    assert '"chunk_size": 8' in errors[0] and '"chunk_size": 4' in errors[0]
+    # The worker sees it too, from its side.
+    assert server.fingerprint.run() == [CLIENT]
+
+
+def test_stale_members_are_dropped_and_garbage_is_a_mismatch(backend, engine_id):
+    redis = backend.factory()
+    keys = KeySpace(engine_id)
+    own = ChunkedTokenHasher().fingerprint()
+    old = int(time.time() * 1000) - fingerprint.STALE_MS - 1000
+    redis.hset(keys.fingerprint, "rank9:gone:1", json.dumps({**own, "chunk_size": 1, "ts_ms": old}))
+    redis.hset(keys.fingerprint, "rank8:odd:2", b"\xff not json")
+    redis.hset(
+        keys.fingerprint, "rank7:same:3", json.dumps({**own, "ts_ms": int(time.time() * 1000)})
+    )
+    assert fingerprint.check(redis, keys, own) == ["rank8:odd:2"]
+    names = {m.decode() for m in redis.hkeys(keys.fingerprint)}
+    assert names == {"rank8:odd:2", "rank7:same:3"}
+
+
+def test_publisher_never_raises(backend, engine_id, caplog):
+    if backend.kind != "fake":
+        pytest.skip("losing the connection is simulated on fakeredis")
+    backend.fake_server.connected = False
+    publisher = fingerprint.Publisher(
+        KeySpace(engine_id), "client", ChunkedTokenHasher(), backend.factory
+    )
+    assert publisher.run() == []
+    assert "fingerprint publish/check failed" in caplog.text
+    publisher.close()
