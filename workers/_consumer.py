@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import redis
 from redis.exceptions import ResponseError
 
@@ -24,13 +25,21 @@ from broker_lookup.config import LookupConfig
 from broker_lookup.connection import ensure_group
 from broker_lookup.errors import BrokerLookupError, MalformedMessage, translate_redis_errors
 from broker_lookup.keys import KeySpace
-from broker_lookup.messages import Abort, LookupRequest, decode_request, validate_request
+from broker_lookup.messages import (
+    Abort,
+    LookupRequest,
+    check_lookup_id,
+    decode_request,
+    validate_request,
+)
 
 __all__ = ["Consumer"]
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[LookupRequest | Abort], None]
+
+_JSON = msgspec.json.Encoder()
 
 
 class Consumer:
@@ -45,8 +54,11 @@ class Consumer:
         handle: Handler,
         beat_info: Callable[[], dict[str, Any]],
         on_tick: Callable[[], None],
+        *,
+        world_size: int | None = None,
     ) -> None:
         self._config = config
+        self._world_size = world_size
         self._keys = keys
         self._rank = rank
         self._factory = factory
@@ -162,15 +174,26 @@ class Consumer:
         except MalformedMessage as exc:
             self.dead_letter(client, entry_id, exc.reason, fields)
             return None
-        if isinstance(msg, LookupRequest):
-            cfg = self._config
-            reason = validate_request(
-                msg, max_chunks=cfg.max_chunks_per_request, max_id_length=cfg.max_lookup_id_length
-            )
-            if reason is not None:
-                self.dead_letter(client, entry_id, reason, fields)
-                return None
+        reason = self._invalid(msg)
+        if reason is not None:
+            self.dead_letter(client, entry_id, reason, fields)
+            return None
         return msg
+
+    def _invalid(self, msg: LookupRequest | Abort) -> str | None:
+        """Why a decoded entry can't be served (None if it can), by the producer's limits too."""
+        cfg = self._config
+        if isinstance(msg, Abort):
+            return check_lookup_id(msg.lookup_id, cfg.max_lookup_id_length)
+        reason = validate_request(
+            msg, max_chunks=cfg.max_chunks_per_request, max_id_length=cfg.max_lookup_id_length
+        )
+        if reason is not None:
+            return reason
+        world = self._world_size
+        if world is not None and max(msg.expected) >= world:
+            return f"expected ranks {msg.expected[:8]} go beyond world_size={world}"
+        return _configs_problem(msg.request_configs, cfg.max_request_configs_bytes)
 
     def dead_letter(
         self, client: redis.Redis, entry_id: bytes | str, reason: str, raw: object
@@ -230,3 +253,16 @@ def is_nogroup(exc: BaseException) -> bool:
     """True if ``exc`` (or its cause) is Redis's NOGROUP error."""
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     return isinstance(cause, ResponseError) and str(cause).startswith("NOGROUP")
+
+
+def _configs_problem(configs: dict[str, Any] | None, limit: int) -> str | None:
+    """Why ``request_configs`` breaks the client's own rule (None if it does not)."""
+    if configs is None:
+        return None
+    try:
+        size = len(_JSON.encode(configs))
+    except (TypeError, msgspec.EncodeError) as exc:
+        return f"request_configs is not JSON-serialisable: {exc}"
+    if size > limit:
+        return f"request_configs is {size} bytes, over max_request_configs_bytes={limit}"
+    return None

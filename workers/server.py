@@ -77,7 +77,14 @@ class RedisAsyncLookupServer:
             cfg, self.keys, self.rank, factory, ScriptSet(), self._on_reported
         )
         self._consumer = Consumer(
-            cfg, self.keys, self.rank, factory, self._handle, self._beat_info, self._sweep
+            cfg,
+            self.keys,
+            self.rank,
+            factory,
+            self._handle,
+            self._beat_info,
+            self._sweep,
+            world_size=metadata.world_size,
         )
         self._closed = False
         post_init = getattr(engine, "post_init", None)
