@@ -56,6 +56,8 @@ class Listener:
         self._last_id: bytes | str = b"0-0"
         #: Ranks of ``expected`` without a heartbeat; read by lookup() without a lock.
         self.dead: frozenset[int] = frozenset(expected)
+        #: False until the first successful heartbeat read: ranks dead then are logged too.
+        self._checked = False
         self.errors = 0
         self.connected = False
         self._next = {"hb": 0.0, "reconcile": 0.0, "evict": 0.0}
@@ -147,7 +149,9 @@ class Listener:
         with translate_redis_errors("reading heartbeats"):
             values = client.mget(keys)
         dead = frozenset(r for r, v in zip(self._expected, values, strict=True) if v is None)
-        newly = dead - self.dead
+        # The first read reports every dead rank, so one that never started is logged.
+        newly = dead - self.dead if self._checked else dead
+        self._checked = True
         for rank in sorted(newly):
             logger.error(
                 "rank %d of engine %s has no heartbeat (%s): its lookups answer 0 "
