@@ -1,11 +1,20 @@
 """Making Redis clients from a :class:`LookupConfig`, and consumer-group housekeeping.
 
-Supported URLs: ``redis://``, ``rediss://`` (TLS, with CA and client-certificate
-options), ``unix://``, ``redis+sentinel://host:port[,host:port]/<service>[/db]``
-(master discovery) and ``redis+cluster://host:port[,host:port]`` (Redis Cluster).
+Supported URLs:
 
-A :data:`ConnectionFactory` returns a fresh client each call; the client and the
-server take one, so tests can hand them fakeredis instead of a URL.
+* ``redis://``, ``rediss://`` (TLS, with CA and client-certificate options), ``unix://``;
+* ``redis+sentinel://[user:pass@]host:port[,host:port]/<service>[/db][?options]``: the
+  hosts are sentinels; clients follow the service's master through failovers. Options:
+  ``ssl=true`` (TLS to sentinels and nodes, with the ``ssl_*`` config), ``sentinel_auth=true``
+  (the sentinels require the same credentials, like Bitnami's ``auth.sentinel``);
+* ``redis+cluster://[user:pass@]host:port[,host:port][?ssl=true]``: Redis Cluster; the
+  hosts are entry points for slot-map discovery. Every key of one engine shares a hash
+  tag, so each engine lives in one slot and every script and pipeline is legal.
+
+A :data:`ConnectionFactory` returns a client each call; the client and the server take
+one, so tests can hand them fakeredis instead of a URL. Clients of one factory share
+their connection pool (for a cluster: one ``RedisCluster``, made on first use and closed
+with the last client), so ``close()`` on one never breaks another.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -23,11 +32,17 @@ from redis.retry import Retry
 from broker_lookup.config import LookupConfig, redact_url
 from broker_lookup.errors import ConfigError, translate_redis_errors
 
-__all__ = ["ConnectionFactory", "ensure_group", "make_factory", "server_version"]
+__all__ = [
+    "ConnectionFactory",
+    "ensure_group",
+    "make_factory",
+    "redis_cli_args",
+    "server_version",
+]
 
 logger = logging.getLogger(__name__)
 
-#: Returns a new Redis client; called once per connection a component needs.
+#: Returns a Redis client; called once per connection a component needs. Never does I/O.
 ConnectionFactory = Callable[[], "redis.Redis"]
 
 
@@ -60,55 +75,117 @@ def _tls_kwargs(config: LookupConfig) -> dict[str, Any]:
     return kwargs
 
 
-def _hosts(netloc: str, url: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
-    creds, _, hostpart = netloc.rpartition("@")
-    user, _, password = creds.partition(":") if creds else ("", "", "")
-    hosts: list[tuple[str, int]] = []
-    for item in hostpart.split(","):
-        host, _, port = item.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"redis_url={redact_url(url)!r}: '{item}' is not host:port")
-        hosts.append((host, int(port)))
-    return hosts, unquote(user) or None, unquote(password) or None
+class _MultiHostUrl:
+    """The parts of ``redis+sentinel://`` and ``redis+cluster://`` URLs.
+
+    ``[user[:password]@]host:port[,host:port...][/path...][?option=value&...]``; hosts
+    may be IPv6 in brackets. Options are booleans (``true``/``false``, ``1``/``0``).
+    """
+
+    def __init__(self, url: str, options: tuple[str, ...]) -> None:
+        parts = urlsplit(url)
+        creds, _, hostpart = parts.netloc.rpartition("@")
+        user, _, password = creds.partition(":") if creds else ("", "", "")
+        self.user, self.password = unquote(user) or None, unquote(password) or None
+        self.hosts: list[tuple[str, int]] = []
+        for item in hostpart.split(","):
+            host, _, port = item.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"redis_url={redact_url(url)!r}: {item!r} is not host:port")
+            self.hosts.append((host.strip("[]"), int(port)))
+        self.path = [unquote(p) for p in parts.path.split("/") if p]
+        self.flags: dict[str, bool] = {}
+        for key, value in parse_qsl(parts.query, keep_blank_values=True):
+            if key not in options or value.lower() not in _BOOLS:
+                raise ConfigError(
+                    f"redis_url={redact_url(url)!r}: option {key}={value!r} is not one of "
+                    f"{', '.join(options) or '(none)'} with a value of true or false"
+                )
+            self.flags[key] = _BOOLS[value.lower()]
+
+
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _node_kwargs(config: LookupConfig, name: str, url: _MultiHostUrl) -> dict[str, Any]:
+    """Connection kwargs for data nodes: config credentials win over the URL's."""
+    kwargs = _common_kwargs(config, name)
+    if "username" not in kwargs and url.user is not None:
+        kwargs["username"] = url.user
+    if "password" not in kwargs and url.password is not None:
+        kwargs["password"] = url.password
+    if url.flags.get("ssl"):
+        kwargs["ssl"] = True
+        kwargs.update(_tls_kwargs(config))
+    return kwargs
 
 
 def _sentinel_factory(config: LookupConfig, name: str) -> ConnectionFactory:
-    url = config.redis_url
-    parts = urlsplit(url)
-    hosts, user, password = _hosts(parts.netloc, url)
-    path = [p for p in parts.path.split("/") if p]
-    if not path:
+    """Clients of the master Sentinel names; all share one master-tracking pool.
+
+    The pool asks the sentinels for the master's address whenever it connects, drops
+    idle connections when the address changes, and turns READONLY from a demoted
+    master into a reconnect, so every client follows a failover by itself.
+    """
+    from redis.sentinel import SentinelConnectionPool
+
+    url = _MultiHostUrl(config.redis_url, ("ssl", "sentinel_auth"))
+    if not url.path or len(url.path) > 2 or (len(url.path) == 2 and not url.path[1].isdigit()):
         raise ConfigError(
-            f"redis_url={redact_url(url)!r}: name the Sentinel service, "
-            "e.g. redis+sentinel://h1:26379,h2:26379/mymaster/0"
+            f"redis_url={redact_url(config.redis_url)!r}: name the Sentinel service and "
+            "optionally the db, e.g. redis+sentinel://h1:26379,h2:26379/mymaster/0"
         )
-    service, db = path[0], int(path[1]) if len(path) > 1 else 0
-    kwargs = _common_kwargs(config, name)
-    kwargs.setdefault("password", password)
-    kwargs.setdefault("username", user)
-    sentinel = redis.Sentinel(  # type: ignore[no-untyped-call]  # redis-py lacks annotations
-        hosts, socket_timeout=kwargs["socket_timeout"], sentinel_kwargs={"socket_timeout": 1.0}
-    )
-    return lambda: sentinel.master_for(service, db=db, **kwargs)  # type: ignore[no-untyped-call]
+    kwargs = _node_kwargs(config, name, url)
+    sentinel_kwargs: dict[str, Any] = {
+        # A dead sentinel costs at most this per discovery; the next one is asked.
+        "socket_timeout": _SENTINEL_TIMEOUT_S,
+        "socket_connect_timeout": _SENTINEL_TIMEOUT_S,
+        "socket_keepalive": True,
+        "client_name": name,
+    }
+    if url.flags.get("sentinel_auth"):  # Bitnami's auth.sentinel: same credentials
+        sentinel_kwargs.update({k: kwargs[k] for k in ("username", "password") if k in kwargs})
+    if url.flags.get("ssl"):
+        sentinel_kwargs.update(ssl=True, **_tls_kwargs(config))
+    sentinel = redis.Sentinel(url.hosts, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    db = int(url.path[1]) if len(url.path) == 2 else 0
+    pool = SentinelConnectionPool(url.path[0], sentinel, db=db, **kwargs)  # type: ignore[no-untyped-call]
+    return lambda: redis.Redis(connection_pool=pool)
+
+
+_SENTINEL_TIMEOUT_S = 1.0
 
 
 def _cluster_factory(config: LookupConfig, name: str) -> ConnectionFactory:
+    """Handles on one shared ``RedisCluster`` (thread-safe, one pool per node)."""
     from redis.cluster import ClusterNode, RedisCluster
 
-    url = config.redis_url
-    hosts, user, password = _hosts(urlsplit(url).netloc, url)
-    kwargs = _common_kwargs(config, name)
-    kwargs.pop("retry")
+    from broker_lookup._cluster_client import SharedCluster
+
+    url = _MultiHostUrl(config.redis_url, ("ssl",))
+    if url.path:
+        raise ConfigError(
+            f"redis_url={redact_url(config.redis_url)!r}: Redis Cluster has only db 0; "
+            "drop the path, e.g. redis+cluster://h1:6379,h2:6379"
+        )
+    kwargs = _node_kwargs(config, name, url)
+    # Not per-connection options in cluster mode: the cluster client retries itself
+    # (re-reading the slot map), and health checks are not passed to node pools.
+    retry = kwargs.pop("retry")
     kwargs.pop("health_check_interval")
-    kwargs.setdefault("password", password)
-    kwargs.setdefault("username", user)
-    nodes = [ClusterNode(h, p) for h, p in hosts]  # type: ignore[no-untyped-call]
+    nodes = [ClusterNode(h, p) for h, p in url.hosts]  # type: ignore[no-untyped-call]
 
-    def make() -> redis.Redis:
-        client: Any = RedisCluster(startup_nodes=nodes, **kwargs)
-        return client  # type: ignore[no-any-return]  # RedisCluster quacks like Redis here
+    def make() -> Any:
+        return RedisCluster(
+            startup_nodes=nodes,
+            retry=retry,
+            # Keep the URL's hosts as the entry points for every topology refresh: in
+            # Kubernetes they are stable service names while node IPs change.
+            dynamic_startup_nodes=False,
+            **kwargs,
+        )
 
-    return make
+    return SharedCluster(make).acquire
 
 
 def make_factory(config: LookupConfig, name: str) -> ConnectionFactory:
@@ -123,6 +200,29 @@ def make_factory(config: LookupConfig, name: str) -> ConnectionFactory:
         kwargs.update(_tls_kwargs(config))
     pool = redis.ConnectionPool.from_url(url, **kwargs)
     return lambda: redis.Redis(connection_pool=pool)
+
+
+def redis_cli_args(url: str) -> str:
+    """``redis-cli`` options that reach the server(s) of ``url`` (no password: REDISCLI_AUTH).
+
+    >>> redis_cli_args("redis+cluster://10.0.0.1:7000,10.0.0.2:7000")
+    '-c -h 10.0.0.1 -p 7000'
+    """
+    if url.startswith(("redis+cluster://", "redis+sentinel://")):
+        parsed = _MultiHostUrl(url, ("ssl", "sentinel_auth"))
+        (host, port), tls = parsed.hosts[0], " --tls" if parsed.flags.get("ssl") else ""
+        if url.startswith("redis+cluster://"):
+            return f"-c -h {host} -p {port}{tls}"
+        service = parsed.path[0] if parsed.path else "mymaster"
+        db = parsed.path[1] if len(parsed.path) > 1 else "0"
+        ask = f"redis-cli -h {host} -p {port}{tls} SENTINEL get-master-addr-by-name {service}"
+        return f"-h $({ask} | head -1) -p $({ask} | tail -1) -n {db}{tls}"
+    parts = urlsplit(url)
+    db = parts.path.strip("/") or "0"
+    if parts.scheme == "unix":
+        return f"-s {parts.path} -n {dict(parse_qsl(parts.query)).get('db', '0')}"
+    tls = " --tls" if parts.scheme == "rediss" else ""
+    return f"-h {parts.hostname or '127.0.0.1'} -p {parts.port or 6379} -n {db}{tls}"
 
 
 def ensure_group(client: redis.Redis, stream: str, group: str) -> bool:

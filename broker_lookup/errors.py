@@ -77,5 +77,10 @@ def translate_redis_errors(what: str) -> Iterator[None]:
         yield
     except (rexc.ConnectionError, rexc.TimeoutError) as exc:
         raise BrokerUnavailable(f"Redis unavailable while {what}: {exc}") from exc
+    except (rexc.RedisClusterException, rexc.ClusterError) as exc:
+        # Redis Cluster: slot not covered, CLUSTERDOWN, redirects exhausted ("TTL
+        # exhausted"), no node reachable. RedisClusterException is no RedisError, and
+        # ClusterError no ConnectionError: untranslated, they would end a loop thread.
+        raise BrokerUnavailable(f"Redis Cluster unavailable while {what}: {exc}") from exc
     except rexc.ResponseError as exc:
         raise BrokerResponseError(f"Redis error while {what}: {exc}") from exc

@@ -3,7 +3,8 @@
 The script cache is volatile (restart, failover, ``SCRIPT FLUSH``), so every call
 goes through :class:`ScriptSet`, which reloads and retries once on NOSCRIPT, in a
 pipeline too. Every key a script touches arrives in ``KEYS``, which keeps the
-scripts legal on Redis Cluster (all keys of one engine share one hash tag).
+scripts legal on Redis Cluster (all keys of one engine share one hash tag); there the
+pipeline is a ``ClusterPipeline`` and ``SCRIPT LOAD`` goes to every primary.
 """
 
 from __future__ import annotations
@@ -83,5 +84,9 @@ class ScriptSet:
         with translate_redis_errors("running Lua scripts"):
             pipe = client.pipeline(transaction=False)
             for c in calls:
-                pipe.evalsha(self.sha[c.script], len(c.keys), *c.keys, *c.args)
+                # execute_command, not pipe.evalsha: redis-py's ClusterPipeline blocks its
+                # evalsha method (it cannot reload scripts), and we handle NOSCRIPT here.
+                pipe.execute_command(  # type: ignore[no-untyped-call]  # untyped in redis-py
+                    "EVALSHA", self.sha[c.script], len(c.keys), *c.keys, *c.args
+                )
             return list(pipe.execute(raise_on_error=False))
