@@ -127,6 +127,21 @@ def _run_worker(args: argparse.Namespace) -> int:
     return EXIT_FAILED  # pragma: no cover (execve does not return)
 
 
+# -- bench (broker_lookup/bench.py) --------------------------------------------------
+
+
+def _setup_bench(p: argparse.ArgumentParser) -> None:
+    from broker_lookup.bench import configure_parser
+
+    configure_parser(p)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from broker_lookup.bench import cmd_bench
+
+    return cmd_bench(args)
+
+
 #: Every subcommand, by name.
 COMMANDS: dict[str, Subcommand] = {
     "demo": Subcommand(
@@ -141,6 +156,11 @@ COMMANDS: dict[str, Subcommand] = {
     ),
     "worker": Subcommand(
         "run worker ranks (same as python -m workers)", _setup_worker, _run_worker, True
+    ),
+    "bench": Subcommand(
+        "measure lookup latency, caller cost, throughput, hashing, memory and CPU",
+        _setup_bench,
+        _run_bench,
     ),
 }
 

@@ -1,0 +1,175 @@
+"""``broker-lookup bench --quick`` end to end: every section present and sane, no leftovers.
+
+No timing thresholds: CI boxes are loaded and noisy. What is checked is that each
+measurement ran and produced a plausible number, that rank and driver processes are
+gone afterwards, and that a run against a shared server leaves none of its keys behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from helpers import RealServer
+
+from broker_lookup._bench_core import BenchError
+from broker_lookup.bench import BenchOptions, add_bench_parser, cmd_bench, run_bench
+from broker_lookup.bench_lmcache import VARIANTS, require_lmcache
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def _descendants_and_strays(run_id: str | None) -> set[int]:
+    """Our live child processes, plus any process whose command line names the run."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+        if state == "Z":
+            continue
+        if int(ppid) == me or (run_id and f"bench-{run_id}-" in cmdline):
+            found.add(int(entry))
+    return found
+
+
+def _positive(value: Any, what: str) -> None:
+    assert isinstance(value, (int, float)) and value > 0, f"{what} = {value!r}"
+
+
+def _check_latency(latency: dict[str, Any], worlds: tuple[int, ...], tokens: int) -> None:
+    assert set(latency) == {str(w) for w in worlds}
+    for world, run in latency.items():
+        e2e = run["e2e"]
+        assert e2e["n"] > 0
+        _positive(e2e["p50_ms"], f"world {world} p50")
+        assert e2e["p50_ms"] <= e2e["p99_ms"] <= e2e["max_ms"] < 30_000
+        _positive(run["lookup_call_us"], f"world {world} lookup() cost")
+        assert run["results"] == {str(tokens): e2e["n"]}, "every lookup must be a full hit"
+        assert run["cpu_per_1000"]["ranks"] >= 0
+
+
+def _check_ours(ours: dict[str, Any], opts: BenchOptions) -> None:
+    _check_latency(ours["latency"], opts.worlds, opts.tokens)
+    tput = ours["throughput"]
+    _positive(tput["lookups_per_s"], "throughput")
+    assert tput["completed"] > 0 and tput["world"] == opts.throughput_world
+    _positive(tput["cpu_per_1000"]["caller_thread"], "caller CPU per 1000")
+    _positive(tput["cpu_per_1000"]["ranks"], "rank CPU per 1000")
+    assert set(ours["engines"]) == {str(n) for n in opts.engines}
+    for n, run in ours["engines"].items():
+        _positive(run["lookups_per_s"], f"{n} engines throughput")
+        assert len(run["per_engine_lookups_per_s"]) == int(n)
+    pending = ours["pending"]
+    assert pending["pending"] == pending["still_pending"] == opts.pending
+    for key in (
+        "lookup_cache_unknown_us",
+        "lookup_cache_pending_1_us",
+        "lookup_cache_pending_n_us",
+        "lookup_call_first_100_us",
+        "lookup_call_last_100_us",
+        "lookup_hash_bytes",
+        "stream_entry_bytes",
+        "key_bytes_per_lookup",
+    ):
+        _positive(pending[key], key)
+    assert pending["key_bytes_per_lookup"] < 64 * 1024
+    assert isinstance(pending["redis_bytes_per_lookup"], float)  # a shared server may blur it
+
+
+def _check_results(results: dict[str, Any], opts: BenchOptions) -> None:
+    assert {"meta", "ours", "hashing", "targets"} <= set(results)
+    _check_ours(results["ours"], opts)
+    assert set(results["hashing"]) == {str(n) for n in opts.hash_sizes}
+    for row in results["hashing"].values():
+        _positive(row["list_ns_per_token"], "list hashing")
+        _positive(row["tensor_ns_per_token"], "tensor hashing")
+    assert results["targets"] and all(t["met"] in (True, False, None) for t in results["targets"])
+    json.dumps(results)  # JSON-able as written to --out
+
+
+def test_quick_run_has_every_section_and_leaves_nothing(real_server: RealServer) -> None:
+    url = real_server.url if real_server.kind == "external" else None  # None: embedded
+    opts = BenchOptions.defaults(quick=True, redis_url=url)
+    before = _descendants_and_strays(None)
+    results = run_bench(opts)
+    _check_results(results, opts)
+    run_id = results["meta"]["run_id"]
+    assert _descendants_and_strays(run_id) - before == set(), "processes left behind"
+    if url:
+        client = redis.Redis.from_url(url)
+        try:
+            assert not list(client.scan_iter(match=f"bl:{{bench-{run_id}-*"))
+        finally:
+            client.close()
+
+
+def test_cli_writes_json_and_table(
+    real_server: RealServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    out = tmp_path / "results.json"
+    argv = ["bench", "--quick", "--redis-url", real_server.url, "--out", str(out)]
+    args = parser.parse_args([*argv, "--worlds", "1", "--engines", "1", "--lookups", "30"])
+    assert args.func is cmd_bench
+    assert cmd_bench(args) == 0
+    results = json.loads(out.read_text())
+    assert set(results["ours"]["latency"]) == {"1"}
+    assert results["ours"]["throughput"]["world"] == 1
+    table = capsys.readouterr().out
+    assert "End-to-end latency" in table and "Targets" in table
+
+
+def test_vs_lmcache_without_lmcache_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [m for m in sys.modules if m == "lmcache" or m.startswith("lmcache.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "lmcache", None)  # makes every lmcache import fail
+    with pytest.raises(BenchError, match="install-lmcache-cpu"):
+        run_bench(BenchOptions.defaults(quick=True, vs_lmcache=True))
+
+
+@pytest.mark.lmcache
+def test_vs_lmcache_measures_both_variants(real_server: RealServer) -> None:
+    try:
+        require_lmcache()
+    except BenchError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the LMCache comparison: {exc}")
+        pytest.skip(str(exc))
+    opts = BenchOptions.defaults(
+        quick=True,
+        redis_url=real_server.url,
+        vs_lmcache=True,
+        worlds=(1,),
+        throughput_world=1,
+        engines=(1,),
+        lookups=30,
+        lmcache_slow_lookups=10,
+        duration_s=0.3,
+        window=50,
+        pending=50,
+        hash_sizes=(1024,),
+    )
+    before = _descendants_and_strays(None)
+    results = run_bench(opts)
+    for name in VARIANTS:
+        _check_latency(results["lmcache"][name]["latency"], opts.worlds, opts.tokens)
+        _positive(results["lmcache"][name]["throughput"]["lookups_per_s"], f"{name} throughput")
+        ratio = results["ratios"][name]["latency"]["1"]["p50_ms"]
+        _positive(ratio, f"{name} p50 ratio")
+    _positive(results["lmcache"]["hashing"]["1024"]["list_ns_per_token"], "LMCache hashing")
+    assert _descendants_and_strays(results["meta"]["run_id"]) - before == set()
