@@ -1,0 +1,80 @@
+"""Lookups over a real three-master Redis Cluster: engines spread over shards, slot moves."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from cluster_ids import slot_of, spread_engine_ids
+from cluster_stack import Traffic, run_batch, verdicts
+from helpers import wait_until
+
+from broker_lookup.keys import KeySpace
+
+pytestmark = [pytest.mark.cluster, pytest.mark.real]
+
+
+def test_eight_engines_spread_over_three_masters_all_answer_right(local_cluster, stack):
+    ids = spread_engine_ids(local_cluster, 8)
+    owners = [local_cluster.owner(slot_of(e)) for e in ids]
+    assert sorted(set(owners)) == [0, 1, 2], owners
+    deployment = stack(local_cluster.url)
+    units = [deployment.unit(e, hits=4 * (k + 1), world_size=2) for k, e in enumerate(ids)]
+    for unit in units:
+        unit.wait_ready()
+
+    results: dict[str, list[int]] = {}
+    go = threading.Barrier(len(units))
+
+    def drive(unit):
+        go.wait()
+        results[unit.engine_id] = run_batch(unit, "r", 40)
+
+    threads = [threading.Thread(target=drive, args=(u,)) for u in units]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for unit in units:
+        assert results[unit.engine_id] == [unit.expected] * 40, unit.engine_id
+    # Each engine's keys really live on the master that owns its hash tag's slot.
+    for unit, owner in zip(units, owners, strict=True):
+        ks = KeySpace(unit.engine_id)
+        assert local_cluster.admin(owner).exists(ks.requests, ks.done, ks.heartbeat(1)) == 3
+
+
+def test_moved_slot_is_followed_without_wrong_or_lost_lookups(local_cluster, stack):
+    moving, steady = spread_engine_ids(local_cluster, 2)
+    deployment = stack(local_cluster.url)
+    unit = deployment.unit(moving, hits=12, world_size=2)
+    control = deployment.unit(steady, hits=20, world_size=2)
+    unit.wait_ready()
+    control.wait_ready()
+    slot = slot_of(moving)
+    source = local_cluster.owner(slot)
+    dest = (source + 1) % len(local_cluster.nodes)
+
+    with Traffic(unit, "m") as traffic, Traffic(control, "s") as steady_traffic:
+        wait_until(lambda: len(traffic.started) >= 40, timeout=10)
+        # Key by key with pauses: lookups also meet the half-moved slot (ASK, TRYAGAIN).
+        moved = local_cluster.migrate_slot(slot, dest, batch=1, pause_s=0.01)
+        at_move = len(traffic.started)
+        wait_until(lambda: len(traffic.started) >= at_move + 80, timeout=10)
+
+    assert local_cluster.owner(slot) == dest
+    assert moved >= 4  # requests, done, heartbeats, lookup hashes
+    ks = KeySpace(moving)
+    assert local_cluster.admin(dest).exists(ks.requests, ks.done) == 2
+    counts = verdicts(traffic.outcomes(), unit.expected)
+    assert counts["wrong"] == 0, counts
+    assert counts["right"] >= 0.8 * sum(counts.values()), counts  # only the move's window
+    assert verdicts(steady_traffic.outcomes(), control.expected) == {
+        "right": len(steady_traffic.started)
+    }
+    # New lookups after the move: every one answered by the engine, on the new master.
+    assert run_batch(unit, "after", 30) == [unit.expected] * 30
+    outcomes = {k: v for k, v in unit.client.stats()["outcomes"].items() if v}
+    print(
+        f"\nslot {slot} moved {source}->{dest} ({moved} keys) under traffic: {dict(counts)}; "
+        f"client outcomes {outcomes}"
+    )

@@ -1,0 +1,106 @@
+"""Every Lua script of the protocol runs on every master of a real cluster.
+
+A script that touched a key outside ``KEYS`` (a hard-coded name, another engine's tag)
+would fail there with "non local key" or CROSSSLOT for the engines whose slot lives on
+another master; the negative control shows that this check has teeth. The static half
+of the check is in ``tests/unit/test_keys_slots.py``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from cluster_ids import slot_of, spread_engine_ids
+from redis.crc import key_slot
+
+from broker_lookup.config import LookupConfig
+from broker_lookup.connection import make_factory
+from broker_lookup.keys import KeySpace
+from broker_lookup.scripts import CANCEL, REPORT, SUBMIT, Call, ScriptSet
+
+pytestmark = [pytest.mark.cluster, pytest.mark.real]
+
+GEN = 7
+
+
+def _protocol_calls(ks: KeySpace, lookup_id: str) -> list[list[Call]]:
+    """submit, the reports of ranks 0 and 1, then cancel: as the client and ranks send them."""
+    now = int(time.time() * 1000)
+    submit = Call(
+        SUBMIT,
+        (ks.lookup(lookup_id), ks.requests),
+        [GEN, "0,1", now, now + 5000, 64, 60000, 1000, "type", "lookup", "id", lookup_id],
+    )
+    reports = [
+        Call(REPORT, (ks.lookup(lookup_id), ks.done), [rank, GEN, 16, 1000, lookup_id, 5000])
+        for rank in (0, 1)
+    ]
+    cancel = Call(
+        CANCEL, (ks.lookup(lookup_id), ks.requests), [GEN, 1000, "type", "abort", "id", lookup_id]
+    )
+    return [[submit], reports, [cancel]]
+
+
+@pytest.fixture
+def cluster_client(local_cluster):
+    client = make_factory(LookupConfig(redis_url=local_cluster.url), "bl-test-scripts")()
+    yield client
+    client.close()
+
+
+def test_every_script_runs_on_every_master_and_writes_only_its_engines_slot(
+    local_cluster, cluster_client
+):
+    ids = spread_engine_ids(local_cluster, 3)
+    assert sorted(local_cluster.owner(slot_of(e)) for e in ids) == [0, 1, 2]
+    scripts = ScriptSet()
+    for n in range(len(local_cluster.nodes)):
+        local_cluster.admin(n).config_resetstat()
+    cluster_client.script_flush()  # every primary: the first calls meet NOSCRIPT and reload
+    assert cluster_client.script_exists(*scripts.sha.values()) == [False] * 3
+    answers = []
+    for step in range(3):
+        # One pipeline per step across all three engines: a ClusterPipeline over 3 nodes.
+        calls = [c for e in ids for c in _protocol_calls(KeySpace(e), "r1")[step]]
+        answers.append(scripts.run(cluster_client, calls))
+    errors = [a for step in answers for a in step if isinstance(a, Exception)]
+    assert errors == []
+    assert answers[1] == [b"recorded", b"complete"] * 3
+    assert answers[2] == [1, 1, 1]  # the hash of this generation deleted
+    assert cluster_client.script_exists(*scripts.sha.values()) == [True] * 3  # on all primaries
+    for engine_id in ids:  # the blocking reads of the listener and of a rank
+        ks = KeySpace(engine_id)
+        assert len(cluster_client.xread({ks.done: "0"}, count=10, block=10)[0][1]) == 1
+        cluster_client.xgroup_create(ks.requests, "rank-0", id="0")
+        assert len(cluster_client.xreadgroup("rank-0", "rank-0", {ks.requests: ">"}, 9, 10)) == 1
+    # Routed by our key parser: redis-py would have asked COMMAND GETKEYS before each
+    # EVALSHA and each XREAD/XREADGROUP (an extra round trip, all on one node).
+    for n in range(len(local_cluster.nodes)):
+        assert "cmdstat_command|getkeys" not in local_cluster.admin(n).info("commandstats")
+    for engine_id in ids:
+        _assert_written_only_in_its_slot(local_cluster, engine_id)
+
+
+def _assert_written_only_in_its_slot(local_cluster, engine_id: str) -> None:
+    ks = KeySpace(engine_id)
+    node = local_cluster.admin(local_cluster.owner(slot_of(engine_id)))
+    assert node.xlen(ks.requests) == 2 and node.xlen(ks.done) == 1
+    stray = [
+        k
+        for n in range(len(local_cluster.nodes))
+        for k in local_cluster.admin(n).scan_iter(match=f"*{engine_id}*")
+        if key_slot(k) != slot_of(engine_id)
+    ]
+    assert stray == []
+
+
+def test_a_script_touching_a_key_outside_KEYS_fails_on_the_cluster(local_cluster, cluster_client):
+    """Negative control: the dynamic check above would catch a script with a wrong key."""
+    mine, other = spread_engine_ids(local_cluster, 2)
+    assert local_cluster.owner(slot_of(mine)) != local_cluster.owner(slot_of(other))
+    wrong = KeySpace(other).done  # another engine's key, built outside KEYS
+    sha = cluster_client.script_load(f"return redis.call('XLEN', '{wrong}')")
+    with pytest.raises(redis.ResponseError, match=r"(?i)non local key|crossslot|slot"):
+        cluster_client.evalsha(sha, 1, KeySpace(mine).requests)
