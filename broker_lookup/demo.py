@@ -27,7 +27,7 @@ import redis
 from broker_lookup._procs import child_env, python_module, spawn, terminate
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name, redact_url
-from broker_lookup.connection import make_factory
+from broker_lookup.connection import make_factory, redis_cli_args
 from broker_lookup.embedded import EmbeddedServer
 from broker_lookup.keys import KeySpace
 
@@ -219,8 +219,7 @@ class Demo:
     def commands(self) -> None:
         """The redis-cli commands to inspect what the demo left, with the real host/port."""
         parts = urlsplit(self.url)
-        db = parts.path.strip("/") or "0"
-        cli = f"redis-cli -h {parts.hostname or '127.0.0.1'} -p {parts.port or 6379} -n {db}"
+        cli = "redis-cli " + redis_cli_args(self.url)  # also cluster and sentinel URLs
         k = self.keys
         self.say("\nInspect it with (an embedded server stops with the demo: pass --redis-url):")
         if parts.password:
