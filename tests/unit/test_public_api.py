@@ -142,7 +142,7 @@ def test_error_tree() -> None:
 
 def test_importing_broker_lookup_does_not_import_workers() -> None:
     code = (
-        "import sys, broker_lookup, broker_lookup.factory\n"
+        "import sys, broker_lookup, broker_lookup.factory, broker_lookup.integrations.lmcache\n"
         "bad = [m for m in sys.modules if m == 'workers' or m.startswith('workers.')]\n"
         "assert not bad, bad\n"
     )

@@ -1,0 +1,284 @@
+"""Run an LMCache 0.5.6 deployment (vLLM + LMCache) on the broker.
+
+:func:`install` patches LMCache's own ``LookupClientFactory.create_lookup_client`` and
+``create_lookup_server``. When an LMCache config asks for the broker
+(``extra_config["lookup_broker_url"]``, or env ``BROKER_LOOKUP_LMCACHE=1`` with
+``BROKER_LOOKUP_REDIS_URL``), they return our client (our factory's decision table)
+and our ``RedisAsyncLookupServer`` (loaded through our factory's entry point; this
+package never imports ``workers``) around an :class:`LMCacheEngineAdapter`. Any other
+config gets LMCache's own classes. :func:`uninstall` restores LMCache's functions.
+
+vLLM loads :func:`vllm_plugin` in every process through the ``vllm.general_plugins``
+entry point; it installs only with ``BROKER_LOOKUP_LMCACHE=1``. See ``docs/lmcache.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from typing import Any
+
+import msgspec
+
+from broker_lookup.config import ENV_PREFIX, LookupConfig, LookupMetadata
+from broker_lookup.errors import ConfigError
+from broker_lookup.factory import LookupClientFactory
+from broker_lookup.integrations.lmcache_adapter import LMCacheEngineAdapter
+from broker_lookup.interface import LookupClientInterface
+
+__all__ = [
+    "ENV_SWITCH",
+    "EXTRA_PREFIX",
+    "LMCacheEngineAdapter",
+    "broker_requested",
+    "config_from_lmcache",
+    "install",
+    "is_installed",
+    "uninstall",
+    "vllm_plugin",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``1`` makes :func:`vllm_plugin` install, and (with ``BROKER_LOOKUP_REDIS_URL``) asks
+#: for the broker for every LMCache config.
+ENV_SWITCH = "BROKER_LOOKUP_LMCACHE"
+ENV_URL = ENV_PREFIX + "REDIS_URL"
+#: ``extra_config`` keys with this prefix are broker settings: ``lookup_broker_url`` is
+#: ``redis_url``, ``lookup_broker_engine_id`` overrides the engine id, any other
+#: ``lookup_broker_<field>`` sets that broker field of :class:`LookupConfig`.
+EXTRA_PREFIX = "lookup_broker_"
+#: Fields LMCache's own config has, copied from it (never set through extra_config).
+LMCACHE_FIELDS = (
+    "chunk_size",
+    "save_unfull_chunk",
+    "lookup_timeout_ms",
+    "lookup_server_worker_ids",
+    "enable_async_loading",
+    "enable_scheduler_bypass_lookup",
+    "external_lookup_client",
+    "hit_miss_ratio",
+    "enable_chunk_statistics",
+    "pre_caching_hash_algorithm",
+)
+_PATCHED = ("create_lookup_client", "create_lookup_server")
+_originals: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _extra(lmc_config: Any) -> dict[str, Any]:
+    return dict(getattr(lmc_config, "extra_config", None) or {})
+
+
+def broker_requested(lmc_config: Any) -> bool:
+    """Whether this LMCache config asks for the broker instead of LMCache's ZMQ lookup."""
+    if _extra(lmc_config).get(EXTRA_PREFIX + "url"):
+        return True
+    return _truthy(os.environ.get(ENV_SWITCH)) and bool(os.environ.get(ENV_URL))
+
+
+def _lmcache_values(lmc_config: Any, broker: bool) -> dict[str, Any]:
+    values = {name: getattr(lmc_config, name) for name in LMCACHE_FIELDS}
+    ids = values["lookup_server_worker_ids"]
+    values["lookup_server_worker_ids"] = tuple(ids) if ids else None
+    ratio = values["hit_miss_ratio"]
+    if ratio is not None and not 0 <= ratio <= 1:  # LMCache ignores it then; so do we
+        logger.warning("hit_miss_ratio=%r is outside [0, 1]: no hit limit (as LMCache)", ratio)
+        values["hit_miss_ratio"] = None
+    if broker:
+        values["external_lookup_client"] = None
+    pin_timeout = getattr(lmc_config, "pin_timeout_sec", None)
+    if isinstance(pin_timeout, int | float) and pin_timeout > 0:
+        # A worker holds a prefetch no longer than LMCache's PinMonitor holds pins.
+        values["worker_pin_ttl_ms"] = int(pin_timeout * 1000)
+    return values
+
+
+def _broker_values(extra: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    values: dict[str, Any] = {}
+    engine_id: str | None = None
+    for key, value in extra.items():
+        if not key.startswith(EXTRA_PREFIX):
+            continue
+        field = key[len(EXTRA_PREFIX) :]
+        if field == "engine_id":
+            engine_id = str(value)
+            continue
+        field = "redis_url" if field == "url" else field
+        if field not in LookupConfig.__struct_fields__ or field in LMCACHE_FIELDS:
+            raise ConfigError(
+                f"extra_config[{key!r}] is not a broker setting: use lookup_broker_url, "
+                "lookup_broker_engine_id or lookup_broker_<field> for a broker field of "
+                "LookupConfig; LMCache's own fields (chunk_size, ...) stay top-level"
+            )
+        values[field] = value
+    return values, engine_id
+
+
+def config_from_lmcache(lmc_config: Any, metadata: Any) -> tuple[LookupConfig, LookupMetadata]:
+    """Our config and metadata from LMCache's ``LMCacheEngineConfig`` and ``LMCacheMetadata``.
+
+    Precedence: ``BROKER_LOOKUP_*`` env, then LMCache's own fields (hashing must match
+    LMCache's), then ``extra_config["lookup_broker_*"]``.
+
+    Raises:
+        ConfigError: a bad value, an unknown ``lookup_broker_*`` key, or no engine id.
+    """
+    extra = _extra(lmc_config)
+    values = msgspec.structs.asdict(LookupConfig.from_env())
+    values.update(_lmcache_values(lmc_config, broker_requested(lmc_config)))
+    broker, engine_id = _broker_values(extra)
+    values.update(broker)
+    config = LookupConfig.from_mapping(values, source="the LMCache config")
+    engine_id = engine_id or getattr(metadata, "engine_id", None)
+    if not engine_id:
+        raise ConfigError(
+            "LMCache metadata has no engine_id (vLLM kv_transfer_config.engine_id): "
+            f"set extra_config {EXTRA_PREFIX}engine_id"
+        )
+    kv_extra = getattr(metadata, "kv_connector_extra_config", None)
+    meta = LookupMetadata(
+        engine_id=str(engine_id),
+        world_size=int(metadata.world_size),
+        worker_id=int(metadata.worker_id),
+        use_mla=bool(getattr(metadata, "use_mla", False)),
+        kv_connector_extra_config=dict(kv_extra) if kv_extra else None,
+    )
+    return config, meta
+
+
+# -- the patched factory functions --------------------------------------------------------------
+
+
+def _create_lookup_client(
+    config: Any, metadata: Any, lmcache_engine: Any = None, **kwargs: Any
+) -> Any:
+    if not broker_requested(config):
+        return _originals["create_lookup_client"](config, metadata, lmcache_engine)
+    cfg, meta = config_from_lmcache(config, metadata)
+    engine = LMCacheEngineAdapter(lmcache_engine) if lmcache_engine is not None else None
+    client = LookupClientFactory.create_lookup_client(cfg, meta, engine, **kwargs)
+    logger.info("LMCache lookup client for engine %s: %s (broker)", meta.engine_id, client)
+    return client
+
+
+def _create_lookup_server(lmcache_engine: Any, metadata: Any, **kwargs: Any) -> Any:
+    if not broker_requested(lmcache_engine.config):
+        return _originals["create_lookup_server"](lmcache_engine, metadata)
+    cfg, meta = config_from_lmcache(lmcache_engine.config, metadata)
+    adapter = LMCacheEngineAdapter(lmcache_engine)
+    server = LookupClientFactory.create_lookup_server(adapter, meta, cfg, **kwargs)
+    if server is not None:
+        # LMCacheManager.post_init asserts isinstance(server, LMCacheAsyncLookupServer)
+        # before wiring it into the engine: same object, with LMCache's class as a base.
+        server_class: type = type(server)
+        server.__class__ = _compat_class(server_class)
+    return server
+
+
+@functools.cache
+def _compat_class(server_class: type) -> type:
+    from lmcache.v1.lookup_client.lmcache_async_lookup_client import (
+        LMCacheAsyncLookupServer,
+    )
+
+    doc = f"{server_class.__name__}, also an LMCacheAsyncLookupServer for LMCache's checks."
+    return type(
+        "LMCacheBrokerLookupServer",
+        (server_class, LMCacheAsyncLookupServer),
+        {"__module__": __name__, "__doc__": doc},
+    )
+
+
+# -- install / uninstall ------------------------------------------------------------------------
+
+
+def _lmcache_factory() -> Any:
+    try:
+        from lmcache.v1.lookup_client.factory import LookupClientFactory as LMCacheFactory
+    except ImportError as exc:
+        raise ImportError(
+            f"broker_lookup.integrations.lmcache needs lmcache 0.5.6 importable: {exc}"
+        ) from exc
+    return LMCacheFactory
+
+
+def _is_ours(factory: Any) -> bool:
+    current = factory.__dict__.get("create_lookup_client")
+    return getattr(current, "__func__", current) is _create_lookup_client
+
+
+def is_installed() -> bool:
+    """Whether LMCache's factory currently carries our patch."""
+    try:
+        return _is_ours(_lmcache_factory())
+    except ImportError:
+        return False
+
+
+def install(force: bool = False) -> bool:
+    """Patch LMCache's ``LookupClientFactory``; True if patched now, False if already was.
+
+    Idempotent. ``force`` patches again even if ours is in place, e.g. after someone
+    else re-patched; LMCache's originals are still the ones :func:`uninstall` restores.
+
+    Raises:
+        ImportError: lmcache is not importable.
+    """
+    factory = _lmcache_factory()
+    with _lock:
+        if _is_ours(factory) and not force:
+            return False
+        if not _originals:
+            for name in _PATCHED:
+                _originals[name] = getattr(factory, name)
+        factory.create_lookup_client = staticmethod(_create_lookup_client)
+        factory.create_lookup_server = staticmethod(_create_lookup_server)
+        _register_interface()
+    logger.info("broker-lookup installed into LMCache's LookupClientFactory")
+    return True
+
+
+def uninstall() -> bool:
+    """Restore LMCache's own factory functions; True if something was restored."""
+    with _lock:
+        if not _originals:
+            return False
+        factory = _lmcache_factory()
+        for name in _PATCHED:
+            setattr(factory, name, staticmethod(_originals.pop(name)))
+    logger.info("broker-lookup removed from LMCache's LookupClientFactory")
+    return True
+
+
+def _register_interface() -> None:
+    """Make our clients ``isinstance`` of LMCache's ``LookupClientInterface`` (an ABC)."""
+    from lmcache.v1.lookup_client.abstract_client import (
+        LookupClientInterface as LMCacheInterface,
+    )
+
+    if not issubclass(LookupClientInterface, LMCacheInterface):
+        LMCacheInterface.register(LookupClientInterface)
+
+
+def vllm_plugin() -> None:
+    """vLLM ``general_plugins`` entry point: :func:`install` if ``BROKER_LOOKUP_LMCACHE=1``."""
+    if not _truthy(os.environ.get(ENV_SWITCH)):
+        return
+    try:
+        install()
+    except ImportError as exc:
+        logger.warning("%s=1 but LMCache is not importable; not installed: %s", ENV_SWITCH, exc)
+        return
+    if not os.environ.get(ENV_URL):
+        logger.info(
+            "%s is unset: only LMCache configs with extra_config.%surl use the broker",
+            ENV_URL,
+            EXTRA_PREFIX,
+        )
