@@ -9,6 +9,7 @@ leaves the table: on ``clear_lookup_status``/``cancel_lookup``, or after
 from __future__ import annotations
 
 import bisect
+import heapq
 import threading
 import time
 from collections.abc import Callable
@@ -69,6 +70,9 @@ class LookupTable:
     def __init__(self, cancel: CancelSink, max_pending: int, retention_s: float) -> None:
         self.entries: dict[str, Entry] = {}
         self.inflight: dict[str, Entry] = {}
+        #: (deadline, gen, lookup_id) of every generation sent; finished ones are skipped
+        #: when popped, so a sweep costs O(expired), not O(in flight).
+        self._deadlines: list[tuple[float, int, str]] = []
         self._cancel = cancel
         self._max_pending = max_pending
         self._retention_s = retention_s
@@ -93,6 +97,8 @@ class LookupTable:
             self.inflight[lookup_id] = entry
             if finished is not None:
                 self._finish_locked(lookup_id, entry, 0, finished)
+            else:
+                heapq.heappush(self._deadlines, (entry.deadline, entry.gen, lookup_id))
         if old is not None and old.result is None:
             self._cancel(lookup_id, old.gen)
         return True
@@ -145,8 +151,15 @@ class LookupTable:
 
     def overdue(self, now: float) -> list[tuple[str, Entry]]:
         """In-flight entries past their deadline."""
+        out: list[tuple[str, Entry]] = []
+        heap = self._deadlines
         with self._lock:
-            return [(k, e) for k, e in self.inflight.items() if e.deadline <= now]
+            while heap and heap[0][0] <= now:
+                _, gen, lookup_id = heapq.heappop(heap)
+                entry = self.inflight.get(lookup_id)
+                if entry is not None and entry.gen == gen:
+                    out.append((lookup_id, entry))
+        return out
 
     def waiting_on(self, ranks: frozenset[int]) -> list[tuple[str, Entry]]:
         """In-flight entries that expect any of ``ranks``."""
