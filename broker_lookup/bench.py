@@ -32,6 +32,7 @@ import redis
 
 from broker_lookup._bench_core import BenchError, BenchOptions
 from broker_lookup._bench_report import evaluate_targets, ratios, render
+from broker_lookup.bench_cluster import add_cluster_args, cmd_cluster_bench
 from broker_lookup.errors import BrokerUnavailable
 from broker_lookup.hashing import measure_ns_per_token
 
@@ -180,6 +181,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--poll-us", type=float, help="sleep between polls in µs (0: sleep(0))")
     p.add_argument("--worlds", type=_ints, help="world sizes, e.g. 1,2,4,8")
     p.add_argument("--engines", type=_ints, help="concurrent engine counts, e.g. 1,4,16")
+    add_cluster_args(p)  # --cluster: one node vs a local Redis Cluster (bench_cluster.py)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -219,6 +221,8 @@ def _options(args: argparse.Namespace) -> BenchOptions:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the bench from parsed arguments: JSON to ``--out``, a table on stdout."""
+    if getattr(args, "cluster", False):
+        return cmd_cluster_bench(args)
     opts = _options(args)
     try:
         results = run_bench(opts)
