@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[LookupRequest | Abort], None]
 
 _JSON = msgspec.json.Encoder()
+_COUNTERS = ("entries", "dead_letters", "redis_errors", "nogroup", "replayed", "pending", "lag")
 
 
 class Consumer:
@@ -71,15 +72,7 @@ class Consumer:
         self._replaying = True
         self._next_beat = 0.0
         self._next_info = 0.0
-        self.stats: dict[str, int] = {
-            "entries": 0,
-            "dead_letters": 0,
-            "redis_errors": 0,
-            "nogroup": 0,
-            "replayed": 0,
-            "pending": 0,
-            "lag": 0,
-        }
+        self.stats: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self.last_beat = 0.0
         self.ready = threading.Event()
         self._started_ms = int(time.time() * 1000)
