@@ -127,6 +127,21 @@ def _run_worker(args: argparse.Namespace) -> int:
     return EXIT_FAILED  # pragma: no cover (execve does not return)
 
 
+# -- soak (broker_lookup/soak.py) ----------------------------------------------------
+
+
+def _setup_soak(p: argparse.ArgumentParser) -> None:
+    from broker_lookup.soak import setup_soak_parser
+
+    setup_soak_parser(p)
+
+
+def _run_soak(args: argparse.Namespace) -> int:
+    from broker_lookup.soak import cmd_soak
+
+    return cmd_soak(args)
+
+
 # -- bench (broker_lookup/bench.py) --------------------------------------------------
 
 
@@ -156,6 +171,11 @@ COMMANDS: dict[str, Subcommand] = {
     ),
     "worker": Subcommand(
         "run worker ranks (same as python -m workers)", _setup_worker, _run_worker, True
+    ),
+    "soak": Subcommand(
+        "chaos soak: mixed lookups while ranks are killed and the server restarts",
+        _setup_soak,
+        _run_soak,
     ),
     "bench": Subcommand(
         "measure lookup latency, caller cost, throughput, hashing, memory and CPU",
