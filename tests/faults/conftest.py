@@ -1,0 +1,125 @@
+"""Fixtures of the fault-injection suite: rank processes and clients, always cleaned up.
+
+Rank processes are real ``python -m workers`` children (the shipped runner), so a
+SIGKILL, SIGSTOP or SIGTERM lands on the same code a pod runs. Every child is killed
+in the fixture's ``finally``, whatever the test did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from faultkit import FAST, RankProcess, config
+from helpers import Backend
+
+from broker_lookup._procs import child_env
+from broker_lookup.client import RedisAsyncLookupClient
+from broker_lookup.config import LookupConfig, LookupMetadata, env_name
+from workers.server import RedisAsyncLookupServer
+
+
+@pytest.fixture
+def rank_procs(tmp_path: Path) -> Iterator[Callable[..., RankProcess]]:
+    """Start rank processes: ``start(url, engine_id, world_size, rank, prompts, **config)``.
+
+    ``prompts`` is the runner's ``--preload`` list; config overrides travel as
+    ``BROKER_LOOKUP_*`` variables, FAST included.
+    """
+    made: list[RankProcess] = []
+
+    def start(
+        url: str,
+        engine_id: str,
+        world_size: int,
+        rank: int,
+        prompts: list[dict[str, Any]],
+        load_delay_ms: float = 0.0,
+        **overrides: Any,
+    ) -> RankProcess:
+        preload = tmp_path / f"preload-{engine_id}-{rank}.json"
+        preload.write_text(json.dumps({"prompts": prompts}))
+        values = {**FAST, **overrides, "redis_url": url}
+        extra = {env_name(k): str(v) for k, v in values.items()}
+        argv = [
+            sys.executable, "-m", "workers", "--engine-id", engine_id,
+            "--world-size", str(world_size), "--rank", str(rank), "--metrics-port", "0",
+            "--preload", str(preload), "--load-delay-ms", str(load_delay_ms),
+            "--disk-dir", str(tmp_path / f"disk-{engine_id}-{rank}"),
+            "--connect-timeout", "30", "--log-level", "INFO",
+        ]  # fmt: skip
+        log = tmp_path / f"rank-{engine_id}-{rank}.log"
+        made.append(RankProcess(argv, child_env(os.environ, extra), log))
+        return made[-1]
+
+    try:
+        yield start
+    finally:
+        for proc in made:
+            proc.cleanup()
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., RedisAsyncLookupClient]]:
+    """``make(config, engine_id, world_size, cls=...)``; every client is closed at the end."""
+    made: list[RedisAsyncLookupClient] = []
+
+    def make(
+        cfg: LookupConfig, engine_id: str, world_size: int = 1, cls: type = RedisAsyncLookupClient
+    ) -> RedisAsyncLookupClient:
+        client = cls(cfg, LookupMetadata(engine_id=engine_id, world_size=world_size))
+        made.append(client)
+        return client
+
+    try:
+        yield make
+    finally:
+        for client in made:
+            client.close()
+
+
+@pytest.fixture
+def make_server(
+    backend: Backend, engine_id: str
+) -> Iterator[Callable[..., RedisAsyncLookupServer]]:
+    """``make(engine, rank=0, world_size=1, **config)``: an in-process rank on ``backend``."""
+    made: list[RedisAsyncLookupServer] = []
+
+    def make(engine: Any, rank: int = 0, world_size: int = 1, **overrides: Any):
+        meta = LookupMetadata(engine_id=engine_id, world_size=world_size, worker_id=rank)
+        server = RedisAsyncLookupServer(
+            engine, meta, config(**overrides), connection_factory=backend.factory
+        )
+        made.append(server)
+        return server
+
+    try:
+        yield make
+    finally:
+        for server in made:
+            server.close()
+
+
+@pytest.fixture
+def make_client(
+    backend: Backend, engine_id: str
+) -> Iterator[Callable[..., RedisAsyncLookupClient]]:
+    """``make(world_size=1, cls=RedisAsyncLookupClient, **config)`` on ``backend``."""
+    made: list[RedisAsyncLookupClient] = []
+
+    def make(world_size: int = 1, cls: type = RedisAsyncLookupClient, **overrides: Any):
+        meta = LookupMetadata(engine_id=engine_id, world_size=world_size)
+        client = cls(config(**overrides), meta, connection_factory=backend.factory)
+        made.append(client)
+        return client
+
+    try:
+        yield make
+    finally:
+        for client in made:
+            client.close()

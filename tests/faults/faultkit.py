@@ -1,0 +1,164 @@
+"""Helpers of the fault-injection suite: fast configs, rank processes, answers to judge."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from helpers import wait_until
+
+from broker_lookup.client import RedisAsyncLookupClient
+from broker_lookup.config import LookupConfig
+
+#: Small chunks and short timers: every fault resolves in a second or two. The heartbeat
+#: TTL leaves room for a rank thread starved of CPU on a loaded machine.
+FAST: dict[str, Any] = {
+    "lookup_timeout_ms": 1500,
+    "block_ms": 50,
+    "heartbeat_interval_ms": 100,
+    "heartbeat_ttl_ms": 1000,
+    "chunk_size": 4,
+    "key_grace_ms": 2000,
+}
+CHUNK = FAST["chunk_size"]
+
+
+def prompt(base: int, chunks: int = 8) -> list[int]:
+    """A prompt of ``chunks`` full chunks whose tokens start at ``base``."""
+    return list(range(base, base + chunks * CHUNK))
+
+
+def config(url: str | None = None, **overrides: Any) -> LookupConfig:
+    """FAST, plus ``overrides``, on ``url`` when given."""
+    values = {**FAST, **overrides}
+    if url is not None:
+        values["redis_url"] = url
+    return LookupConfig(**values)
+
+
+class RankProcess:
+    """One ``python -m workers`` rank; its log is kept for the assertions."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.argv, self.env, self.log_path = argv, env, log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=out
+            )
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill9(self) -> None:
+        """SIGKILL and reap, as a crash."""
+        self.signal(signal.SIGKILL)
+        assert self.proc is not None
+        self.proc.wait(10)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a stopped process ignores SIGKILL's exit
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def alive(client: RedisAsyncLookupClient, timeout: float = 60.0) -> None:
+    """Until the client sees every rank's heartbeat (rank processes start in seconds)."""
+    wait_until(
+        lambda: not client.stats()["dead_ranks"], timeout=timeout, message="every rank alive"
+    )
+
+
+def answer(client: RedisAsyncLookupClient, lookup_id: str, timeout: float) -> int:
+    """Poll ``lookup_cache`` as the scheduler does; fail if it is still None after ``timeout``."""
+    value = wait_until(
+        lambda: client.lookup_cache(lookup_id) is not None,
+        timeout=timeout,
+        message=f"lookup {lookup_id} answered (a hang otherwise)",
+    )
+    assert value
+    result = client.lookup_cache(lookup_id)
+    assert isinstance(result, int)
+    return result
+
+
+def beat(conn: Any, key: str) -> dict[str, Any]:
+    """The heartbeat JSON of a rank (empty if it has none)."""
+    raw = conn.get(key)
+    return json.loads(raw) if raw else {}
+
+
+def elapsed_since(started: float) -> float:
+    return time.monotonic() - started
+
+
+def settle(client: RedisAsyncLookupClient, expected: dict[str, int], timeout: float) -> list[int]:
+    """Wait until every lookup of ``expected`` is answered; each answer must be 0 or right.
+
+    A lookup still None after ``timeout`` is a hang and fails the test.
+    """
+    wait_until(
+        lambda: all(client.lookup_cache(i) is not None for i in expected),
+        timeout=timeout,
+        message="every lookup answered (none hangs)",
+    )
+    results = []
+    for lookup_id, right in expected.items():
+        got = client.lookup_cache(lookup_id)
+        assert got in (0, right), f"{lookup_id}: wrong result {got}, expected 0 or {right}"
+        assert isinstance(got, int)
+        results.append(got)
+        client.clear_lookup_status(lookup_id)
+    return results
+
+
+def eventually_right(
+    client: RedisAsyncLookupClient, tokens: list[int], right: int, timeout: float, tag: str
+) -> int:
+    """Look up ``tokens`` again and again until the answer is ``right``; return the attempts."""
+    attempts = 0
+
+    def once() -> bool:
+        nonlocal attempts
+        attempts += 1
+        lookup_id = f"{tag}-{attempts}"
+        client.lookup(tokens, lookup_id)
+        got = wait_until(lambda: client.lookup_cache(lookup_id) is not None, timeout=30)
+        assert got
+        value = client.lookup_cache(lookup_id)
+        client.clear_lookup_status(lookup_id)
+        assert value in (0, right), f"wrong result {value}"
+        return value == right
+
+    wait_until(once, timeout=timeout, interval=0.05, message=f"a right answer again ({tag})")
+    return attempts
+
+
+def ready(*servers: Any) -> None:
+    """Until every in-process rank reads its group and has written a heartbeat."""
+    wait_until(
+        lambda: all(s.ready and s.stats()["last_heartbeat"] for s in servers),
+        message="ranks ready and beating",
+    )

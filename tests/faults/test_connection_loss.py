@@ -1,0 +1,146 @@
+"""The connection drops in the middle of a report, a cancel or a blocking read.
+
+fakeredis's ``connected = False`` fails every command of every client at once; on the
+real server the worker's connections are killed (``CLIENT KILL``) or stalled past the
+socket timeout (``CLIENT PAUSE``). Every write is one Lua script, so a failed one
+applied nothing; retries are bounded by ``redis_retries``; errors are counted; work
+resumes once the server is back.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engines import ManualEngine
+from faultkit import answer, config, prompt, ready
+from helpers import wait_until
+
+from broker_lookup.config import LookupMetadata
+from broker_lookup.keys import KeySpace
+from workers.server import RedisAsyncLookupServer
+
+TOKENS = prompt(0, chunks=10)
+FULL = len(TOKENS)
+fake_only = pytest.mark.parametrize("backend", ["fake"], indirect=True)
+real_only = pytest.mark.parametrize("backend", ["real"], indirect=True)
+
+
+def _started(engine: ManualEngine, lookup_id: str) -> None:
+    wait_until(lambda: lookup_id in engine.started_ids(), message=f"{lookup_id} started")
+
+
+@fake_only
+def test_connection_lost_during_a_report(make_server, make_client, backend, engine_id):
+    engine = ManualEngine()
+    server = make_server(engine)
+    ready(server)
+    client = make_client(lookup_timeout_ms=800)
+    wait_until(lambda: not client.stats()["dead_ranks"])
+    client.lookup(TOKENS, "r1")
+    _started(engine, "r1")
+    backend.fake_server.connected = False
+    engine.report("r1", 24)
+    retries = server.config.redis_retries
+    wait_until(lambda: server.stats()["counts"].get("report_error") == 1, timeout=10)
+    assert server.stats()["reporter_errors"] == retries  # bounded: one batch, N attempts
+    assert engine.released == ["r1"]  # an unsent report releases its pins
+    assert answer(client, "r1", timeout=5) == 0  # its timeout fires without Redis
+    backend.fake_server.connected = True
+    key = KeySpace(engine_id).lookup("r1")
+    fields = backend.factory().hgetall(key)
+    assert b"r0" not in fields  # nothing half-applied
+    assert server.stats()["reporter_errors"] == retries
+    client.lookup(TOKENS, "r2")
+    _started(engine, "r2")
+    engine.report("r2", 24)
+    assert answer(client, "r2", timeout=10) == 24
+    assert server.stats()["alive"]
+
+
+@fake_only
+def test_connection_lost_during_a_cancel(make_server, make_client, backend, engine_id):
+    engine = ManualEngine()
+    server = make_server(engine)
+    ready(server)
+    client = make_client(lookup_timeout_ms=5000)
+    wait_until(lambda: not client.stats()["dead_ranks"])
+    client.lookup(TOKENS, "r1")
+    _started(engine, "r1")
+    ks = KeySpace(engine_id)
+    conn = backend.factory()
+    before = (conn.hgetall(ks.lookup("r1")), conn.xlen(ks.requests))
+    backend.fake_server.connected = False
+    client.cancel_lookup("r1")
+    retries = client.config.redis_retries
+    wait_until(lambda: client._sender.errors == retries, timeout=10, message="cancel given up")
+    assert client.lookup_cache("r1") == -1  # the caller's view is settled at once
+    backend.fake_server.connected = True
+    # The cancel script never ran: the hash and the stream are exactly as they were.
+    assert (conn.hgetall(ks.lookup("r1")), conn.xlen(ks.requests)) == before
+    assert conn.pttl(ks.lookup("r1")) > 0  # and the hash still expires by itself
+    assert client._sender.errors == retries  # no retry after giving up
+    assert client.stats()["redis_errors"] >= retries
+    engine.report("r1", 40)  # the undelivered cancel: the rank finishes normally
+    client.lookup(TOKENS, "r2")
+    _started(engine, "r2")
+    engine.report("r2", 12)
+    assert answer(client, "r2", timeout=10) == 12
+
+
+@fake_only
+def test_connection_lost_during_blocking_reads(make_server, make_client, backend):
+    engine = ManualEngine()
+    server = make_server(engine)
+    ready(server)
+    client = make_client()
+    wait_until(lambda: not client.stats()["dead_ranks"])
+    backend.fake_server.connected = False
+    wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 2, timeout=10)
+    wait_until(lambda: client._listener.errors >= 2, timeout=10)
+    backend.fake_server.connected = True
+    wait_until(lambda: server.ready, timeout=10)
+    wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+    client.lookup(TOKENS, "r1")
+    _started(engine, "r1")
+    engine.report("r1", 8)
+    assert answer(client, "r1", timeout=10) == 8
+    assert server.stats()["alive"]
+
+
+@real_only
+def test_connections_killed_mid_read(make_server, make_client, backend):
+    engine = ManualEngine()
+    server = make_server(engine)
+    ready(server)
+    client = make_client()
+    wait_until(lambda: not client.stats()["dead_ranks"])
+    admin = backend.factory()
+    # Every other connection drops: the rank's blocked XREADGROUP, the client's XREAD, ...
+    assert admin.client_kill_filter(_type="normal", skipme=True) >= 2
+    wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=10)
+    client.lookup(TOKENS, "r1")
+    _started(engine, "r1")
+    engine.report("r1", 16)
+    assert answer(client, "r1", timeout=10) == 16
+    assert server.stats()["alive"]
+
+
+@real_only
+def test_blocking_read_times_out_then_recovers(make_client, backend, engine_id):
+    engine = ManualEngine()
+    # Connected by URL, so the config's socket timeout applies; the stall below outlasts
+    # it and redis-py's own retries: the rank's XREADGROUP fails with TimeoutError.
+    cfg = config(backend.url, socket_timeout_ms=1050, block_ms=50)
+    meta = LookupMetadata(engine_id=engine_id, world_size=1)
+    with RedisAsyncLookupServer(engine, meta, cfg) as server:
+        ready(server)
+        client = make_client()
+        wait_until(lambda: not client.stats()["dead_ranks"])
+        backend.factory().execute_command("CLIENT", "PAUSE", 4500, "WRITE")
+        wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=10)
+        wait_until(lambda: server.ready, timeout=10)
+        wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+        client.lookup(TOKENS, "r1")
+        _started(engine, "r1")
+        engine.report("r1", 4)
+        assert answer(client, "r1", timeout=10) == 4
+        assert server.stats()["alive"]

@@ -1,0 +1,157 @@
+"""Stream delivery faults: groups that exist, entries trimmed while pending, redelivery,
+a lost script cache, and shutdown while idle; on fakeredis and on a real server."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from engines import ManualEngine
+from faultkit import answer, config, prompt, ready
+from helpers import wait_until
+
+from broker_lookup.connection import ensure_group
+from broker_lookup.errors import BrokerResponseError, ConfigError
+from broker_lookup.keys import KeySpace
+from broker_lookup.messages import LookupRequest, request_fields
+from broker_lookup.scripts import REPORT, SUBMIT, Call, ScriptSet
+
+TOKENS = prompt(0, chunks=10)
+
+
+def _alive(client) -> None:
+    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the ranks")
+
+
+def _request(lookup_id: str, gen: int = 1) -> LookupRequest:
+    return LookupRequest(
+        lookup_id=lookup_id, gen=gen, hashes=[1, 2], offsets=[4, 4], expected=[0],
+        deadline_ms=int(time.time() * 1000) + 60_000, tokens=8,
+    )  # fmt: skip
+
+
+def test_busygroup_on_restart_and_other_errors_surface(make_server, backend, engine_id):
+    ks = KeySpace(engine_id)
+    first = make_server(ManualEngine())
+    ready(first)
+    first.close()
+    again = make_server(ManualEngine())  # the group exists: BUSYGROUP is fine
+    ready(again)
+    assert again.stats()["consumer"]["redis_errors"] == 0
+    conn = backend.factory()
+    assert ensure_group(conn, ks.requests, ks.group(0)) is False
+    conn.set(ks.dead, "not a stream")
+    with pytest.raises(BrokerResponseError, match="WRONGTYPE"):
+        ensure_group(conn, ks.dead, ks.group(0))
+
+
+def test_entries_trimmed_while_pending_are_acked_and_dead_lettered(
+    make_server, make_client, backend, engine_id
+):
+    ks = KeySpace(engine_id)
+    conn = backend.factory()
+    conn.xgroup_create(ks.requests, ks.group(0), id="$", mkstream=True)
+    for i in range(3):
+        conn.xadd(ks.requests, request_fields(_request(f"gone-{i}")))
+    # A rank read them and crashed before acking; then the stream was trimmed under them.
+    conn.xreadgroup(ks.group(0), ks.consumer(0), {ks.requests: ">"})
+    conn.xtrim(ks.requests, maxlen=0)
+    engine = ManualEngine()
+    server = make_server(engine)
+    ready(server)
+    wait_until(lambda: server.stats()["consumer"]["dead_letters"] == 3)
+    assert conn.xpending(ks.requests, ks.group(0))["pending"] == 0
+    reasons = [f[b"reason"].decode() for _, f in conn.xrange(ks.dead)]
+    # Real servers return a nil payload; fakeredis an empty one. Either way: no payload.
+    assert all("trimmed" in r or "no 'm' field" in r for r in reasons), reasons
+    assert engine.started_ids() == []
+    client = make_client()
+    _alive(client)
+    client.lookup(TOKENS, "r1")
+    wait_until(lambda: engine.started_ids() == ["r1"])
+    engine.report("r1", 8)
+    assert answer(client, "r1", timeout=10) == 8
+    assert server.stats()["alive"]
+
+
+def test_duplicate_delivery_does_not_prefetch_twice(make_server, make_client, backend, engine_id):
+    ks = KeySpace(engine_id)
+    engine = ManualEngine()
+    server = make_server(engine)
+    ready(server)
+    client = make_client()
+    _alive(client)
+    client.lookup(TOKENS, "r1")
+    wait_until(lambda: engine.started_ids() == ["r1"])
+    conn = backend.factory()
+    [(_, fields)] = conn.xrange(ks.requests)
+    conn.xadd(ks.requests, fields)  # a retried XADD: the same lookup and generation again
+    wait_until(lambda: server.stats()["counts"].get("duplicate") == 1)
+    assert engine.started_ids() == ["r1"]
+    engine.report("r1", 20)
+    assert answer(client, "r1", timeout=10) == 20
+    conn.xadd(ks.requests, fields)  # and once more after it completed
+    wait_until(lambda: server.stats()["counts"].get("duplicate") == 2)
+    assert engine.started_ids() == ["r1"]
+    assert client.lookup_cache("r1") == 20
+
+
+def test_script_cache_flushed_mid_traffic(make_server, make_client, backend, engine_id):
+    engine = ManualEngine()
+    server = make_server(engine)
+    ready(server)
+    client = make_client()
+    _alive(client)
+    conn = backend.factory()
+    ids = [f"a{i}" for i in range(20)]
+    for lookup_id in ids:
+        client.lookup(TOKENS, lookup_id)
+    wait_until(lambda: len(engine.started_ids()) == 20)
+    conn.script_flush()
+    for lookup_id in ids:  # reports pipelined in batches: NOSCRIPT reload inside a pipeline
+        engine.report(lookup_id, 12)
+    assert [answer(client, i, timeout=10) for i in ids] == [12] * 20
+    conn.script_flush()
+    more = [f"b{i}" for i in range(20)]
+    for lookup_id in more:  # submits pipelined in batches after the flush
+        client.lookup(TOKENS, lookup_id)
+    wait_until(lambda: len(engine.started_ids()) == 40)
+    for lookup_id in more:
+        engine.report(lookup_id, 4)
+    assert [answer(client, i, timeout=10) for i in more] == [4] * 20
+    assert server.stats()["reporter_errors"] == 0 and client.stats()["redis_errors"] == 0
+
+
+def test_noscript_reload_in_one_pipeline(backend, engine_id):
+    ks = KeySpace(engine_id)
+    conn = backend.factory()
+    scripts = ScriptSet()
+    scripts.load(conn)
+    conn.script_flush()
+    req = _request("p1", gen=7)
+    submit = Call(
+        SUBMIT,
+        (ks.lookup("p1"), ks.requests),
+        [7, "0", 1, req.deadline_ms, 8, 60_000, 100, *sum(request_fields(req).items(), ())],
+    )
+    report = Call(REPORT, (ks.lookup("p1"), ks.done), [0, 7, 8, 100, "p1", 1000])
+    results = scripts.run(conn, [submit, report, report])
+    assert results[1:] == [b"complete", b"duplicate"]
+    assert conn.hget(ks.lookup("p1"), "result") == b"8"
+
+
+def test_shutdown_while_idle_is_bounded_by_block(make_server):
+    server = make_server(ManualEngine(), block_ms=1000)
+    ready(server)
+    started = time.monotonic()
+    server.close()
+    # One BLOCK to notice the flag, plus the documented grace; generous for a loaded box.
+    assert time.monotonic() - started < 1.0 + 2.0
+    assert not server.stats()["alive"]
+
+
+def test_block_not_under_socket_timeout_is_refused():
+    with pytest.raises(ConfigError, match="block_ms"):
+        config(block_ms=5000, socket_timeout_ms=5000)
+    with pytest.raises(ConfigError, match="block_ms"):
+        config(block_ms=4500, socket_timeout_ms=5000)

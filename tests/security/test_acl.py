@@ -1,0 +1,193 @@
+"""deploy/users.acl on a real server: the protocol runs end to end as ``scheduler`` and
+``worker``, nothing it does is denied (``ACL LOG`` stays empty), and what it does not
+need is: FLUSHALL, CONFIG, KEYS, keys outside ``bl:*``, scripts touching such keys,
+and every connection that does not log in (``default`` is off)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from engines import InstantEngine, ManualEngine
+from helpers import wait_until
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from broker_lookup.client import RedisAsyncLookupClient
+from broker_lookup.config import LookupConfig, LookupMetadata
+from broker_lookup.embedded import EmbeddedServer
+from broker_lookup.keys import KeySpace
+from workers.server import RedisAsyncLookupServer
+
+pytestmark = pytest.mark.real
+
+ACL_FILE = Path(__file__).resolve().parents[2] / "deploy" / "users.acl"
+ADMIN = ("bl-test-admin", "admin-only-in-this-test")
+FAST: dict[str, Any] = {
+    "lookup_timeout_ms": 1500, "block_ms": 50, "heartbeat_interval_ms": 100,
+    "heartbeat_ttl_ms": 1000, "chunk_size": 4, "key_grace_ms": 2000,
+}  # fmt: skip
+TOKENS = list(range(40))
+
+
+def acl_users() -> dict[str, list[str]]:
+    """User name -> its rules, as the file has them."""
+    users = {}
+    for line in ACL_FILE.read_text().splitlines():
+        words = line.split()
+        if words and words[0] == "user":
+            users[words[1]] = words[2:]
+    return users
+
+
+def password(user: str) -> str:
+    return next(r[1:] for r in acl_users()[user] if r.startswith(">"))
+
+
+@pytest.fixture(scope="module")
+def _users_server() -> Iterator[tuple[EmbeddedServer, redis.Redis]]:
+    with EmbeddedServer(password="bootstrap-only") as server:
+        admin = redis.Redis(host="127.0.0.1", port=server.port, password="bootstrap-only")
+        admin.execute_command("ACL", "SETUSER", ADMIN[0], "on", f">{ADMIN[1]}", "~*", "&*", "+@all")
+        admin.execute_command("AUTH", *ADMIN)
+        for user, rules in acl_users().items():
+            admin.execute_command("ACL", "SETUSER", user, "reset", *rules)
+        try:
+            yield server, admin
+        finally:
+            admin.close()
+
+
+@pytest.fixture
+def acl_server(
+    _users_server: tuple[EmbeddedServer, redis.Redis],
+) -> tuple[EmbeddedServer, redis.Redis]:
+    """A server running exactly the file's users (plus a test admin), ACL LOG cleared."""
+    _users_server[1].execute_command("ACL", "LOG", "RESET")
+    return _users_server
+
+
+def _config(server: EmbeddedServer, user: str, **overrides: Any) -> LookupConfig:
+    return LookupConfig(
+        redis_url=f"redis://127.0.0.1:{server.port}/0",
+        redis_username=user,
+        redis_password=password(user),
+        **{**FAST, **overrides},
+    )
+
+
+def _as(server: EmbeddedServer, user: str) -> redis.Redis:
+    return redis.Redis(host="127.0.0.1", port=server.port, username=user, password=password(user))
+
+
+def test_file_has_least_privilege_users():
+    users = acl_users()
+    assert {"default", "scheduler", "worker"} <= set(users)
+    assert "off" in users["default"] and "+@all" not in users["default"]
+    for role in ("scheduler", "worker"):
+        rules = users[role]
+        assert [r for r in rules if r.startswith(("~", "%"))] == ["~bl:*"]
+        assert "-@all" in rules and not any(r.startswith("+@") for r in rules)
+
+
+#: redis-py's connect handshake; refused on purpose (the rule only parses on Redis 7.2+, and
+#: the file must load on 6.2+); redis-py ignores the refusal. See tests/helm/_acl.py.
+HANDSHAKE = "client|setinfo"
+
+
+def _denials(admin: redis.Redis) -> list[dict[str, Any]]:
+    return [
+        dict(e)
+        for e in admin.acl_log()
+        if e.get("username") in ("scheduler", "worker") and e.get("object") != HANDSHAKE
+    ]
+
+
+def _protocol_run(server: EmbeddedServer, engine_id: str) -> None:
+    """Hit, min over ranks, cancel mid-prefetch, timeout, dead letter, shutdown."""
+    engines = [InstantEngine(hits=24), ManualEngine()]
+    ranks = [
+        RedisAsyncLookupServer(
+            e, LookupMetadata(engine_id=engine_id, world_size=2, worker_id=r),
+            _config(server, "worker"),
+        )
+        for r, e in enumerate(engines)
+    ]  # fmt: skip
+    meta = LookupMetadata(engine_id=engine_id, world_size=2)
+    client = RedisAsyncLookupClient(_config(server, "scheduler"), meta)
+    try:
+        wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+        client.lookup(TOKENS, "hit")
+        wait_until(lambda: "hit" in engines[1].started_ids())
+        engines[1].report("hit", 32)
+        wait_until(lambda: client.lookup_cache("hit") == 24, timeout=10)
+        client.lookup(TOKENS, "cancel")
+        wait_until(lambda: "cancel" in engines[1].started_ids())
+        client.cancel_lookup("cancel")
+        wait_until(lambda: ranks[1].stats()["counts"].get("aborts", 0) >= 1)
+        engines[1].report("cancel", 40)
+        client.lookup(TOKENS, "timeout")  # rank 1 never answers this one
+        wait_until(lambda: client.lookup_cache("timeout") == 0, timeout=10)
+        _as(server, "scheduler").xadd(KeySpace(engine_id).requests, {"m": b"junk"})
+        wait_until(lambda: ranks[0].stats()["consumer"]["dead_letters"] == 1)
+    finally:
+        client.close()
+        for rank in ranks:
+            rank.close()
+    assert all(rank.stats()["reporter_errors"] == 0 for rank in ranks)
+    assert client.stats()["redis_errors"] == 0
+
+
+def test_protocol_runs_under_the_shipped_users(acl_server, engine_id):
+    server, admin = acl_server
+    _protocol_run(server, engine_id)
+    assert _denials(admin) == []  # nothing the protocol does needs more than the file grants
+    ks = KeySpace(engine_id)
+    assert not admin.exists(ks.heartbeat(0), ks.heartbeat(1))  # deleted on close, as allowed
+    assert admin.xlen(ks.dead) == 2
+
+
+@pytest.mark.parametrize("user", ["scheduler", "worker"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("FLUSHALL",),
+        ("FLUSHDB",),
+        ("CONFIG", "GET", "*"),
+        ("CONFIG", "SET", "maxmemory", "1"),
+        ("KEYS", "*"),
+        ("GET", "other:key"),
+        ("SET", "other:key", "1"),
+        ("DEL", "other:key"),
+        ("EVAL", "return redis.call('SET', KEYS[1], '1')", 1, "other:key"),
+        ("EVAL", "return redis.call('GET', 'other:key')", 0),
+        ("SCRIPT", "FLUSH"),
+        ("SHUTDOWN",),
+        ("ACL", "SETUSER", "evil", "on", "+@all"),
+        ("MONITOR",),
+    ],
+    ids=lambda c: " ".join(map(str, c[:2])) if isinstance(c, tuple) else c,
+)
+def test_what_the_protocol_does_not_need_is_denied(acl_server, user, command):
+    server, admin = acl_server
+    conn = _as(server, user)
+    with pytest.raises(redis.ResponseError, match=r"NOPERM|No permissions|permission"):
+        conn.execute_command(*command)
+    assert admin.exists("other:key") == 0
+    assert admin.ping()  # still up: SHUTDOWN and FLUSHALL were refused
+
+
+def test_default_user_is_off(acl_server):
+    server, _ = acl_server
+    once = Retry(NoBackoff(), 0)  # an auth failure is a ConnectionError: do not retry it
+    anonymous = redis.Redis(host="127.0.0.1", port=server.port, retry=once)
+    with pytest.raises((redis.AuthenticationError, redis.ResponseError)):
+        anonymous.get("bl:{e}:requests")
+    wrong = redis.Redis(
+        host="127.0.0.1", port=server.port, username="scheduler", password="wrong", retry=once
+    )
+    with pytest.raises(redis.AuthenticationError):
+        wrong.ping()
