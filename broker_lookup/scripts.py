@@ -10,7 +10,7 @@ pipeline is a ``ClusterPipeline`` and ``SCRIPT LOAD`` goes to every primary.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -27,6 +27,8 @@ REPORT = "report"
 CANCEL = "cancel"
 
 Arg = str | bytes | int
+#: Queues extra commands on a pipeline ahead of the scripts; returns how many.
+Before = Callable[[Any], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +67,17 @@ class ScriptSet:
         """Run one script now; reload and retry once if the server lost it."""
         return self.run(client, [call])[0]
 
-    def run(self, client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
+    def run(
+        self, client: redis.Redis, calls: Sequence[Call], before: Before | None = None
+    ) -> list[Any]:
         """Run ``calls`` in one pipelined round trip; per-call errors come back as values.
 
+        ``before`` may queue other commands ahead of the scripts in the same round trip
+        (a rank's XACK); an error from one of those is raised, translated.
         Calls that failed with NOSCRIPT did not run, so re-running them after a
         reload cannot apply anything twice.
         """
-        results = self._execute(client, calls)
+        results = self._execute(client, calls, before)
         redo = [i for i, res in enumerate(results) if is_noscript(res)]
         if redo:
             self.load(client)
@@ -80,13 +86,20 @@ class ScriptSet:
                 results[i] = res
         return results
 
-    def _execute(self, client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
+    def _execute(
+        self, client: redis.Redis, calls: Sequence[Call], before: Before | None = None
+    ) -> list[Any]:
         with translate_redis_errors("running Lua scripts"):
             pipe = client.pipeline(transaction=False)
+            ahead = before(pipe) if before is not None else 0
             for c in calls:
                 # execute_command, not pipe.evalsha: redis-py's ClusterPipeline blocks its
                 # evalsha method (it cannot reload scripts), and we handle NOSCRIPT here.
                 pipe.execute_command(  # type: ignore[no-untyped-call]  # untyped in redis-py
                     "EVALSHA", self.sha[c.script], len(c.keys), *c.keys, *c.args
                 )
-            return list(pipe.execute(raise_on_error=False))
+            results = list(pipe.execute(raise_on_error=False))
+            for res in results[:ahead]:
+                if isinstance(res, Exception):
+                    raise res
+        return results[ahead:]

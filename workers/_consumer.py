@@ -38,6 +38,8 @@ __all__ = ["Consumer"]
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[LookupRequest | Abort], None]
+#: Acks the entries of a batch (and sends what else must ride with the ack).
+Flush = Callable[[redis.Redis, list[bytes]], None]
 
 _JSON = msgspec.json.Encoder()
 _COUNTERS = ("entries", "dead_letters", "redis_errors", "nogroup", "replayed", "pending", "lag")
@@ -57,6 +59,8 @@ class Consumer:
         on_tick: Callable[[], None],
         *,
         world_size: int | None = None,
+        flush: Flush | None = None,
+        bind: Callable[[], None] | None = None,
     ) -> None:
         self._config = config
         self._world_size = world_size
@@ -66,6 +70,8 @@ class Consumer:
         self._handle = handle
         self._beat_info = beat_info
         self._on_tick = on_tick
+        self._flush: Flush = flush or self._xack
+        self._bind: Callable[[], None] = bind or (lambda: None)
         self._group = keys.group(rank)
         self._name = keys.consumer(rank)
         self._stop = threading.Event()
@@ -96,6 +102,7 @@ class Consumer:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        self._bind()
         client = self._factory()
         try:
             while not self._stop.is_set():
@@ -155,8 +162,11 @@ class Consumer:
         ):
             self._handle(msg)
         if entries:
-            with translate_redis_errors("acking entries"):
-                client.xack(self._keys.requests, self._group, *[e for e, _ in entries])
+            self._flush(client, [e for e, _ in entries])
+
+    def _xack(self, client: redis.Redis, ids: list[bytes]) -> None:
+        with translate_redis_errors("acking entries"):
+            client.xack(self._keys.requests, self._group, *ids)
 
     def _decode(
         self, client: redis.Redis, entry_id: bytes, fields: dict[bytes, bytes] | None

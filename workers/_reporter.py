@@ -11,6 +11,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
@@ -47,6 +48,8 @@ class Reporter:
         self._scripts = scripts
         self._on_result = on_result
         self._queue: deque[Report] = deque()
+        self._inline: list[Report] = []
+        self._inline_thread: int | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.errors = 0
@@ -58,10 +61,47 @@ class Reporter:
         """Start the thread."""
         self._thread.start()
 
+    def bind_thread(self) -> None:
+        """Mark the calling thread (the rank's consumer) as the one that flushes inline."""
+        self._inline_thread = threading.get_ident()
+
     def put(self, lookup_id: str, gen: int, hits: int) -> None:
-        """Queue one report (called from engine threads)."""
+        """Queue one report (called from engine threads).
+
+        An engine that answers on the consumer thread itself (a miss, an instant hit)
+        has its report sent with the consumer's XACK: no hand-off to this thread.
+        """
+        if threading.get_ident() == self._inline_thread:
+            self._inline.append((lookup_id, gen, hits))
+            return
         self._queue.append((lookup_id, gen, hits))
         self._wake.set()
+
+    def flush(self, client: redis.Redis, ack_ids: list[bytes]) -> None:
+        """On the consumer thread: XACK ``ack_ids`` and send its inline reports, one round trip.
+
+        If Redis fails, the reports go to this reporter's own retrying queue and the
+        error propagates (the entries stay pending and are replayed, then deduped).
+        """
+        stream, group = self._keys.requests, self._keys.group(self._rank)
+
+        def ack(pipe: Any) -> int:
+            if ack_ids:
+                pipe.xack(stream, group, *ack_ids)
+            return 1 if ack_ids else 0
+
+        while ack_ids or self._inline:
+            reports, self._inline = self._inline, []
+            try:
+                results = self._scripts.run(client, [self._call(r) for r in reports], ack)
+            except BrokerLookupError:
+                self._queue.extend(reports)
+                self._wake.set()
+                raise
+            for (lookup_id, gen, _), res in zip(reports, results, strict=True):
+                # May start a queued generation whose engine answers inline: loop again.
+                self._on_result(lookup_id, gen, self._answer(res))
+            ack_ids = []
 
     def stop(self, timeout_s: float) -> bool:
         """Flush what is queued, stop, join; False if the join timed out."""

@@ -85,6 +85,8 @@ class RedisAsyncLookupServer:
             self._beat_info,
             self._sweep,
             world_size=metadata.world_size,
+            flush=self._reporter.flush,
+            bind=self._reporter.bind_thread,
         )
         self._closed = False
         post_init = getattr(engine, "post_init", None)
