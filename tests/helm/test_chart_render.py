@@ -485,7 +485,8 @@ def test_external_redis_without_auth(render: RenderFn) -> None:
     ["redis+sentinel://s1:26379,s2:26379/mymaster/0", "redis+cluster://n1:6379,n2:6379"],
 )
 def test_external_sentinel_and_cluster_urls_reach_the_workers(render: RenderFn, url: str) -> None:
-    rendered = render("redis.enabled=false", f"externalRedis.url={url}", "auth.enabled=false")
+    escaped = url.replace(",", "\\,")  # helm --set splits on unescaped commas
+    rendered = render("redis.enabled=false", f"externalRedis.url={escaped}", "auth.enabled=false")
     assert env_map(rendered.worker_container())["BROKER_LOOKUP_REDIS_URL"] == url
 
 
