@@ -41,7 +41,7 @@ def test_kill9_mid_prefetch_then_restart_replays_pending(
     conn = redis.Redis.from_url(real_server.url)
     # A long heartbeat TTL: the crashed rank still counts as alive until it is back, so
     # lookups sent meanwhile wait for it instead of failing fast as dead-rank lookups.
-    slow_hb = {"heartbeat_interval_ms": 100, "heartbeat_ttl_ms": 8000}
+    slow_hb = {"heartbeat_interval_ms": 100, "heartbeat_ttl_ms": 20000}
     ranks = [
         rank_procs(real_server.url, engine_id, 2, r, PROMPTS, load_delay_ms=250, **slow_hb)
         for r in range(2)

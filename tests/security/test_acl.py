@@ -5,6 +5,7 @@ and every connection that does not log in (``default`` is off)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,8 @@ def password(user: str) -> str:
 
 @pytest.fixture(scope="module")
 def _users_server() -> Iterator[tuple[EmbeddedServer, redis.Redis]]:
-    with EmbeddedServer(password="bootstrap-only") as server:
+    binary = os.environ.get("BROKER_LOOKUP_TEST_SERVER_BINARY") or None  # CI: Redis 7.0 too
+    with EmbeddedServer(binary=binary, password="bootstrap-only") as server:
         admin = redis.Redis(host="127.0.0.1", port=server.port, password="bootstrap-only")
         admin.execute_command("ACL", "SETUSER", ADMIN[0], "on", f">{ADMIN[1]}", "~*", "&*", "+@all")
         admin.execute_command("AUTH", *ADMIN)
@@ -174,7 +176,7 @@ def test_protocol_runs_under_the_shipped_users(acl_server, engine_id):
 def test_what_the_protocol_does_not_need_is_denied(acl_server, user, command):
     server, admin = acl_server
     conn = _as(server, user)
-    with pytest.raises(redis.ResponseError, match=r"NOPERM|No permissions|permission"):
+    with pytest.raises(redis.ResponseError, match=r"NOPERM|No permissions|permission|can't access"):
         conn.execute_command(*command)
     assert admin.exists("other:key") == 0
     assert admin.ping()  # still up: SHUTDOWN and FLUSHALL were refused

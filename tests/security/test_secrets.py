@@ -34,7 +34,8 @@ def _clean(text: str) -> None:
 @pytest.fixture(scope="module")
 def locked() -> Iterator[EmbeddedServer]:
     """A private server with a password (requirepass)."""
-    with EmbeddedServer(password=RIGHT) as server:
+    binary = os.environ.get("BROKER_LOOKUP_TEST_SERVER_BINARY") or None
+    with EmbeddedServer(binary=binary, password=RIGHT) as server:
         yield server
 
 
