@@ -18,6 +18,7 @@ from typing import Any
 
 import redis
 
+from broker_lookup._guard import LoopGuard
 from broker_lookup._state import LookupTable
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, MalformedMessage, translate_redis_errors
@@ -53,6 +54,7 @@ class Listener:
         self._factory = factory
         self._expected = expected
         self._stop = threading.Event()
+        self.guard = LoopGuard("client listener", self._stop)
         self._last_id: bytes | str = b"0-0"
         #: Ranks of ``expected`` without a heartbeat; read by lookup() without a lock.
         self.dead: frozenset[int] = frozenset(expected)
@@ -97,6 +99,8 @@ class Listener:
                     self.connected = True
                 except (BrokerLookupError, redis.RedisError) as exc:
                     self._on_error(exc)
+                except Exception:  # a bug: counted and logged, never a silent dead thread
+                    self.guard()
         finally:
             client.close()
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import redis
 
+from broker_lookup._guard import LoopGuard
 from broker_lookup._state import Entry, LookupTable
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, BrokerUnavailable
@@ -56,6 +57,7 @@ class Sender:
         self._queue: deque[tuple[str, Entry | None, LookupRequest | Abort]] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self.guard = LoopGuard("client sender", self._stop)
         self._expected = ""
         self.errors = 0
         self.batches = 0
@@ -96,7 +98,10 @@ class Sender:
             while not self._stop.is_set():
                 self._wake.wait(0.1)
                 self._wake.clear()
-                self._drain(client)
+                try:
+                    self._drain(client)
+                except Exception:  # a bug: counted and logged, never a silent dead thread
+                    self.guard()
             self._drain(client)  # ordered shutdown: cancels queued by close() go out
         finally:
             client.close()

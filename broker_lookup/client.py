@@ -196,6 +196,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             "queued": self._sender.queued,
             "stale_events": t.stale_events,
             "redis_errors": self._sender.errors + self._listener.errors,
+            "unexpected_errors": self._sender.guard.count + self._listener.guard.count,
             "dead_ranks": sorted(self._listener.dead),
             "latency_counts": list(t.latency_counts),
             "latency_sum": t.latency_sum,

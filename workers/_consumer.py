@@ -21,6 +21,7 @@ import msgspec
 import redis
 from redis.exceptions import ResponseError
 
+from broker_lookup._guard import LoopGuard
 from broker_lookup.config import LookupConfig
 from broker_lookup.connection import ensure_group
 from broker_lookup.errors import BrokerLookupError, MalformedMessage, translate_redis_errors
@@ -75,6 +76,7 @@ class Consumer:
         self._group = keys.group(rank)
         self._name = keys.consumer(rank)
         self._stop = threading.Event()
+        self.guard = LoopGuard(f"rank {rank} consumer", self._stop)
         self._replaying = True
         self._next_beat = 0.0
         self._next_info = 0.0
@@ -121,6 +123,8 @@ class Consumer:
             self._on_tick()
         except BrokerLookupError as exc:
             self._on_error(exc)
+        except Exception:  # a bug: counted and logged, never a silent dead thread
+            self.guard()
 
     def _on_error(self, exc: BrokerLookupError) -> None:
         if is_nogroup(exc):

@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 
+from broker_lookup._guard import LoopGuard
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError
 from broker_lookup.keys import KeySpace
@@ -52,6 +53,7 @@ class Reporter:
         self._inline_thread: int | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self.guard = LoopGuard(f"rank {rank} reporter", self._stop)
         self.errors = 0
         self._thread = threading.Thread(
             target=self._run, name=f"broker-lookup-reporter-{rank}", daemon=True
@@ -117,7 +119,10 @@ class Reporter:
             while not self._stop.is_set():
                 self._wake.wait(0.1)
                 self._wake.clear()
-                self._drain(client)
+                try:
+                    self._drain(client)
+                except Exception:  # a bug: counted and logged, never a silent dead thread
+                    self.guard()
             self._drain(client)
         finally:
             client.close()

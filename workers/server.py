@@ -232,6 +232,7 @@ class RedisAsyncLookupServer:
             **self.tracker.sizes(),
             "consumer": dict(self._consumer.stats),
             "reporter_errors": self._reporter.errors,
+            "unexpected_errors": self._consumer.guard.count + self._reporter.guard.count,
             "last_heartbeat": self._consumer.last_beat,
             "ready": self._consumer.ready.is_set(),
             "alive": self._consumer.alive(),

@@ -1,0 +1,60 @@
+"""A bug inside a background loop is counted and logged; the loop survives it."""
+
+from __future__ import annotations
+
+import logging
+
+from engines import InstantEngine
+from helpers import wait_until
+
+TOKENS = list(range(40))
+
+
+def _ready(server, client):
+    wait_until(lambda: server.ready and server.stats()["last_heartbeat"])
+    wait_until(lambda: not client.stats()["dead_ranks"])
+
+
+def test_rank_loop_survives_an_unexpected_error(make_server, make_client, caplog, monkeypatch):
+    server = make_server(InstantEngine(hits=20))
+    client = make_client()
+    _ready(server, client)
+    original = server.tracker.on_request
+    calls = {"n": 0}
+
+    def flaky(req, now):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("bug in the tracker")
+        return original(req, now)
+
+    monkeypatch.setattr(server.tracker, "on_request", flaky)
+    with caplog.at_level(logging.ERROR):
+        client.lookup(TOKENS, "first")
+        wait_until(lambda: server.stats()["unexpected_errors"] == 1)
+    assert any("unexpected error #1" in r.getMessage() for r in caplog.records)
+    assert server.stats()["alive"]
+    client.lookup(TOKENS, "second")
+    assert wait_until(lambda: client.lookup_cache("second") == 20)
+
+
+def test_client_listener_survives_an_unexpected_error(make_server, make_client, monkeypatch):
+    server = make_server(InstantEngine(hits=20))
+    client = make_client()
+    _ready(server, client)
+    table = client._table
+    original = table.finish
+    calls = {"n": 0}
+
+    def flaky(*args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("bug in the table")
+        return original(*args)
+
+    monkeypatch.setattr(table, "finish", flaky)
+    client.lookup(TOKENS, "first")
+    wait_until(lambda: client.stats()["unexpected_errors"] == 1)
+    client.lookup(TOKENS, "second")
+    assert wait_until(lambda: client.lookup_cache("second") == 20)
+    assert client._listener._thread.is_alive()
