@@ -1,24 +1,26 @@
 """Worker side of broker-lookup: the lookup server, the reference engine, the rank runner.
 
-``ReferenceEngine`` is imported on first use: it needs torch, which costs a rank
-process over a second at start-up when its engine is another one.
+Both names are imported on first use: ``python -m workers`` must install its signal
+handlers before anything heavy loads (``ReferenceEngine`` needs torch, which takes a
+rank process over a second to import).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
-
-from workers.server import RedisAsyncLookupServer
 
 if TYPE_CHECKING:
     from workers.reference_engine import ReferenceEngine
+    from workers.server import RedisAsyncLookupServer
 
 __all__ = ["RedisAsyncLookupServer", "ReferenceEngine"]
 
+_HOMES = {"RedisAsyncLookupServer": "workers.server", "ReferenceEngine": "workers.reference_engine"}
+
 
 def __getattr__(name: str) -> Any:
-    if name == "ReferenceEngine":
-        from workers.reference_engine import ReferenceEngine
-
-        return ReferenceEngine
-    raise AttributeError(f"module 'workers' has no attribute {name!r}")
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'workers' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
-from workers.runner import main
+# Catch SIGTERM/SIGINT before the heavy imports below (torch takes seconds): a rank
+# told to stop while still starting must exit 0 in order, not die by the signal.
+_stop = threading.Event()
+
+
+def _early(signum: int, _frame: object) -> None:
+    _stop.set()
+
+
+signal.signal(signal.SIGTERM, _early)
+signal.signal(signal.SIGINT, _early)
+
+from workers.runner import main  # noqa: E402  (after the handlers, on purpose)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(stop=_stop))
