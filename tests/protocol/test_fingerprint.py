@@ -71,9 +71,8 @@ def test_stale_members_are_dropped_and_garbage_is_a_mismatch(backend, engine_id)
     assert names == {"rank8:odd:2", "rank7:same:3"}
 
 
+@pytest.mark.parametrize("backend", ["fake"], indirect=True)  # connection loss: fakeredis
 def test_publisher_never_raises(backend, engine_id, caplog):
-    if backend.kind != "fake":
-        pytest.skip("losing the connection is simulated on fakeredis")
     backend.fake_server.connected = False
     publisher = fingerprint.Publisher(
         KeySpace(engine_id), "client", ChunkedTokenHasher(), backend.factory
