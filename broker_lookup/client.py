@@ -110,18 +110,9 @@ class RedisAsyncLookupClient(LookupClientInterface):
         request_configs: dict[str, Any] | None,
         with_event: bool,
     ) -> Entry | int:
-        reason = check_lookup_id(lookup_id, self.config.max_lookup_id_length)
-        if reason:
-            raise InvalidRequest(reason)
-        self._check_configs(request_configs)
-        hashes, offsets = self.hasher.hashes_and_offsets(token_ids)
+        hashes, offsets = self._hash_checked(token_ids, lookup_id, request_configs)
         if not hashes:
             return 0  # shorter than one chunk: nothing to ask (LMCache D17)
-        if len(hashes) > self.config.max_chunks_per_request:
-            raise InvalidRequest(
-                f"{len(hashes)} chunks exceed max_chunks_per_request="
-                f"{self.config.max_chunks_per_request}"
-            )
         now = time.monotonic()
         tokens = sum(offsets)
         entry = Entry(
@@ -148,6 +139,25 @@ class RedisAsyncLookupClient(LookupClientInterface):
         )
         self._sender.submit(lookup_id, entry, request)
         return entry
+
+    def _hash_checked(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        lookup_id: str,
+        request_configs: dict[str, Any] | None,
+    ) -> tuple[list[int], list[int]]:
+        """Hashes and offsets of a valid request; InvalidRequest naming the limit otherwise."""
+        reason = check_lookup_id(lookup_id, self.config.max_lookup_id_length)
+        if reason:
+            raise InvalidRequest(reason)
+        self._check_configs(request_configs)
+        hashes, offsets = self.hasher.hashes_and_offsets(token_ids)
+        if len(hashes) > self.config.max_chunks_per_request:
+            raise InvalidRequest(
+                f"{len(hashes)} chunks exceed max_chunks_per_request="
+                f"{self.config.max_chunks_per_request}"
+            )
+        return hashes, offsets
 
     def _check_configs(self, request_configs: dict[str, Any] | None) -> None:
         if request_configs is None:

@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
-import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import yaml
 
+from broker_lookup._config_parse import ENV_PREFIX, env_name, parse_env, parse_file
 from broker_lookup.errors import ConfigError
 from broker_lookup.keys import validate_engine_id
 
 __all__ = ["ENV_PREFIX", "LookupConfig", "LookupMetadata", "env_name", "expected_ranks"]
 
-#: Environment variables are ``BROKER_LOOKUP_<FIELD>``.
-ENV_PREFIX = "BROKER_LOOKUP_"
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "redis+cluster://")
 _SECRET_IN_URL = re.compile(r"(://[^:/@]*:)([^@]*)@")
@@ -38,11 +34,6 @@ _POSITIVE = (
     "max_lookup_id_length max_chunks_per_request max_request_configs_bytes worker_pin_ttl_ms "
     "worker_dedupe_capacity redis_retries"
 ).split()
-
-
-def env_name(field: str) -> str:
-    """Environment variable that sets ``field``."""
-    return ENV_PREFIX + field.upper()
 
 
 def redact_url(url: str) -> str:
@@ -196,7 +187,7 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         for info in msgspec.structs.fields(cls):
             raw = env.get(env_name(info.name))
             if raw is not None:
-                values[info.name] = _parse_env(info.name, raw, info.type)
+                values[info.name] = parse_env(info.name, raw, info.type)
                 given[info.name] = raw
         try:
             return msgspec.convert(values, cls, strict=False)
@@ -211,7 +202,7 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             text = p.read_text()
         except OSError as exc:
             raise ConfigError(f"cannot read config file {p}: {exc}") from None
-        data = _parse_file(p, text)
+        data = parse_file(p, text)
         return cls.from_mapping(data, source=str(p))
 
     @classmethod
@@ -234,36 +225,6 @@ def _explain(exc: msgspec.ValidationError, given: Mapping[str, object], source: 
     return f"invalid config in {source}: {field}={_shown(field, given[field])} " + (
         f"(env {env_name(field)}) has the wrong type: {why}"
     )
-
-
-def _parse_env(field: str, raw: str, kind: object) -> object:
-    # none/null/empty only for Optional fields, yes/no only for bools: a str stays a str.
-    text = raw.strip()
-    if type(None) in typing.get_args(kind) and text.lower() in ("", "none", "null"):
-        return None
-    if field == "lookup_server_worker_ids":
-        try:
-            return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
-        except ValueError:
-            raise ConfigError(
-                f"{env_name(field)}={raw!r} is invalid: expected comma-separated ranks like 0,1"
-            ) from None
-    if kind is bool and text.lower() in ("true", "yes", "on"):
-        return True
-    if kind is bool and text.lower() in ("false", "no", "off"):
-        return False
-    return text
-
-
-def _parse_file(path: Path, text: str) -> dict[str, Any]:
-    try:
-        data: object = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot parse config file {path}: {exc}") from None
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of field: value")
-    return data
 
 
 class LookupMetadata(_Validated, frozen=True, kw_only=True):

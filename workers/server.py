@@ -73,6 +73,16 @@ class RedisAsyncLookupServer:
         self._jobs: dict[tuple[str, int], Job] = {}
         self.engine_seconds = [0] * (len(LATENCY_BUCKETS) + 1)
         self.engine_seconds_sum = 0.0
+        self._closed = False
+        self._build_threads(factory)
+        post_init = getattr(engine, "post_init", None)
+        if callable(post_init):
+            post_init(async_lookup_server=self)
+        self._reporter.start()
+        self._consumer.start()
+
+    def _build_threads(self, factory: ConnectionFactory) -> None:
+        cfg = self.config
         self._reporter = Reporter(
             cfg, self.keys, self.rank, factory, ScriptSet(), self._on_reported
         )
@@ -84,16 +94,10 @@ class RedisAsyncLookupServer:
             self._handle,
             self._beat_info,
             self._sweep,
-            world_size=metadata.world_size,
+            world_size=self.metadata.world_size,
             flush=self._reporter.flush,
             bind=self._reporter.bind_thread,
         )
-        self._closed = False
-        post_init = getattr(engine, "post_init", None)
-        if callable(post_init):
-            post_init(async_lookup_server=self)
-        self._reporter.start()
-        self._consumer.start()
 
     # -- LMCache's contract ---------------------------------------------------------
 
