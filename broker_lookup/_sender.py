@@ -8,17 +8,16 @@ lookups costs one round trip, not N.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
-from broker_lookup._guard import LoopGuard
+from broker_lookup._batcher import Batcher
 from broker_lookup._state import Entry, LookupTable
 from broker_lookup.config import LookupConfig
-from broker_lookup.errors import BrokerLookupError, BrokerUnavailable
+from broker_lookup.errors import BrokerUnavailable
 from broker_lookup.keys import KeySpace
 from broker_lookup.messages import Abort, LookupRequest, request_fields
 from broker_lookup.scripts import CANCEL, SUBMIT, Call, ScriptSet
@@ -38,7 +37,10 @@ def _flat(fields: dict[str, bytes | str | int]) -> list[bytes | str | int]:
     return out
 
 
-class Sender:
+Item = tuple[str, Entry | None, LookupRequest | Abort]
+
+
+class Sender(Batcher[Item]):
     """Owns the write connection; the only thread that submits and cancels."""
 
     def __init__(
@@ -49,71 +51,28 @@ class Sender:
         factory: Callable[[], redis.Redis],
         scripts: ScriptSet,
     ) -> None:
+        super().__init__("client sender", factory, scripts, config.redis_retries, _MAX_BATCH)
         self._config = config
         self._keys = keys
         self._table = table
-        self._factory = factory
-        self._scripts = scripts
-        self._queue: deque[tuple[str, Entry | None, LookupRequest | Abort]] = deque()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self.guard = LoopGuard("client sender", self._stop)
         self._expected = ""
-        self.errors = 0
         self.batches = 0
         self.lost_cancels = 0
-        self._thread = threading.Thread(target=self._run, name="broker-lookup-sender", daemon=True)
 
-    def start(self, expected: str) -> None:
+    def start(self, expected: str = "") -> None:
         """Start the thread; ``expected`` is the comma-separated rank list of every lookup."""
         self._expected = expected
-        self._thread.start()
+        super().start()
 
     def submit(self, lookup_id: str, entry: Entry, request: LookupRequest) -> None:
         """Queue a lookup (hot path: an append and an event set)."""
-        self._queue.append((lookup_id, entry, request))
-        self._wake.set()
+        self._put((lookup_id, entry, request))
 
     def cancel(self, lookup_id: str, gen: int) -> None:
         """Queue a cancel of one generation."""
-        self._queue.append((lookup_id, None, Abort(lookup_id=lookup_id, gen=gen)))
-        self._wake.set()
+        self._put((lookup_id, None, Abort(lookup_id=lookup_id, gen=gen)))
 
-    @property
-    def queued(self) -> int:
-        """Operations waiting to be sent."""
-        return len(self._queue)
-
-    def stop(self, timeout_s: float) -> bool:
-        """Send what is queued (best effort), stop, join; False if the join timed out."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        client = self._factory()
-        try:
-            while not self._stop.is_set():
-                self._wake.wait(0.1)
-                self._wake.clear()
-                try:
-                    self._drain(client)
-                except Exception:  # a bug: counted and logged, never a silent dead thread
-                    self.guard()
-            self._drain(client)  # ordered shutdown: cancels queued by close() go out
-        finally:
-            client.close()
-
-    def _drain(self, client: redis.Redis) -> None:
-        while self._queue:
-            batch: list[tuple[str, Entry | None, LookupRequest | Abort]] = []
-            while self._queue and len(batch) < _MAX_BATCH:
-                batch.append(self._queue.popleft())
-            self._send(client, batch)
-
-    def _call_for(self, item: tuple[str, Entry | None, LookupRequest | Abort]) -> Call | None:
+    def _call_for(self, item: Item) -> Call | None:
         lookup_id, entry, msg = item
         key = self._keys.lookup(lookup_id)
         cfg = self._config
@@ -141,41 +100,19 @@ class Sender:
             ],
         )
 
-    def _send(
-        self, client: redis.Redis, batch: list[tuple[str, Entry | None, LookupRequest | Abort]]
-    ) -> None:
+    def _send_batch(self, client: redis.Redis, batch: list[Item]) -> None:
         pairs = [(item, call) for item in batch if (call := self._call_for(item)) is not None]
         if not pairs:
             return
-        results = self._run_with_retries(client, [c for _, c in pairs])
+        results: list[Any] | None = self._run_with_retries(client, [c for _, c in pairs])
+        if results is None:
+            results = [BrokerUnavailable("Redis unavailable after retries")] * len(pairs)
         self.batches += 1
         for (item, _), res in zip(pairs, results, strict=True):
             if isinstance(res, Exception):
                 self._failed(item, res)
 
-    def _run_with_retries(self, client: redis.Redis, calls: list[Call]) -> list[object]:
-        delay = 0.01
-        for attempt in range(1, self._config.redis_retries + 1):
-            try:
-                return self._scripts.run(client, calls)
-            except BrokerLookupError as exc:
-                self.errors += 1
-                logger.warning(
-                    "sending %d lookup operation(s) failed (attempt %d/%d): %s",
-                    len(calls),
-                    attempt,
-                    self._config.redis_retries,
-                    exc,
-                )
-                if attempt < self._config.redis_retries:
-                    self._stop.wait(delay)
-                    delay *= 4
-                last: Exception = exc
-        return [BrokerUnavailable(str(last))] * len(calls)
-
-    def _failed(
-        self, item: tuple[str, Entry | None, LookupRequest | Abort], exc: Exception
-    ) -> None:
+    def _failed(self, item: Item, exc: Exception) -> None:
         lookup_id, entry, msg = item
         if entry is not None:
             # Redis is unreachable or refused: answer 0 now instead of at the timeout.
