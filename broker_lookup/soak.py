@@ -1,14 +1,12 @@
 """``broker-lookup soak``: mixed traffic against real rank processes while things break.
 
-A client drives hits, misses, partial hits, cancels and lookup-id reuse against N
-``python -m workers`` processes; at random moments a rank is killed with SIGKILL and
-restarted, or the embedded server is restarted. Every prompt's right answer is known
-(the min over ranks of what each rank preloaded), so the summary can count:
+A client drives hits, misses, partial hits, cancels and id reuse against N rank
+processes, while ranks are SIGKILLed and restarted and the embedded server restarts at
+random. Every prompt's right answer (the min over ranks) is known, so it counts:
 
 * ``wrong``: a result that is neither 0 nor the right answer (must be 0);
 * ``hangs``: a lookup still unanswered ``lookup_timeout_ms`` + 2 s after it started (must be 0);
 * ``leaked_keys``: keys of the engine without a TTL, streams excepted (must be 0);
-
 plus p99 latency and the RSS of every process at start and at the end."""
 
 from __future__ import annotations
@@ -99,10 +97,12 @@ class Ranks:
             "--preload", str(preload), "--connect-timeout", "60",
             "--load-delay-ms", str(_LOAD_DELAY_MS), "--log-level", "WARNING",
         ]  # fmt: skip
+        self.started: dict[int, float] = {}
         self.procs = [self.start(r) for r in range(self.n)]
 
     def start(self, rank: int) -> subprocess.Popen[bytes]:
         args = [*self._args, "--rank", str(rank), "--disk-dir", str(self.workdir / f"d{rank}")]
+        self.started[rank] = time.monotonic()
         with open(self.workdir / f"rank-{rank}.log", "ab") as log:
             return spawn(python_module("workers", args), self._env, output=log)
 
@@ -112,6 +112,8 @@ class Ranks:
         self.procs[rank] = self.start(rank)
 
     def stop(self) -> list[int]:
+        # A rank inside interpreter start-up has no handler yet: let it reach one first.
+        time.sleep(max(0.0, max(self.started.values()) + 0.5 - time.monotonic()))
         return terminate(self.procs, 30.0)
 
 
