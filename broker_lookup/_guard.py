@@ -27,6 +27,6 @@ class LoopGuard:
 
     def __call__(self) -> None:
         """Count and log the exception being handled, then back off (unless stopping)."""
-        self.count += 1
-        logger.exception("%s: unexpected error #%d; the loop goes on", self.name, self.count)
+        logger.exception("%s: unexpected error #%d; the loop goes on", self.name, self.count + 1)
+        self.count += 1  # after the log line, so whoever sees the count can find the line
         self._stop.wait(self._backoff_s)
