@@ -24,7 +24,7 @@ BROKER = {
     "lookup_broker_url": "redis://unused.invalid:6379/0",  # the tests pass connection_factory
     "lookup_broker_block_ms": 50,
     "lookup_broker_heartbeat_interval_ms": 100,
-    "lookup_broker_heartbeat_ttl_ms": 400,
+    "lookup_broker_heartbeat_ttl_ms": 1500,
 }
 PROMPT = list(range(1000, 1064))  # 4 chunks of 16
 STORED = 32  # tokens of PROMPT stored in the worker's engine

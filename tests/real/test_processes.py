@@ -32,7 +32,7 @@ SETTINGS = {
     "chunk_size": CHUNK,
     "block_ms": 100,
     "heartbeat_interval_ms": 200,
-    "heartbeat_ttl_ms": 800,
+    "heartbeat_ttl_ms": 1500,
     "lookup_timeout_ms": 10_000,
 }
 STARTUP_S = 90.0  # a rank imports torch: slow on a loaded 2-core machine

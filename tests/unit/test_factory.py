@@ -30,7 +30,7 @@ from broker_lookup import (
 )
 from workers import RedisAsyncLookupServer, ReferenceEngine
 
-FAST: dict[str, Any] = {"block_ms": 20, "heartbeat_interval_ms": 100, "heartbeat_ttl_ms": 400}
+FAST: dict[str, Any] = {"block_ms": 20, "heartbeat_interval_ms": 100, "heartbeat_ttl_ms": 1500}
 META = LookupMetadata(engine_id="factory-test", world_size=2)
 
 
