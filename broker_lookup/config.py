@@ -32,7 +32,7 @@ _POSITIVE = (
     "chunk_size lookup_timeout_ms socket_timeout_ms block_ms heartbeat_interval_ms "
     "heartbeat_ttl_ms stream_maxlen done_maxlen dead_maxlen max_pending result_retention_ms "
     "max_lookup_id_length max_chunks_per_request max_request_configs_bytes worker_pin_ttl_ms "
-    "worker_dedupe_capacity redis_retries"
+    "worker_dedupe_capacity redis_retries breaker_open_ms worker_watchdog_grace_ms"
 ).split()
 
 
@@ -110,8 +110,16 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     dead_maxlen: int = 1000  #: approximate cap of the dead-letter stream
     key_grace_ms: int = 10000  #: a lookup hash lives lookup_timeout_ms + this
     max_pending: int = 100_000  #: lookups the client tracks at once; beyond, lookups answer 0
-    result_retention_ms: int = 600_000  #: finished lookups never cleared are forgotten after this
-    max_lookup_id_length: int = 256  #: characters
+    #: finished lookups never cleared are forgotten after this; with lookup_timeout_ms it
+    #: must fit in worker_pin_ttl_ms, so no result outlives the pins it promises
+    result_retention_ms: int = 30_000
+    max_lookup_id_length: int = 4096  #: characters; a longer id is answered 0
+    #: a Redis call outstanding this long, or one that failed, opens the circuit breaker:
+    #: new lookups answer 0 at once until Redis answers again
+    breaker_open_ms: int = 1000
+    #: a rank whose engine has not reported by the lookup's deadline plus this reports 0
+    #: for it and releases its memory (an engine that never answers, LMCache D9)
+    worker_watchdog_grace_ms: int = 2000
     max_chunks_per_request: int = 16384  #: 4M tokens at chunk 256
     max_request_configs_bytes: int = 8192  #: encoded size of request_configs
     worker_pin_ttl_ms: int = 60000  #: a worker releases a completed lookup's pins after this
@@ -147,6 +155,13 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             "heartbeat_ttl_ms",
             self.heartbeat_ttl_ms,
             "must be at least twice heartbeat_interval_ms",
+        )
+        _require(
+            self.result_retention_ms + self.lookup_timeout_ms <= self.worker_pin_ttl_ms,
+            "result_retention_ms",
+            self.result_retention_ms,
+            f"plus lookup_timeout_ms={self.lookup_timeout_ms} must not exceed "
+            f"worker_pin_ttl_ms={self.worker_pin_ttl_ms} (a result must not outlive its pins)",
         )
         ratio = self.hit_miss_ratio
         _require(

@@ -34,6 +34,8 @@ from broker_lookup.errors import ConfigError, translate_redis_errors
 
 __all__ = [
     "ConnectionFactory",
+    "PooledFactory",
+    "close_factory",
     "ensure_group",
     "make_factory",
     "redis_cli_args",
@@ -46,10 +48,13 @@ logger = logging.getLogger(__name__)
 ConnectionFactory = Callable[[], "redis.Redis"]
 
 
-def _common_kwargs(config: LookupConfig, name: str) -> dict[str, Any]:
+def _common_kwargs(
+    config: LookupConfig, name: str, socket_timeout_s: float | None = None
+) -> dict[str, Any]:
+    timeout = config.socket_timeout_ms / 1000 if socket_timeout_s is None else socket_timeout_s
     kwargs: dict[str, Any] = {
-        "socket_timeout": config.socket_timeout_ms / 1000,
-        "socket_connect_timeout": min(config.socket_timeout_ms / 1000, 5.0),
+        "socket_timeout": timeout,
+        "socket_connect_timeout": min(timeout, 5.0),
         "socket_keepalive": True,
         "health_check_interval": 10,
         "client_name": name,
@@ -188,18 +193,48 @@ def _cluster_factory(config: LookupConfig, name: str) -> ConnectionFactory:
     return SharedCluster(make).acquire
 
 
-def make_factory(config: LookupConfig, name: str) -> ConnectionFactory:
-    """A factory of clients for ``config.redis_url``; ``name`` is the CLIENT SETNAME."""
+class PooledFactory:
+    """A :data:`ConnectionFactory` over one connection pool, which :meth:`close` disconnects.
+
+    ``Redis.close()`` on a client of a shared pool leaves its sockets open until garbage
+    collection; the owner of the factory closes them all at once when it shuts down.
+    """
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        self._pool = pool
+
+    def __call__(self) -> redis.Redis:
+        return redis.Redis(connection_pool=self._pool)
+
+    def close(self) -> None:
+        """Disconnect every connection of the pool (idempotent)."""
+        self._pool.disconnect()
+
+
+def close_factory(factory: ConnectionFactory) -> None:
+    """Close ``factory``'s connections if it owns a pool (a test's fakeredis factory does not)."""
+    close = getattr(factory, "close", None)
+    if callable(close):
+        close()
+
+
+def make_factory(
+    config: LookupConfig, name: str, *, socket_timeout_s: float | None = None
+) -> ConnectionFactory:
+    """A factory of clients for ``config.redis_url``; ``name`` is the CLIENT SETNAME.
+
+    ``socket_timeout_s`` overrides ``socket_timeout_ms`` for a loop that must notice a
+    stalled server sooner (a blocking read: BLOCK plus the breaker's threshold).
+    """
     url = config.redis_url
     if url.startswith("redis+sentinel://"):
         return _sentinel_factory(config, name)
     if url.startswith("redis+cluster://"):
         return _cluster_factory(config, name)
-    kwargs = _common_kwargs(config, name)
+    kwargs = _common_kwargs(config, name, socket_timeout_s)
     if url.startswith("rediss://"):
         kwargs.update(_tls_kwargs(config))
-    pool = redis.ConnectionPool.from_url(url, **kwargs)
-    return lambda: redis.Redis(connection_pool=pool)
+    return PooledFactory(redis.ConnectionPool.from_url(url, **kwargs))
 
 
 def redis_cli_args(url: str) -> str:

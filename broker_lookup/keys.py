@@ -7,8 +7,9 @@ Cluster, all of them live in one slot and every Lua script is legal.
 key                         type     content
 ==========================  =======  ====================================================
 ``bl:{E}:requests``         stream   lookup and abort entries; one group ``rank-<r>`` per rank
-``bl:{E}:lookup:<id>``      hash     state, gen, expected, r<rank>, result, created_ms,
-                                     deadline_ms, tokens; PEXPIRE always set
+``bl:{E}:lookup:<id>``      hash     id, state, gen, expected, r<rank>, result, created_ms,
+                                     deadline_ms, tokens; PEXPIRE always set (``<id>`` is
+                                     ``~<sha256>`` for ids a key should not hold)
 ``bl:{E}:done``             stream   completion events for the scheduler's listener
 ``bl:{E}:hb:<r>``           string   rank heartbeat (JSON), PX TTL
 ``bl:{E}:dead``             stream   dead-lettered entries with the reason
@@ -18,16 +19,21 @@ key                         type     content
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from broker_lookup.errors import ConfigError
 
-__all__ = ["PREFIX", "KeySpace", "validate_engine_id"]
+__all__ = ["DIGEST_MARK", "PREFIX", "KeySpace", "validate_engine_id"]
 
 #: First segment of every key, so an ACL can grant ``~bl:*``.
 PREFIX = "bl"
 
 _ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+#: Lookup ids used verbatim in a key; any other id is keyed by a digest (see KeySpace.lookup).
+_PLAIN_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+#: First character of a digest-keyed id's key part: never in a plain id, so never a collision.
+DIGEST_MARK = "~"
 
 
 def validate_engine_id(engine_id: str) -> str:
@@ -59,13 +65,23 @@ class KeySpace:
         self.fingerprint = self._base + "fp"
 
     def lookup(self, lookup_id: str) -> str:
-        """Hash holding the state of one lookup."""
-        return self._base + "lookup:" + lookup_id
+        """Hash holding the state of one lookup, for any ``str`` id.
 
-    def lookup_id_of(self, key: str | bytes) -> str:
-        """Inverse of :meth:`lookup`: the lookup id inside a lookup key."""
+        Ids of up to 128 characters of ``A-Z a-z 0-9 _ . : -`` (what vLLM generates) are
+        used as they are, so ``redis-cli`` shows them; any other id (a client's
+        ``X-Request-Id`` with spaces, non-ASCII, braces, 10 KB) is keyed by
+        ``~<sha256 hex>`` and the hash's ``id`` field keeps the original.
+        """
+        if _PLAIN_ID_RE.match(lookup_id):
+            return self._base + "lookup:" + lookup_id
+        raw = lookup_id.encode("utf-8", "surrogatepass")
+        return self._base + "lookup:" + DIGEST_MARK + hashlib.sha256(raw).hexdigest()
+
+    def lookup_id_of(self, key: str | bytes) -> str | None:
+        """Inverse of :meth:`lookup` for plain ids; None for a digest key (read its ``id``)."""
         text = key.decode() if isinstance(key, bytes) else key
-        return text[len(self._base) + len("lookup:") :]
+        part = text[len(self._base) + len("lookup:") :]
+        return None if part.startswith(DIGEST_MARK) else part
 
     @property
     def lookup_pattern(self) -> str:

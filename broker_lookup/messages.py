@@ -5,7 +5,7 @@ Request stream entry (``bl:{E}:requests``), written by the scheduler's client::
     type         "lookup" | "abort"           readable copy for redis-cli
     id           lookup id                    readable copy
     gen          generation (int)             readable copy
-    deadline_ms  epoch ms (lookups only)      readable copy
+    deadline_ms  epoch ms (lookups only)      readable copy (the client's clock; ranks use budget_ms)
     chunks       number of chunks (lookups)   readable copy
     m            msgpack of LookupRequest | Abort (tagged union): the only field decoded
 
@@ -30,6 +30,7 @@ __all__ = [
     "LookupRequest",
     "Request",
     "check_lookup_id",
+    "wire_id_problem",
     "decode_done",
     "decode_request",
     "encode_request",
@@ -49,9 +50,13 @@ class LookupRequest(msgspec.Struct, tag="lookup", frozen=True, kw_only=True):
     hashes: list[int]  #: per-chunk prefix hashes (int64 for builtin, uint64 for digests)
     offsets: list[int]  #: per-chunk token counts (not cumulative), LMCache's convention
     expected: list[int]  #: ranks whose reports complete the lookup
-    deadline_ms: int  #: epoch ms after which the answer is worthless; workers drop it
+    deadline_ms: int  #: client's epoch ms after which the answer is worthless (for humans)
     request_configs: dict[str, Any] | None = None  #: any JSON-able values (LMCache D13)
     tokens: int = 0  #: sum of offsets: the largest valid hit count
+    #: Relative deadline: the answer is worthless this many ms after the server stamped the
+    #: entry (its stream id), so ranks judge it by the server's clock, never by comparing
+    #: wall clocks across hosts. 0 (an older client): ranks fall back to ``deadline_ms``.
+    budget_ms: int = 0
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
@@ -120,8 +125,27 @@ def decode_done(fields: dict[bytes, bytes]) -> DoneEvent:
         raise MalformedMessage(f"bad completion entry: {exc!r}", fields) from None
 
 
+def wire_id_problem(lookup_id: object, max_length: int) -> str | None:
+    """Why ``lookup_id`` can't cross the wire (None if it can): a non-empty ``str`` of at
+    most ``max_length`` characters that encodes to UTF-8. Anything else a caller sends
+    is legal: keys hold a digest of ids they should not hold verbatim."""
+    if not isinstance(lookup_id, str):
+        return f"lookup_id must be a str, got {type(lookup_id).__name__}"
+    if not 0 < len(lookup_id) <= max_length:
+        return f"lookup_id length {len(lookup_id)} is outside 1..{max_length}"
+    try:
+        lookup_id.encode()
+    except UnicodeEncodeError:
+        return f"lookup_id {lookup_id[:64]!r} is not encodable as UTF-8 (a lone surrogate)"
+    return None
+
+
 def check_lookup_id(lookup_id: object, max_length: int) -> str | None:
-    """Why ``lookup_id`` can't be used (None if it can): printable ASCII, no spaces."""
+    """Strict opt-in check (never on the scheduler's path): printable ASCII, no spaces.
+
+    The reason ``lookup_id`` is not such an id, or None. Callers that want their own
+    ids kept readable in every key use it; the protocol itself takes any ``str``.
+    """
     if not isinstance(lookup_id, str):
         return f"lookup_id must be a str, got {type(lookup_id).__name__}"
     if not 0 < len(lookup_id) <= max_length:
@@ -133,9 +157,11 @@ def check_lookup_id(lookup_id: object, max_length: int) -> str | None:
 
 def validate_request(msg: LookupRequest, *, max_chunks: int, max_id_length: int) -> str | None:
     """Semantic checks a worker applies after decoding; the reason, or None if valid."""
-    reason = check_lookup_id(msg.lookup_id, max_id_length)
+    reason = wire_id_problem(msg.lookup_id, max_id_length)
     if reason:
         return reason
+    if msg.budget_ms < 0:
+        return f"budget_ms={msg.budget_ms} is negative"
     if len(msg.hashes) != len(msg.offsets):
         return f"{len(msg.hashes)} hashes but {len(msg.offsets)} offsets"
     if not 0 < len(msg.hashes) <= max_chunks:
