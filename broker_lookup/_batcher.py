@@ -37,12 +37,14 @@ class Batcher(Generic[T]):
         scripts: ScriptSet,
         retries: int,
         max_batch: int,
+        max_queue: int | None = None,
     ) -> None:
         self.name = name
         self._factory = factory
         self._scripts = scripts
         self._retries = retries
         self._max_batch = max_batch
+        self._max_queue = max_queue  #: None: unbounded (the caller bounds what it queues)
         self._queue: deque[T] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -50,9 +52,13 @@ class Batcher(Generic[T]):
         self.errors = 0
         self._thread = threading.Thread(target=self._run, name=f"broker-lookup-{name}", daemon=True)
 
-    def _put(self, item: T) -> None:
+    def _put(self, item: T) -> bool:
+        """Queue ``item``; False (not queued) if ``max_queue`` items already wait."""
+        if self._max_queue is not None and len(self._queue) >= self._max_queue:
+            return False
         self._queue.append(item)
         self._wake.set()
+        return True
 
     @property
     def queued(self) -> int:
@@ -78,6 +84,7 @@ class Batcher(Generic[T]):
                 self._wake.wait(0.1)
                 self._wake.clear()
                 try:
+                    self._idle(client)
                     self._drain(client)
                 except Exception:  # a bug: counted and logged, never a silent dead thread
                     self.guard()
@@ -94,6 +101,9 @@ class Batcher(Generic[T]):
 
     def _send_batch(self, client: redis.Redis, batch: list[T]) -> None:
         raise NotImplementedError
+
+    def _idle(self, client: redis.Redis) -> None:
+        """Called on every wake-up before draining (a probe of a failing server)."""
 
     def _run_with_retries(self, client: redis.Redis, calls: Sequence[Call]) -> list[Any] | None:
         """Script results, or None once ``retries`` attempts failed (each counted and logged)."""

@@ -1,11 +1,13 @@
 """The client's listener thread: completions, timeouts, rank liveness, reconciliation.
 
-It blocks in ``XREAD BLOCK`` on ``bl:{E}:done`` (its own connection, BLOCK well
-under the socket timeout) and publishes results into the lookup table. Between
-reads it sweeps: in-flight lookups past their deadline end as 0 and are cancelled
-even if nobody polls them (LMCache D11); ranks without a heartbeat fail their
-lookups at once (D8); lookups whose completion event was missed (a reconnect, a
-flushed stream) are reconciled from their hash.
+It blocks in ``XREAD BLOCK`` on ``bl:{E}:done`` (its own connection, whose socket
+timeout is BLOCK plus the breaker's threshold, so a stalled server costs at most that)
+and publishes results into the lookup table. Between reads it sweeps: in-flight
+lookups past their deadline end as 0 and are cancelled even if nobody polls them
+(LMCache D11); ranks without a heartbeat fail their lookups at once (D8); lookups
+whose completion event was missed (a reconnect, a flushed stream) are reconciled
+from their hash, once Redis confirmed their submit (a lookup still queued behind a
+burst is never taken for vanished).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import redis
 
+from broker_lookup._breaker import Breaker
 from broker_lookup._guard import LoopGuard
 from broker_lookup._state import LookupTable
 from broker_lookup.config import LookupConfig
@@ -29,7 +32,6 @@ __all__ = ["Listener"]
 
 logger = logging.getLogger(__name__)
 
-_RECONCILE_EVERY_S = 0.5
 _RECONCILE_BATCH = 500
 _EVICT_EVERY_S = 5.0
 
@@ -44,6 +46,7 @@ class Listener:
         table: LookupTable,
         factory: Callable[[], redis.Redis],
         expected: tuple[int, ...],
+        breaker: Breaker,
         on_sweep: Callable[[redis.Redis], None] | None = None,
     ) -> None:
         #: Called with the listener's connection on every sweep (the fingerprint's tick).
@@ -53,6 +56,7 @@ class Listener:
         self._table = table
         self._factory = factory
         self._expected = expected
+        self._breaker = breaker
         self._stop = threading.Event()
         self.guard = LoopGuard("client listener", self._stop)
         self._last_id: bytes | str = b"0-0"
@@ -94,8 +98,9 @@ class Listener:
         try:
             while not self._stop.is_set():
                 try:
-                    self._read(client)
-                    self._sweep(client)
+                    with self._breaker.track("listener", self._config.block_ms / 1000):
+                        self._read(client)
+                        self._sweep(client)
                     self.connected = True
                 except (BrokerLookupError, redis.RedisError) as exc:
                     self._on_error(exc)
@@ -139,7 +144,7 @@ class Listener:
             self._next["hb"] = now + self._config.heartbeat_interval_ms / 2000
             self.check_heartbeats(client)
         if now >= self._next["reconcile"]:
-            self._next["reconcile"] = now + _RECONCILE_EVERY_S
+            self._next["reconcile"] = now + 0.1
             self._reconcile(client, now)
         if now >= self._next["evict"]:
             self._next["evict"] = now + _EVICT_EVERY_S
@@ -172,20 +177,20 @@ class Listener:
                 self._table.expire(lookup_id, entry, "dead_rank")
 
     def _reconcile(self, client: redis.Redis, now: float) -> None:
-        stale = self._table.older_than(now, _RECONCILE_EVERY_S, _RECONCILE_BATCH)
-        if not stale:
+        due = self._table.due_for_reconcile(now, _RECONCILE_BATCH)
+        if not due:
             return
         with translate_redis_errors("reconciling lookups"):
             pipe = client.pipeline(transaction=False)
-            for lookup_id, _ in stale:
+            for lookup_id, _ in due:
                 pipe.hmget(self._keys.lookup(lookup_id), "state", "gen", "result")
             rows = pipe.execute()
-        for (lookup_id, entry), (state, gen, result) in zip(stale, rows, strict=True):
-            if state is None and entry.started < now - 2 * _RECONCILE_EVERY_S:
-                # The key is gone (flushed, restarted server, evicted) but the entry was
-                # submitted long enough ago that it is not just still queued.
+        for (lookup_id, entry), (state, gen, result) in zip(due, rows, strict=True):
+            if state is None:
+                # Redis confirmed the submit, so the key existed: it was flushed, the
+                # server restarted empty, or the key was evicted.
                 logger.warning(
-                    "lookup %s gen %d vanished from Redis; answering 0", lookup_id, entry.gen
+                    "lookup %.200r gen %d vanished from Redis; answering 0", lookup_id, entry.gen
                 )
                 self._table.expire(lookup_id, entry, "error")
             elif state == b"done" and gen is not None and int(gen) == entry.gen:

@@ -2,7 +2,9 @@
 
 ``lookup()`` and ``cancel_lookup()`` only append to a deque and set an event; this
 thread drains everything queued per wake-up into one pipeline, so a burst of N
-lookups costs one round trip, not N.
+lookups costs one round trip, not N. The queue is bounded (``max_pending``), every
+round trip is tracked by the circuit breaker, and every script is idempotent per
+(lookup id, generation), so re-sending a batch whose reply was lost changes nothing.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from typing import Any
 import redis
 
 from broker_lookup._batcher import Batcher
+from broker_lookup._breaker import Breaker
 from broker_lookup._state import Entry, LookupTable
 from broker_lookup.config import LookupConfig
-from broker_lookup.errors import BrokerUnavailable
+from broker_lookup.errors import BrokerLookupError, BrokerUnavailable, translate_redis_errors
 from broker_lookup.keys import KeySpace
 from broker_lookup.messages import Abort, LookupRequest, request_fields
 from broker_lookup.scripts import CANCEL, SUBMIT, Call, ScriptSet
@@ -50,27 +53,53 @@ class Sender(Batcher[Item]):
         table: LookupTable,
         factory: Callable[[], redis.Redis],
         scripts: ScriptSet,
+        breaker: Breaker,
     ) -> None:
         super().__init__("client sender", factory, scripts, config.redis_retries, _MAX_BATCH)
         self._config = config
         self._keys = keys
         self._table = table
+        self._breaker = breaker
         self._expected = ""
+        self._next_probe = 0.0
         self.batches = 0
         self.lost_cancels = 0
+        self.dropped = 0
 
     def start(self, expected: str = "") -> None:
         """Start the thread; ``expected`` is the comma-separated rank list of every lookup."""
         self._expected = expected
         super().start()
 
-    def submit(self, lookup_id: str, entry: Entry, request: LookupRequest) -> None:
-        """Queue a lookup (hot path: an append and an event set)."""
+    def submit(self, lookup_id: str, entry: Entry, request: LookupRequest) -> bool:
+        """Queue a lookup (hot path: an append and an event set); False if the queue is full."""
+        if len(self._queue) >= self._config.max_pending:
+            self.dropped += 1
+            return False
         self._put((lookup_id, entry, request))
+        return True
 
     def cancel(self, lookup_id: str, gen: int) -> None:
-        """Queue a cancel of one generation."""
+        """Queue a cancel of one generation that was sent (dropped, counted, if full)."""
+        if len(self._queue) >= self._config.max_pending:
+            self._lost_cancel(lookup_id, gen, "the send queue is full")
+            return
         self._put((lookup_id, None, Abort(lookup_id=lookup_id, gen=gen)))
+
+    def _idle(self, client: redis.Redis) -> None:
+        # While the breaker is open because of us, nothing is queued to tell us when
+        # Redis is back: probe it, twice a second.
+        if not self._breaker.failing("sender") or self._queue:
+            return
+        now = time.monotonic()
+        if now < self._next_probe:
+            return
+        self._next_probe = now + 0.5
+        try:
+            with self._breaker.track("sender"), translate_redis_errors("probing Redis"):
+                client.ping()
+        except BrokerLookupError:
+            self.errors += 1
 
     def _call_for(self, item: Item) -> Call | None:
         lookup_id, entry, msg = item
@@ -82,7 +111,10 @@ class Sender(Batcher[Item]):
                 (key, self._keys.requests),
                 [msg.gen, cfg.stream_maxlen, *_flat(request_fields(msg))],
             )
-        if entry is None or entry.result is not None:
+        if entry is None:
+            return None
+        entry.sent = True  # before reading result: see Entry.sent
+        if entry.result is not None:
             return None  # finished before it was sent (timeout, cancel, superseded)
         now_ms = int(time.time() * 1000)
         return Call(
@@ -96,6 +128,7 @@ class Sender(Batcher[Item]):
                 msg.tokens,
                 cfg.key_ttl_ms,
                 cfg.stream_maxlen,
+                lookup_id,
                 *_flat(request_fields(msg)),
             ],
         )
@@ -104,13 +137,23 @@ class Sender(Batcher[Item]):
         pairs = [(item, call) for item in batch if (call := self._call_for(item)) is not None]
         if not pairs:
             return
-        results: list[Any] | None = self._run_with_retries(client, [c for _, c in pairs])
-        if results is None:
-            results = [BrokerUnavailable("Redis unavailable after retries")] * len(pairs)
+        results: list[Any]
+        try:
+            with self._breaker.track("sender"):
+                sent = self._run_with_retries(client, [c for _, c in pairs])
+                if sent is None:
+                    raise BrokerUnavailable("Redis unavailable after retries")
+                results = sent
+        except BrokerUnavailable as exc:
+            results = [exc] * len(pairs)
         self.batches += 1
+        now = time.monotonic()
         for (item, _), res in zip(pairs, results, strict=True):
+            lookup_id, entry, _ = item
             if isinstance(res, Exception):
                 self._failed(item, res)
+            elif entry is not None:
+                self._table.confirmed(lookup_id, entry, now)
 
     def _failed(self, item: Item, exc: Exception) -> None:
         lookup_id, entry, msg = item
@@ -118,14 +161,17 @@ class Sender(Batcher[Item]):
             # Redis is unreachable or refused: answer 0 now instead of at the timeout.
             self._table.expire(lookup_id, entry, "error")
         else:
-            self.lost_cancels += 1
-            if self.lost_cancels % 100 != 1:
-                return
-            logger.warning(
-                "%d cancel(s) not delivered, latest %s gen %d: %s; keys expire by TTL and "
-                "workers release pins after worker_pin_ttl_ms",
-                self.lost_cancels,
-                lookup_id,
-                msg.gen,
-                exc,
-            )
+            self._lost_cancel(lookup_id, msg.gen, str(exc))
+
+    def _lost_cancel(self, lookup_id: str, gen: int, why: str) -> None:
+        self.lost_cancels += 1
+        if self.lost_cancels % 100 != 1:
+            return
+        logger.warning(
+            "%d cancel(s) not delivered, latest %s gen %d: %s; keys expire by TTL and "
+            "workers release pins after worker_pin_ttl_ms",
+            self.lost_cancels,
+            lookup_id[:200],
+            gen,
+            why,
+        )

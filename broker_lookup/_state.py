@@ -4,6 +4,8 @@ One lock guards every transition; reads on the hot path take no lock (a dict rea
 and an attribute read are atomic in CPython) and never touch Redis. Every entry
 leaves the table: on ``clear_lookup_status``/``cancel_lookup``, or after
 ``result_retention_ms`` if the caller never clears it, and the table is capped.
+Nothing under the lock is O(entries): timeouts, reconciliation and eviction each pop
+from their own time-ordered queue and stop at the first item not yet due.
 """
 
 from __future__ import annotations
@@ -12,13 +14,27 @@ import bisect
 import heapq
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Literal
 
 __all__ = ["LATENCY_BUCKETS", "Entry", "LookupTable", "Outcome"]
 
-Outcome = Literal["hit", "miss", "timeout", "cancelled", "dead_rank", "error"]
-OUTCOMES: tuple[Outcome, ...] = ("hit", "miss", "timeout", "cancelled", "dead_rank", "error")
+Outcome = Literal[
+    "hit", "miss", "timeout", "cancelled", "dead_rank", "error", "unavailable", "rejected"
+]
+#: ``unavailable``: answered 0 at once because the circuit breaker was open (Redis failing
+#: or stalled); ``rejected``: a request the protocol cannot carry (see client.admit).
+OUTCOMES: tuple[Outcome, ...] = (
+    "hit",
+    "miss",
+    "timeout",
+    "cancelled",
+    "dead_rank",
+    "error",
+    "unavailable",
+    "rejected",
+)
 
 #: Upper bounds (seconds) of the end-to-end latency histogram.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -35,6 +51,7 @@ class Entry:
         "gen",
         "outcome",
         "result",
+        "sent",
         "started",
         "tokens",
     )
@@ -56,12 +73,20 @@ class Entry:
         self.result: int | None = None
         self.outcome: Outcome | None = None
         self.finished = 0.0
+        #: Set by the sender just before its submit goes out (then checked against
+        #: ``result``; the table sets ``result`` then checks ``sent``): a generation
+        #: that was never sent needs no cancel.
+        self.sent = False
         self.event = threading.Event() if with_event else None
 
 
 #: Called (outside the lock) with (lookup_id, gen) for every generation that must be
 #: cancelled in Redis so workers release its pins.
 CancelSink = Callable[[str, int], None]
+
+#: How long after a successful submit a lookup is first reconciled from its hash, and
+#: how often after that while it is still in flight.
+RECONCILE_AFTER_S = 0.5
 
 
 class LookupTable:
@@ -73,6 +98,14 @@ class LookupTable:
         #: (deadline, gen, lookup_id) of every generation sent; finished ones are skipped
         #: when popped, so a sweep costs O(expired), not O(in flight).
         self._deadlines: list[tuple[float, int, str]] = []
+        #: (due, lookup_id, entry) of submits Redis confirmed, oldest first: reconciled
+        #: from their hash when due (a completion event lost in a reconnect or a flush).
+        self._confirmed: deque[tuple[float, str, Entry]] = deque()
+        #: (finished, lookup_id, entry) in finishing order: evicted after the retention.
+        self._finished: deque[tuple[float, str, Entry]] = deque()
+        #: Generation of recently cleared ids that reached Redis, so a cancel_lookup
+        #: after clear_lookup_status still tells the ranks to release their pins.
+        self._cleared: OrderedDict[str, int] = OrderedDict()
         self._cancel = cancel
         self._max_pending = max_pending
         self._retention_s = retention_s
@@ -93,13 +126,16 @@ class LookupTable:
             old = self.entries.get(lookup_id)
             if old is None and len(self.entries) >= self._max_pending:
                 return False
+            superseded = old is not None and old.result is None
+            if old is not None and superseded:
+                self._finish_locked(lookup_id, old, 0, "cancelled")
             self.entries[lookup_id] = entry
             self.inflight[lookup_id] = entry
             if finished is not None:
                 self._finish_locked(lookup_id, entry, 0, finished)
             else:
                 heapq.heappush(self._deadlines, (entry.deadline, entry.gen, lookup_id))
-        if old is not None and old.result is None:
+        if superseded and old is not None and old.sent:
             self._cancel(lookup_id, old.gen)
         return True
 
@@ -119,7 +155,8 @@ class LookupTable:
             if entry.result is not None:
                 return entry.result
             self._finish_locked(lookup_id, entry, 0, outcome)
-        self._cancel(lookup_id, entry.gen)
+        if entry.sent:  # never sent: nothing in Redis to cancel
+            self._cancel(lookup_id, entry.gen)
         return 0
 
     def _finish_locked(self, lookup_id: str, entry: Entry, result: int, outcome: Outcome) -> None:
@@ -134,20 +171,51 @@ class LookupTable:
         latency = now - entry.started
         self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
         self.latency_sum += latency
+        self._finished.append((now, lookup_id, entry))
+        if len(self._finished) > self._max_pending:
+            self._evict_oldest_locked()
         if entry.event is not None:
             entry.event.set()
 
+    def _evict_oldest_locked(self) -> None:
+        _, lookup_id, entry = self._finished.popleft()
+        if self.entries.get(lookup_id) is entry:
+            del self.entries[lookup_id]
+
     def pop(self, lookup_id: str, outcome: Outcome | None) -> None:
-        """Forget ``lookup_id``; cancel it in Redis if still in flight or if asked to."""
+        """Forget ``lookup_id``; cancel it in Redis if still in flight or if asked to.
+
+        ``outcome`` None is ``clear_lookup_status``: a finished generation that reached
+        Redis is remembered (bounded), so a later ``cancel_lookup`` still releases it.
+        """
+        gen: int | None = None
         with self._lock:
             entry = self.entries.pop(lookup_id, None)
             if entry is None:
-                return
-            pending = entry.result is None
-            if pending:
-                self._finish_locked(lookup_id, entry, 0, outcome or "cancelled")
-        if pending or outcome == "cancelled":
-            self._cancel(lookup_id, entry.gen)
+                if outcome == "cancelled":
+                    gen = self._cleared.pop(lookup_id, None)
+            else:
+                if entry.result is None:
+                    self._finish_locked(lookup_id, entry, 0, outcome or "cancelled")
+                    gen = entry.gen
+                elif outcome == "cancelled":
+                    gen = entry.gen
+                elif entry.sent:
+                    self._remember_cleared_locked(lookup_id, entry.gen)
+                if not entry.sent:
+                    gen = None
+        if gen is not None:
+            self._cancel(lookup_id, gen)
+
+    def _remember_cleared_locked(self, lookup_id: str, gen: int) -> None:
+        self._cleared[lookup_id] = gen
+        self._cleared.move_to_end(lookup_id)
+        if len(self._cleared) > self._max_pending:
+            self._cleared.popitem(last=False)
+
+    def confirmed(self, lookup_id: str, entry: Entry, now: float) -> None:
+        """Redis accepted ``entry``'s submit (sender thread): reconcile it when due."""
+        self._confirmed.append((now + RECONCILE_AFTER_S, lookup_id, entry))
 
     def overdue(self, now: float) -> list[tuple[str, Entry]]:
         """In-flight entries past their deadline."""
@@ -162,31 +230,46 @@ class LookupTable:
         return out
 
     def waiting_on(self, ranks: frozenset[int]) -> list[tuple[str, Entry]]:
-        """In-flight entries that expect any of ``ranks``."""
-        with self._lock:
-            return [(k, e) for k, e in self.inflight.items() if ranks.intersection(e.expected)]
+        """In-flight entries that expect any of ``ranks`` (when a rank dies: rare).
 
-    def older_than(self, now: float, age_s: float, limit: int) -> list[tuple[str, Entry]]:
-        """Up to ``limit`` in-flight entries started more than ``age_s`` ago."""
-        with self._lock:
-            found = [(k, e) for k, e in self.inflight.items() if now - e.started > age_s]
-        return found[:limit]
+        The snapshot is one C-level copy under the GIL, not under the table's lock, so
+        ``lookup()`` never waits for this scan.
+        """
+        items = list(self.inflight.items())
+        return [(k, e) for k, e in items if ranks.intersection(e.expected)]
+
+    def due_for_reconcile(self, now: float, limit: int) -> list[tuple[str, Entry]]:
+        """Up to ``limit`` confirmed, still in-flight entries whose reconcile is due.
+
+        Each comes back once per ``RECONCILE_AFTER_S`` while it stays in flight;
+        finished or superseded ones drop out as they come due: O(due), no scan.
+        """
+        out: list[tuple[str, Entry]] = []
+        queue = self._confirmed
+        while queue and len(out) < limit and queue[0][0] <= now:
+            _, lookup_id, entry = queue.popleft()
+            if entry.result is None and self.inflight.get(lookup_id) is entry:
+                out.append((lookup_id, entry))
+                queue.append((now + RECONCILE_AFTER_S, lookup_id, entry))
+        return out
 
     def evict_finished(self, now: float) -> int:
         """Drop finished entries nobody cleared within the retention; return how many."""
         cutoff = now - self._retention_s
+        evicted = 0
         with self._lock:
-            stale = [
-                k for k, e in self.entries.items() if e.result is not None and e.finished < cutoff
-            ]
-            for k in stale:
-                del self.entries[k]
-        return len(stale)
+            queue = self._finished
+            while queue and queue[0][0] < cutoff:
+                _, lookup_id, entry = queue.popleft()
+                if self.entries.get(lookup_id) is entry:
+                    del self.entries[lookup_id]
+                    evicted += 1
+        return evicted
 
     def drain_inflight(self) -> list[tuple[str, Entry]]:
-        """End every in-flight entry as cancelled (shutdown); return them for cancelling."""
+        """End every in-flight entry as cancelled (shutdown); return the sent ones to cancel."""
         with self._lock:
             items = list(self.inflight.items())
             for k, e in items:
                 self._finish_locked(k, e, 0, "cancelled")
-        return items
+        return [(k, e) for k, e in items if e.sent]

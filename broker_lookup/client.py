@@ -3,6 +3,12 @@
 Hot path: ``lookup_cache`` is a dict read (no I/O, no sleep, no lock);
 ``lookup`` hashes the tokens and appends to a queue. A sender thread pipelines
 the writes and a listener thread turns completion events into table entries.
+
+vLLM calls these methods inside ``Scheduler.schedule()`` with ids taken from a
+client's ``X-Request-Id`` header, so none of them raises on request data: a request
+the protocol cannot carry is answered 0 (recompute), counted in ``stats()`` and logged
+once per kind (see :mod:`broker_lookup._admission`). :meth:`RedisAsyncLookupClient.validate`
+is the strict, raising check for callers that want it.
 """
 
 from __future__ import annotations
@@ -12,19 +18,18 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
+from broker_lookup._admission import Admission, Rejected
+from broker_lookup._breaker import Breaker
 from broker_lookup._listener import Listener
 from broker_lookup._sender import Sender
-from broker_lookup._state import Entry, LookupTable
+from broker_lookup._state import Entry, LookupTable, Outcome
 from broker_lookup.config import LookupConfig, LookupMetadata, expected_ranks
-from broker_lookup.connection import ConnectionFactory, make_factory
-from broker_lookup.errors import InvalidRequest
+from broker_lookup.connection import ConnectionFactory, close_factory, make_factory
 from broker_lookup.fingerprint import Publisher
 from broker_lookup.hashing import ChunkedTokenHasher
 from broker_lookup.interface import LookupClientInterface
 from broker_lookup.keys import KeySpace
-from broker_lookup.messages import LookupRequest, check_lookup_id
+from broker_lookup.messages import LookupRequest
 from broker_lookup.scripts import ScriptSet
 
 if TYPE_CHECKING:
@@ -33,8 +38,6 @@ if TYPE_CHECKING:
 __all__ = ["RedisAsyncLookupClient", "RedisLookupClient"]
 
 logger = logging.getLogger(__name__)
-
-_JSON = msgspec.json.Encoder()
 
 
 class RedisAsyncLookupClient(LookupClientInterface):
@@ -59,20 +62,38 @@ class RedisAsyncLookupClient(LookupClientInterface):
         self.hasher = ChunkedTokenHasher(config)
         self._timeout_s = config.lookup_timeout_ms / 1000
         self._gens = itertools.count(time.time_ns() // 1000)
-        factory = connection_factory or make_factory(config, f"bl-client-{metadata.engine_id}")
-        scripts = ScriptSet()
+        self._admission = Admission(config, self.hasher)
+        self._breaker = Breaker(config.breaker_open_ms / 1000, ("sender", "listener"))
+        self._factories: list[ConnectionFactory] = []
+        if connection_factory is None:
+            name = f"bl-client-{metadata.engine_id}"
+            writer = make_factory(config, name)
+            # A stalled server must cost the listener at most BLOCK plus the breaker's
+            # threshold, so its timeout sweeps never pause for a full socket timeout.
+            reader = make_factory(
+                config, name, socket_timeout_s=(config.block_ms + config.breaker_open_ms) / 1000
+            )
+            self._factories = [writer, reader]
+        else:
+            writer = reader = connection_factory
         self._table = LookupTable(
-            self._cancel_gen, config.max_pending, config.result_retention_ms / 1000
+            self._cancel_gen, config.max_pending, config.retention_ms / 1000
         )
-        self._sender = Sender(config, self.keys, self._table, factory, scripts)
+        self._sender = Sender(config, self.keys, self._table, writer, ScriptSet(), self._breaker)
         #: Publishes our hashing fingerprint and lists processes that hash differently.
         self.fingerprint = Publisher(self.keys, "client", self.hasher)
         self._listener = Listener(
-            config, self.keys, self._table, factory, self.expected, self.fingerprint.tick
+            config,
+            self.keys,
+            self._table,
+            reader,
+            self.expected,
+            self._breaker,
+            self.fingerprint.tick,
         )
         self._closed = False
         self._sender.start(",".join(map(str, self.expected)))
-        probe = factory()
+        probe = reader()
         try:
             self._listener.start(probe)
             self.fingerprint.run(probe)
@@ -83,14 +104,21 @@ class RedisAsyncLookupClient(LookupClientInterface):
 
     def lookup_cache(self, lookup_id: str) -> int | None:
         """-1 unknown, None in flight, else hit tokens (0 after a timeout, until cleared)."""
-        entry = self._table.entries.get(lookup_id)
+        try:
+            entry = self._table.entries.get(lookup_id)
+        except TypeError:  # an unhashable id: nothing was ever recorded under it
+            return -1
         if entry is None:
             return -1
         result = entry.result
         if result is not None:
             return result
-        if time.monotonic() >= entry.deadline:
+        now = time.monotonic()
+        if now >= entry.deadline:
             return self._table.expire(lookup_id, entry)
+        if not entry.sent and self._breaker.is_open(now):
+            # Queued behind a stalled server: answer 0 now, not at the timeout.
+            return self._table.expire(lookup_id, entry, "unavailable")
         return None
 
     def lookup(
@@ -99,9 +127,22 @@ class RedisAsyncLookupClient(LookupClientInterface):
         lookup_id: str,
         request_configs: dict[str, Any] | None = None,
     ) -> int | None:
-        """Start a lookup; None while in flight, or an int when answered without Redis."""
+        """Start a lookup; None while in flight, or an int when answered without Redis.
+
+        Never raises on request data: what cannot be looked up is answered 0.
+        """
         entry = self._start(token_ids, lookup_id, request_configs, with_event=False)
         return entry if isinstance(entry, int) else None
+
+    def validate(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        lookup_id: str,
+        request_configs: dict[str, Any] | None = None,
+    ) -> None:
+        """Strict check, for callers that want one: raise InvalidRequest naming the limit a
+        request breaks (``lookup`` itself answers such a request 0 instead)."""
+        self._admission.check(token_ids, lookup_id, request_configs)
 
     def _start(
         self,
@@ -110,9 +151,29 @@ class RedisAsyncLookupClient(LookupClientInterface):
         request_configs: dict[str, Any] | None,
         with_event: bool,
     ) -> Entry | int:
-        hashes, offsets = self._hash_checked(token_ids, lookup_id, request_configs)
-        if not hashes:
-            return 0  # shorter than one chunk: nothing to ask (LMCache D17)
+        try:
+            return self._submit(token_ids, lookup_id, request_configs, with_event)
+        except Exception as exc:  # a bug of ours must not kill the scheduler's engine
+            self._admission.rejected("internal_error", lookup_id, repr(exc))
+            logger.debug("lookup %.200r failed", lookup_id, exc_info=True)
+            return 0
+
+    def _submit(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        lookup_id: str,
+        request_configs: dict[str, Any] | None,
+        with_event: bool,
+    ) -> Entry | int:
+        admitted = self._admission.admit(token_ids, lookup_id, request_configs)
+        if isinstance(admitted, Rejected):
+            if isinstance(lookup_id, str):
+                self._record(lookup_id, with_event, "rejected")
+            return 0
+        hashes, offsets = admitted
+        if not hashes:  # shorter than one chunk: nothing to ask (LMCache D17)
+            self._record(lookup_id, with_event, "miss")
+            return 0
         now = time.monotonic()
         tokens = sum(offsets)
         entry = Entry(
@@ -121,70 +182,55 @@ class RedisAsyncLookupClient(LookupClientInterface):
         if self._listener.dead.intersection(self.expected):
             self._table.add(lookup_id, entry, finished="dead_rank")
             return 0
+        if self._breaker.is_open(now):
+            self._table.add(lookup_id, entry, finished="unavailable")
+            return 0
         if not self._table.add(lookup_id, entry):
-            logger.warning(
-                "max_pending=%d lookups tracked; %s answers 0", self.config.max_pending, lookup_id
+            self._admission.rejected(
+                "table_full", lookup_id, f"max_pending={self.config.max_pending}"
             )
             return 0
-        deadline_ms = int(time.time() * 1000) + self.config.lookup_timeout_ms
         request = LookupRequest(
             lookup_id=lookup_id,
             gen=entry.gen,
             hashes=hashes,
             offsets=offsets,
             expected=list(self.expected),
-            deadline_ms=deadline_ms,
+            deadline_ms=int(time.time() * 1000) + self.config.lookup_timeout_ms,
             request_configs=request_configs,
             tokens=tokens,
+            budget_ms=self.config.lookup_timeout_ms,
         )
-        self._sender.submit(lookup_id, entry, request)
+        if not self._sender.submit(lookup_id, entry, request):
+            self._table.expire(lookup_id, entry, "unavailable")
+            return 0
         return entry
 
-    def _hash_checked(
-        self,
-        token_ids: list[int] | torch.Tensor,
-        lookup_id: str,
-        request_configs: dict[str, Any] | None,
-    ) -> tuple[list[int], list[int]]:
-        """Hashes and offsets of a valid request; InvalidRequest naming the limit otherwise."""
-        reason = check_lookup_id(lookup_id, self.config.max_lookup_id_length)
-        if reason:
-            raise InvalidRequest(reason)
-        self._check_configs(request_configs)
-        hashes, offsets = self.hasher.hashes_and_offsets(token_ids)
-        if len(hashes) > self.config.max_chunks_per_request:
-            raise InvalidRequest(
-                f"{len(hashes)} chunks exceed max_chunks_per_request="
-                f"{self.config.max_chunks_per_request}"
-            )
-        return hashes, offsets
-
-    def _check_configs(self, request_configs: dict[str, Any] | None) -> None:
-        if request_configs is None:
-            return
-        if not isinstance(request_configs, dict) or not all(
-            isinstance(k, str) for k in request_configs
-        ):
-            raise InvalidRequest("request_configs must be a dict with str keys")
-        try:
-            size = len(_JSON.encode(request_configs))
-        except (TypeError, msgspec.EncodeError) as exc:
-            raise InvalidRequest(f"request_configs must be JSON-serialisable: {exc}") from None
-        if size > self.config.max_request_configs_bytes:
-            raise InvalidRequest(
-                f"request_configs is {size} bytes, over "
-                f"max_request_configs_bytes={self.config.max_request_configs_bytes}"
-            )
+    def _record(self, lookup_id: str, with_event: bool, outcome: Outcome) -> None:
+        """Record an answer given without Redis, so lookup_cache returns it until cleared."""
+        now = time.monotonic()
+        entry = Entry(next(self._gens), now, now, 0, self.expected, with_event)
+        self._table.add(lookup_id, entry, finished=outcome)
 
     # -- lifecycle of one id ----------------------------------------------------------
 
     def clear_lookup_status(self, lookup_id: str) -> None:
         """Forget the result; a lookup still in flight is cancelled so ranks release it."""
-        self._table.pop(lookup_id, None)
+        try:
+            self._table.pop(lookup_id, None)
+        except Exception as exc:  # an unhashable id, or a bug: never into the scheduler
+            self._admission.rejected("bad_clear", lookup_id, repr(exc))
 
     def cancel_lookup(self, lookup_id: str) -> None:
-        """Abort: delete the lookup's key and tell every rank to release its memory."""
-        self._table.pop(lookup_id, "cancelled")
+        """Abort: delete the lookup's key and tell every rank to release its memory.
+
+        Works after ``clear_lookup_status`` too (vLLM clears on allocation and cancels
+        on abort): the cleared generation is remembered so its pins are released.
+        """
+        try:
+            self._table.pop(lookup_id, "cancelled")
+        except Exception as exc:
+            self._admission.rejected("bad_cancel", lookup_id, repr(exc))
 
     def _cancel_gen(self, lookup_id: str, gen: int) -> None:
         self._sender.cancel(lookup_id, gen)
@@ -204,6 +250,11 @@ class RedisAsyncLookupClient(LookupClientInterface):
             "inflight": len(t.inflight),
             "entries": len(t.entries),
             "queued": self._sender.queued,
+            "rejected": dict(self._admission.counts),
+            "truncated": self._admission.truncated,
+            "breaker_open": self._breaker.is_open(),
+            "breaker_openings": self._breaker.openings,
+            "send_queue_full": self._sender.dropped,
             "stale_events": t.stale_events,
             "redis_errors": self._sender.errors + self._listener.errors,
             "unexpected_errors": self._sender.guard.count + self._listener.guard.count,
@@ -213,16 +264,23 @@ class RedisAsyncLookupClient(LookupClientInterface):
         }
 
     def close(self) -> None:
-        """Cancel what is in flight, flush the queue, stop both threads (bounded)."""
+        """Cancel what is in flight, flush the queue, stop both threads (bounded), and
+        close every connection this client opened. Never raises."""
         if self._closed:
             return
         self._closed = True
-        for lookup_id, entry in self._table.drain_inflight():
-            self._sender.cancel(lookup_id, entry.gen)
-        grace = self.config.block_ms / 1000 + 2.0
-        ok = self._sender.stop(grace) & self._listener.stop(grace)
-        if not ok:
-            logger.error("lookup client threads did not stop within %.1fs", grace)
+        try:
+            for lookup_id, entry in self._table.drain_inflight():
+                self._sender.cancel(lookup_id, entry.gen)
+            grace = (self.config.block_ms + self.config.breaker_open_ms) / 1000 + 2.0
+            ok = self._sender.stop(grace) & self._listener.stop(grace)
+            if not ok:
+                logger.error("lookup client threads did not stop within %.1fs", grace)
+        except Exception:
+            logger.exception("lookup client close failed; connections are closed anyway")
+        finally:
+            for factory in self._factories:
+                close_factory(factory)
 
     def __enter__(self) -> RedisAsyncLookupClient:
         return self

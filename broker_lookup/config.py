@@ -30,7 +30,7 @@ _AT_FIELD = re.compile(r" - at `\$\.([a-z_]+)`")
 #: Fields that must be > 0.
 _POSITIVE = (
     "chunk_size lookup_timeout_ms socket_timeout_ms block_ms heartbeat_interval_ms "
-    "heartbeat_ttl_ms stream_maxlen done_maxlen dead_maxlen max_pending result_retention_ms "
+    "heartbeat_ttl_ms stream_maxlen done_maxlen dead_maxlen max_pending "
     "max_lookup_id_length max_chunks_per_request max_request_configs_bytes worker_pin_ttl_ms "
     "worker_dedupe_capacity redis_retries breaker_open_ms worker_watchdog_grace_ms"
 ).split()
@@ -111,8 +111,9 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     key_grace_ms: int = 10000  #: a lookup hash lives lookup_timeout_ms + this
     max_pending: int = 100_000  #: lookups the client tracks at once; beyond, lookups answer 0
     #: finished lookups never cleared are forgotten after this; with lookup_timeout_ms it
-    #: must fit in worker_pin_ttl_ms, so no result outlives the pins it promises
-    result_retention_ms: int = 30_000
+    #: must fit in worker_pin_ttl_ms, so no result outlives the pins it promises. None:
+    #: 30 s, or less where the pin TTL asks for it (see ``retention_ms``)
+    result_retention_ms: int | None = None
     max_lookup_id_length: int = 4096  #: characters; a longer id is answered 0
     #: a Redis call outstanding this long, or one that failed, opens the circuit breaker:
     #: new lookups answer 0 at once until Redis answers again
@@ -157,10 +158,17 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             "must be at least twice heartbeat_interval_ms",
         )
         _require(
-            self.result_retention_ms + self.lookup_timeout_ms <= self.worker_pin_ttl_ms,
+            self.worker_pin_ttl_ms > self.lookup_timeout_ms,
+            "worker_pin_ttl_ms",
+            self.worker_pin_ttl_ms,
+            f"must exceed lookup_timeout_ms={self.lookup_timeout_ms} (pins must outlive the lookup)",
+        )
+        retention = self.result_retention_ms
+        _require(
+            retention is None or 0 < retention <= self.worker_pin_ttl_ms - self.lookup_timeout_ms,
             "result_retention_ms",
-            self.result_retention_ms,
-            f"plus lookup_timeout_ms={self.lookup_timeout_ms} must not exceed "
+            retention,
+            f"must be > 0 and, plus lookup_timeout_ms={self.lookup_timeout_ms}, not exceed "
             f"worker_pin_ttl_ms={self.worker_pin_ttl_ms} (a result must not outlive its pins)",
         )
         ratio = self.hit_miss_ratio
@@ -174,6 +182,14 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             ids,
             "ranks are >= 0",
         )
+
+    @property
+    def retention_ms(self) -> int:
+        """How long the client keeps a finished, uncleared result: ``result_retention_ms``,
+        or by default 30 s cut to what the ranks' pin TTL leaves after the timeout."""
+        if self.result_retention_ms is not None:
+            return self.result_retention_ms
+        return min(30_000, self.worker_pin_ttl_ms - self.lookup_timeout_ms)
 
     @property
     def key_ttl_ms(self) -> int:

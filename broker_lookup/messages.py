@@ -5,7 +5,7 @@ Request stream entry (``bl:{E}:requests``), written by the scheduler's client::
     type         "lookup" | "abort"           readable copy for redis-cli
     id           lookup id                    readable copy
     gen          generation (int)             readable copy
-    deadline_ms  epoch ms (lookups only)      readable copy (the client's clock; ranks use budget_ms)
+    deadline_ms  epoch ms (lookups only)      readable copy (client's clock; ranks use budget_ms)
     chunks       number of chunks (lookups)   readable copy
     m            msgpack of LookupRequest | Abort (tagged union): the only field decoded
 
@@ -30,12 +30,12 @@ __all__ = [
     "LookupRequest",
     "Request",
     "check_lookup_id",
-    "wire_id_problem",
     "decode_done",
     "decode_request",
     "encode_request",
     "request_fields",
     "validate_request",
+    "wire_id_problem",
 ]
 
 _INT64_MIN = -(2**63)

@@ -96,12 +96,8 @@ def _lmcache_values(lmc_config: Any, broker: bool) -> dict[str, Any]:
     pin_timeout = getattr(lmc_config, "pin_timeout_sec", None)
     if isinstance(pin_timeout, int | float) and pin_timeout > 0:
         # A worker holds a prefetch no longer than LMCache's PinMonitor holds pins.
-        pin_ms = int(pin_timeout * 1000)
-        values["worker_pin_ttl_ms"] = pin_ms
-        # ... and no result outlives those pins (a short pin timeout shortens the retention).
-        timeout_ms = values.get("lookup_timeout_ms") or LookupConfig().lookup_timeout_ms
-        default = LookupConfig().result_retention_ms
-        values["result_retention_ms"] = max(1, min(default, pin_ms - timeout_ms))
+        # (and LookupConfig.retention_ms keeps no result longer than those pins)
+        values["worker_pin_ttl_ms"] = int(pin_timeout * 1000)
     return values
 
 

@@ -1,13 +1,19 @@
 -- submit.lua: register one generation of a lookup and broadcast it to every rank.
 -- KEYS[1] lookup hash   KEYS[2] request stream
 -- ARGV: gen, expected ("0,1,2"), created_ms, deadline_ms, tokens, key ttl ms,
---       stream maxlen, then the stream entry's field/value pairs.
--- The DEL drops an older generation's hash: its late reports then find another gen
--- and change nothing.
+--       stream maxlen, lookup id (the caller's, kept readable: the key may hold a digest),
+--       then the stream entry's field/value pairs.
+-- Idempotent per generation: a batch re-sent after its reply was lost finds its own
+-- generation and changes nothing (no second entry, and the reports fast ranks already
+-- recorded stay). The DEL drops an older generation's hash: its late reports then find
+-- another gen and change nothing.
+if redis.call('HGET', KEYS[1], 'gen') == ARGV[1] then
+  return 'duplicate'
+end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'state', 'pending', 'gen', ARGV[1], 'expected', ARGV[2],
-           'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5])
+           'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8])
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
 local fields = {}
-for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
 return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(fields))

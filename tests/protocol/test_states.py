@@ -232,12 +232,16 @@ def test_id_reuse_gets_a_new_generation(make_server, make_client, backend, engin
 def test_short_prompt_answers_zero_without_a_round_trip(make_client, backend, engine_id):
     client = make_client()
     assert client.lookup([1, 2, 3], "tiny") == 0
-    assert client.lookup_cache("tiny") == -1
+    # Recorded like any finished lookup: its 0 stays until cleared (issue 9, item 2).
+    assert client.lookup_cache("tiny") == 0
+    assert client.stats()["outcomes"]["miss"] == 1
     assert not backend.factory().exists(KeySpace(engine_id).lookup("tiny"))
+    client.clear_lookup_status("tiny")
+    assert client.lookup_cache("tiny") == -1
 
 
 def test_dead_rank_answers_zero_at_once(make_client, backend, engine_id):
-    client = make_client(world_size=2, lookup_timeout_ms=60000)
+    client = make_client(world_size=2, lookup_timeout_ms=30000)
     started = time.monotonic()
     assert client.lookup(TOKENS, "r1") == 0
     assert client.lookup_cache("r1") == 0

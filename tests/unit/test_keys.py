@@ -67,9 +67,42 @@ def test_engine_id_must_be_a_str(engine_id: object) -> None:
         validate_engine_id(engine_id)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("lookup_id", ["r", "req-1", "a:b:c", "lookup:x", "{t}", "id#3"])
+@pytest.mark.parametrize("lookup_id", ["r", "req-1", "a:b:c", "lookup:x", "cmpl-9f3a-0", "a.b_c"])
 def test_lookup_id_of_inverts_lookup(lookup_id: str) -> None:
     ks = KeySpace("eng")
     key = ks.lookup(lookup_id)
+    assert key == "bl:{eng}:lookup:" + lookup_id
     assert ks.lookup_id_of(key) == lookup_id
     assert ks.lookup_id_of(key.encode()) == lookup_id
+
+
+HOSTILE_IDS = [
+    "a b",
+    "{t}",
+    "id#3",
+    "é",
+    "日本",
+    "x" * 129,
+    "x" * 10_000,
+    "\n",
+    "*",
+    "~abc",
+    "\udc80",
+]
+
+
+@pytest.mark.parametrize("lookup_id", HOSTILE_IDS)
+def test_any_other_id_is_keyed_by_a_digest(lookup_id: str) -> None:
+    ks = KeySpace("eng")
+    key = ks.lookup(lookup_id)
+    part = key.removeprefix("bl:{eng}:lookup:")
+    # A fixed-size, key-safe name: no spaces, braces or non-ASCII inside a Redis key.
+    assert part.startswith("~") and len(part) == 65 and part[1:].isalnum()
+    assert ks.lookup_id_of(key) is None  # the hash's ``id`` field holds the original
+    assert key == ks.lookup(lookup_id)  # stable
+
+
+def test_digest_keys_never_collide_with_plain_ones() -> None:
+    ks = KeySpace("eng")
+    keys = {ks.lookup(i) for i in HOSTILE_IDS} | {ks.lookup(i) for i in ("r", "req-1")}
+    assert len(keys) == len(HOSTILE_IDS) + 2

@@ -115,6 +115,8 @@ def test_client_values_and_outcome_label():
         "cancelled": 0,
         "dead_rank": 1,
         "error": 0,
+        "unavailable": 0,
+        "rejected": 0,
     }
     assert set(OUTCOMES) <= set(outcome)
     assert samples[("broker_lookup_client_hit_tokens_total", ())] == 4096
