@@ -1,5 +1,7 @@
-"""Bad input on both sides: the client refuses it with InvalidRequest; a rank dead-letters
-what reaches its stream anyway (reason in ``bl:{E}:dead``, counted, acked) and goes on."""
+"""Bad input on both sides. The scheduler's path never raises: any str id is served, what
+the protocol cannot carry is answered 0, counted by kind and logged once; ``validate`` is
+the strict opt-in. A rank dead-letters what reaches its stream anyway (reason in
+``bl:{E}:dead``, counted, acked) and goes on."""
 
 from __future__ import annotations
 
@@ -22,40 +24,117 @@ TOKENS = prompt(0, chunks=10)
 LIMITS = {"max_chunks_per_request": 16, "max_request_configs_bytes": 64}
 
 
-@pytest.mark.parametrize(
-    "lookup_id",
-    ["", "x" * 257, "héllo", "has space", "tab\tid", "new\nline", "\x00", 42, None, b"bytes"],
-)
-def test_client_refuses_bad_lookup_ids(make_client, backend, engine_id, lookup_id):
+#: Ids a client's X-Request-Id header can carry into vLLM's request id: all are served.
+HOSTILE_IDS = ["has space", "héllo", "日本語", "tab\tid", "new\nline", "\x00", "{brace}", "x" * 300]
+
+
+@pytest.mark.parametrize("lookup_id", HOSTILE_IDS)
+def test_any_str_id_is_served(make_server, make_client, backend, engine_id, lookup_id):
+    engine = InstantEngine(hits=24)
+    ready(make_server(engine))
     client = make_client()
-    with pytest.raises(InvalidRequest, match="lookup_id"):
-        client.lookup(TOKENS, lookup_id)
-    assert client.stats()["entries"] == 0
+    wait_until(lambda: not client.stats()["dead_ranks"])
+    assert client.lookup(TOKENS, lookup_id) is None
+    assert answer(client, lookup_id, timeout=10) == 24
+    assert engine.started_ids() == [lookup_id]  # the engine sees the caller's plain id
+    key = KeySpace(engine_id).lookup(lookup_id)
+    assert backend.factory().hget(key, "id") == lookup_id.encode()  # redis-cli shows it
+    client.cancel_lookup(lookup_id)
+    assert client.lookup_cache(lookup_id) == -1
+    wait_until(lambda: lookup_id in engine.released, message="the abort reached the rank")
+
+
+@pytest.mark.parametrize(
+    ("lookup_id", "kind"),
+    [("", "bad_id"), ("x" * 4097, "bad_id"), ("lone \udc80", "bad_id"), (42, "bad_id")],
+)
+def test_ids_the_wire_cannot_carry_answer_zero(make_client, backend, engine_id, lookup_id, kind):
+    client = make_client()
+    assert client.lookup(TOKENS, lookup_id) == 0
+    if isinstance(lookup_id, str):
+        assert client.lookup_cache(lookup_id) == 0  # recorded like any answer
+        client.clear_lookup_status(lookup_id)
+        assert client.lookup_cache(lookup_id) == -1
+    assert client.stats()["rejected"] == {kind: 1}
     assert not backend.factory().exists(KeySpace(engine_id).requests)
 
 
 @pytest.mark.parametrize(
-    ("tokens", "configs", "match"),
+    ("tokens", "configs", "kind"),
     [
-        (prompt(0, chunks=17), None, "max_chunks_per_request=16"),
-        (TOKENS, {"lmcache.tag.user": "x" * 100}, "max_request_configs_bytes=64"),
-        (TOKENS, {1: "int key"}, "str keys"),
-        (TOKENS, ["not", "a", "dict"], "dict"),
-        (TOKENS, {"k": object()}, "JSON-serialisable"),
-        (["a", "b", "c", "d"], None, "tokens must be ints"),
-        ([1.5] * 8, None, "tokens must be ints"),
-        (None, None, "tokens must be"),
-        ("a prompt", None, "tokens must be"),
+        (TOKENS, {"lmcache.tag.user": "x" * 100}, "configs_too_large"),
+        (TOKENS, {1: "int key"}, "bad_configs"),
+        (TOKENS, ["not", "a", "dict"], "bad_configs"),
+        (TOKENS, {"k": object()}, "bad_configs"),
+        (["a", "b", "c", "d"], None, "bad_tokens"),
+        ([1.5] * 8, None, "bad_tokens"),
+        (None, None, "bad_tokens"),
+        ("a prompt", None, "bad_tokens"),
     ],
 )
-def test_client_refuses_oversized_or_mistyped_requests(
-    make_client, backend, engine_id, tokens, configs, match
+def test_bad_requests_answer_zero_count_and_log_once(
+    make_client, backend, engine_id, caplog, tokens, configs, kind
 ):
     client = make_client(**LIMITS)
-    with pytest.raises(InvalidRequest, match=match):
-        client.lookup(tokens, "r1", configs)
-    assert client.stats()["entries"] == 0
+    with caplog.at_level(logging.WARNING, logger="broker_lookup"):
+        for i in range(5):
+            assert client.lookup(tokens, f"r{i}", configs) == 0
+            assert client.lookup_cache(f"r{i}") == 0
+    assert client.stats()["rejected"] == {kind: 5}
+    assert client.stats()["outcomes"]["rejected"] == 5
+    logged = [r for r in caplog.records if kind in r.getMessage()]
+    assert len(logged) == 1, "logged once, not once per request"
     assert not backend.factory().exists(KeySpace(engine_id).requests)
+
+
+def test_a_prompt_over_the_chunk_limit_is_looked_up_by_its_prefix(make_server, make_client):
+    engine = InstantEngine(hits=10_000)
+    ready(make_server(engine, **LIMITS))
+    client = make_client(**LIMITS)
+    wait_until(lambda: not client.stats()["dead_ranks"])
+    client.lookup(prompt(0, chunks=40), "long")
+    # The first 16 chunks are a prefix: a hit on them is a right answer, not a guess.
+    assert answer(client, "long", timeout=10) == 16 * CHUNK
+    assert len(engine.started[0][1]) == 16
+    assert client.stats()["truncated"] == 1
+
+
+def test_unhashable_ids_never_raise(make_client):
+    client = make_client()
+    client.lookup(TOKENS, "r0")  # a non-empty table: an empty dict does not hash its key
+    assert client.lookup(TOKENS, ["a", "list"]) == 0  # type: ignore[arg-type]
+    assert client.lookup_cache(["a", "list"]) == -1  # type: ignore[arg-type]
+    client.clear_lookup_status({"a": 1})  # type: ignore[arg-type]
+    client.cancel_lookup(["x"])  # type: ignore[arg-type]
+    assert client.stats()["rejected"] == {"bad_id": 1, "bad_clear": 1, "bad_cancel": 1}
+
+
+def test_an_internal_error_answers_zero(make_client, monkeypatch):
+    client = make_client()
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(client._table, "add", broken)
+    assert client.lookup(TOKENS, "r1") == 0
+    assert client.stats()["rejected"] == {"internal_error": 1}
+
+
+@pytest.mark.parametrize(
+    ("tokens", "lookup_id", "configs", "match"),
+    [
+        (TOKENS, "has space", None, "printable ASCII"),
+        (TOKENS, "x" * 4097, None, "lookup_id length"),
+        (prompt(0, chunks=17), "r1", None, "max_chunks_per_request=16"),
+        (TOKENS, "r1", {"lmcache.tag.user": "x" * 100}, "max_request_configs_bytes=64"),
+        (["a"] * 8, "r1", None, "tokens must be ints"),
+    ],
+)
+def test_validate_is_the_strict_opt_in(make_client, tokens, lookup_id, configs, match):
+    client = make_client(**LIMITS)
+    with pytest.raises(InvalidRequest, match=match):
+        client.validate(tokens, lookup_id, configs)
+    client.validate(TOKENS, "cmpl-1", {"lmcache.tag.user": "u"})  # a valid one passes
 
 
 def test_client_refuses_unknown_ranks():
@@ -87,8 +166,8 @@ BAD_ENTRIES: list[tuple[dict[str, Any], str]] = [
     ({"m": _lookup(type="explode")}, "undecodable"),
     ({"m": _lookup(gen="one")}, "undecodable"),
     ({"m": _lookup(hashes="not a list")}, "undecodable"),
-    ({"m": _lookup(lookup_id="x" * 300)}, "length 300"),
-    ({"m": _lookup(lookup_id="has space")}, "printable ASCII"),
+    ({"m": _lookup(lookup_id="x" * 4097)}, "length 4097"),
+    ({"m": _lookup(lookup_id="")}, "length 0"),
     ({"m": _lookup(hashes=list(range(17)), offsets=[CHUNK] * 17, tokens=17 * CHUNK)}, "chunks"),
     ({"m": _lookup(hashes=[], offsets=[], tokens=0)}, "chunks"),
     ({"m": _lookup(offsets=[CHUNK])}, "offsets"),
@@ -97,7 +176,7 @@ BAD_ENTRIES: list[tuple[dict[str, Any], str]] = [
     ({"m": _lookup(expected=[0, 5])}, "world_size=2"),
     ({"m": _lookup(tokens=10**6)}, "sum of offsets"),
     ({"m": _lookup(request_configs={"k": "v" * 100})}, "max_request_configs_bytes=64"),
-    ({"m": _ENC.encode({"type": "abort", "lookup_id": "has space", "gen": 1})}, "printable"),
+    ({"m": _ENC.encode({"type": "abort", "lookup_id": "", "gen": 1})}, "length 0"),
 ]
 
 
