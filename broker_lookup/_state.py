@@ -101,8 +101,10 @@ class LookupTable:
         #: (due, lookup_id, entry) of submits Redis confirmed, oldest first: reconciled
         #: from their hash when due (a completion event lost in a reconnect or a flush).
         self._confirmed: deque[tuple[float, str, Entry]] = deque()
-        #: (finished, lookup_id, entry) in finishing order: evicted after the retention.
-        self._finished: deque[tuple[float, str, Entry]] = deque()
+        #: Finished entries still in the table, in finishing order: evicted after the
+        #: retention. Keyed by id, so a clear removes its item and the size stays within
+        #: the table's.
+        self._finished: OrderedDict[str, tuple[float, Entry]] = OrderedDict()
         #: Generation of recently cleared ids that reached Redis, so a cancel_lookup
         #: after clear_lookup_status still tells the ranks to release their pins.
         self._cleared: OrderedDict[str, int] = OrderedDict()
@@ -171,16 +173,10 @@ class LookupTable:
         latency = now - entry.started
         self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
         self.latency_sum += latency
-        self._finished.append((now, lookup_id, entry))
-        if len(self._finished) > self._max_pending:
-            self._evict_oldest_locked()
+        self._finished[lookup_id] = (now, entry)
+        self._finished.move_to_end(lookup_id)
         if entry.event is not None:
             entry.event.set()
-
-    def _evict_oldest_locked(self) -> None:
-        _, lookup_id, entry = self._finished.popleft()
-        if self.entries.get(lookup_id) is entry:
-            del self.entries[lookup_id]
 
     def pop(self, lookup_id: str, outcome: Outcome | None) -> None:
         """Forget ``lookup_id``; cancel it in Redis if still in flight or if asked to.
@@ -204,6 +200,7 @@ class LookupTable:
                     self._remember_cleared_locked(lookup_id, entry.gen)
                 if not entry.sent:
                     gen = None
+                self._finished.pop(lookup_id, None)
         if gen is not None:
             self._cancel(lookup_id, gen)
 
@@ -258,9 +255,12 @@ class LookupTable:
         cutoff = now - self._retention_s
         evicted = 0
         with self._lock:
-            queue = self._finished
-            while queue and queue[0][0] < cutoff:
-                _, lookup_id, entry = queue.popleft()
+            finished = self._finished
+            while finished:
+                lookup_id, (at, entry) = next(iter(finished.items()))
+                if at >= cutoff:
+                    break
+                del finished[lookup_id]
                 if self.entries.get(lookup_id) is entry:
                     del self.entries[lookup_id]
                     evicted += 1

@@ -9,7 +9,7 @@ from helpers import wait_until
 
 from broker_lookup.client import RedisLookupClient
 from broker_lookup.keys import KeySpace
-from broker_lookup.scripts import REPORT, Call, ScriptSet
+from broker_lookup.scripts import REPORT, SUBMIT, Call, ScriptSet
 
 TOKENS = list(range(40))  # 10 chunks of 4 tokens
 
@@ -258,3 +258,47 @@ def test_sync_client_returns_the_int(make_server, make_client):
     assert client.lookup(TOKENS, "r1") == 20
     assert client.lookup_cache("r1") == 20
     assert client.lookup_cache("nope") == -1
+
+
+def test_cancel_after_clear_still_releases_the_pins(make_server, make_client):
+    # vLLM clears a lookup when it allocates the request and cancels it on abort.
+    engine = ManualEngine()
+    server = make_server(engine)
+    _ready(server)
+    client = make_client()
+    _alive(client)
+    client.lookup(TOKENS, "r1")
+    wait_until(lambda: engine.started_ids() == ["r1"])
+    engine.report("r1", 24)
+    assert wait_until(lambda: client.lookup_cache("r1") == 24)
+    client.clear_lookup_status("r1")
+    assert engine.released == []  # held for the retrieve
+    client.cancel_lookup("r1")
+    wait_until(lambda: engine.released == ["r1"], message="the abort reached the rank")
+    client.cancel_lookup("r1")  # a second cancel has nothing left to release
+    assert client.lookup_cache("r1") == -1
+
+
+def test_a_resubmitted_generation_keeps_the_reports_already_recorded(backend, engine_id):
+    # The reply to a submit pipeline is lost after the server ran it, and the batch is
+    # sent again: the fast rank's report must survive and no second entry is written.
+    ks, scripts, conn = KeySpace(engine_id), ScriptSet(), backend.factory()
+    key = ks.lookup("r1")
+    submit = Call(
+        SUBMIT,
+        (key, ks.requests),
+        [7, "0,1", 1, 2, 40, 60_000, 100, "r1", "type", "lookup", "m", "x"],
+    )
+    scripts.call(conn, submit)
+    assert scripts.call(conn, Call(REPORT, (key, ks.done), [0, 7, 24, 100, "r1", 1000])) == (
+        b"recorded"
+    )
+    assert scripts.call(conn, submit) == b"duplicate"
+    assert conn.hget(key, "r0") == b"24" and conn.xlen(ks.requests) == 1
+    assert scripts.call(conn, Call(REPORT, (key, ks.done), [1, 7, 16, 100, "r1", 1000])) == (
+        b"complete"
+    )
+    assert conn.hget(key, "result") == b"16"
+    # A newer generation still replaces the hash.
+    scripts.call(conn, Call(SUBMIT, (key, ks.requests), [8, *submit.args[1:]]))
+    assert conn.hget(key, "gen") == b"8" and conn.hget(key, "r0") is None
