@@ -40,7 +40,24 @@ __all__ = [
 CLIENT_METRICS: dict[str, tuple[str, str]] = {
     "broker_lookup_client_lookups_total": (
         "counter",
-        "Finished lookups by outcome (hit, miss, timeout, cancelled, dead_rank, error).",
+        "Finished lookups by outcome (hit, miss, timeout, cancelled, dead_rank, error, "
+        "unavailable, rejected).",
+    ),
+    "broker_lookup_client_rejected_total": (
+        "counter",
+        "Requests answered 0 because the protocol cannot carry them, by reason.",
+    ),
+    "broker_lookup_client_truncated_total": (
+        "counter",
+        "Prompts over max_chunks_per_request looked up by their first chunks.",
+    ),
+    "broker_lookup_client_breaker_open": (
+        "gauge",
+        "1 while the circuit breaker is open (Redis failing or stalled: lookups answer 0).",
+    ),
+    "broker_lookup_client_breaker_openings_total": (
+        "counter",
+        "Times the circuit breaker opened.",
     ),
     "broker_lookup_client_latency_seconds": (
         "histogram",
@@ -181,16 +198,26 @@ class ClientCollector(Collector):
             st.get("latency_sum", 0.0),
             {},
         )
+        rejected = _counter("broker_lookup_client_rejected_total", ["reason"])
+        for kind, count in sorted(st.get("rejected", {}).items()):
+            rejected.add_metric([kind], float(count))
+        yield rejected
         for name, key in (
             ("broker_lookup_client_hit_tokens_total", "hit_tokens"),
             ("broker_lookup_client_redis_errors_total", "redis_errors"),
+            ("broker_lookup_client_truncated_total", "truncated"),
+            ("broker_lookup_client_breaker_openings_total", "breaker_openings"),
         ):
             family = _counter(name)
             family.add_metric([], float(st.get(key, 0)))
             yield family
-        inflight = _gauge("broker_lookup_client_inflight")
-        inflight.add_metric([], float(st.get("inflight", 0)))
-        yield inflight
+        for name, key in (
+            ("broker_lookup_client_inflight", "inflight"),
+            ("broker_lookup_client_breaker_open", "breaker_open"),
+        ):
+            gauge = _gauge(name)
+            gauge.add_metric([], float(st.get(key, 0)))
+            yield gauge
 
 
 class ServerCollector(Collector):

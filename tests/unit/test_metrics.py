@@ -30,6 +30,10 @@ class FakeClient:
             "hit_tokens": 4096,
             "inflight": 5,
             "redis_errors": 7,
+            "rejected": {"bad_id": 2, "configs_too_large": 1},
+            "truncated": 4,
+            "breaker_open": True,
+            "breaker_openings": 3,
             "latency_counts": [1, 0, 2] + [0] * (len(LATENCY_BUCKETS) - 3) + [4],
             "latency_sum": 12.5,
             **stats,
@@ -122,6 +126,15 @@ def test_client_values_and_outcome_label():
     assert samples[("broker_lookup_client_hit_tokens_total", ())] == 4096
     assert samples[("broker_lookup_client_inflight", ())] == 5
     assert samples[("broker_lookup_client_redis_errors_total", ())] == 7
+    rejected = {
+        dict(labels)["reason"]: v
+        for (name, labels), v in samples.items()
+        if name == "broker_lookup_client_rejected_total"
+    }
+    assert rejected == {"bad_id": 2, "configs_too_large": 1}
+    assert samples[("broker_lookup_client_truncated_total", ())] == 4
+    assert samples[("broker_lookup_client_breaker_open", ())] == 1
+    assert samples[("broker_lookup_client_breaker_openings_total", ())] == 3
 
 
 def test_client_histogram_is_cumulative_with_overflow_in_inf():
