@@ -1,15 +1,22 @@
 """The rank's read loop: its consumer group on the request stream, acks, dead letters, heartbeat.
 
-On start (and after NOGROUP) it creates the group idempotently, then re-reads its
-own pending entries with id ``0`` (a restarted rank finishes what it had been
-given), then reads new entries with ``>`` and a short BLOCK on its own connection.
-Every entry is acked after dispatch; undecodable ones are dead-lettered first.
+On start it creates the group idempotently, then re-reads its own pending entries
+with id ``0`` (a restarted rank finishes what it had been given), then reads new
+entries with ``>`` and a short BLOCK on its own connection. Every entry is acked
+after dispatch; undecodable ones are dead-lettered first.
+
+Nothing read stays pending (DESIGN rule 10): after any error, and once a second
+anyway, the loop re-reads its own pending entries, so a delivery whose reply was lost
+between XREADGROUP and XACK (a reset, a held connection, redis-py retrying the read)
+is served then; dedupe by (id, gen) makes a re-served entry harmless. A group
+re-created after NOGROUP starts at ``0``, so entries written meanwhile are read.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -17,9 +24,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import redis
+from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
+from redis.retry import Retry
 
 from broker_lookup._guard import LoopGuard
 from broker_lookup.config import LookupConfig
@@ -29,21 +37,23 @@ from broker_lookup.keys import KeySpace
 from broker_lookup.messages import (
     Abort,
     LookupRequest,
-    check_lookup_id,
     decode_request,
-    validate_request,
 )
+from workers._clock import ServerClock
+from workers._entries import entry_problem
 
 __all__ = ["Consumer"]
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[LookupRequest | Abort], None]
+#: Dispatches one entry; the float is how many ms it stays worth answering (inf for aborts).
+Handler = Callable[[LookupRequest | Abort, float], None]
 #: Acks the entries of a batch (and sends what else must ride with the ack).
 Flush = Callable[[redis.Redis, list[bytes]], None]
 
-_JSON = msgspec.json.Encoder()
 _COUNTERS = ("entries", "dead_letters", "redis_errors", "nogroup", "replayed", "pending", "lag")
+#: How often the loop re-reads its own pending entries when nothing went wrong.
+REPLAY_EVERY_S = 1.0
 
 
 class Consumer:
@@ -62,6 +72,7 @@ class Consumer:
         world_size: int | None = None,
         flush: Flush | None = None,
         bind: Callable[[], None] | None = None,
+        redis_retries: bool = True,
     ) -> None:
         self._config = config
         self._world_size = world_size
@@ -78,6 +89,11 @@ class Consumer:
         self._stop = threading.Event()
         self.guard = LoopGuard(f"rank {rank} consumer", self._stop)
         self._replaying = True
+        self._recreate = False  # after NOGROUP: the new group starts at 0
+        self._next_replay = 0.0
+        self._redis_retries = redis_retries
+        #: The server's clock, sampled with the heartbeat; judges request budgets.
+        self.clock = ServerClock()
         self._next_beat = 0.0
         self._next_info = 0.0
         self.stats: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
@@ -106,6 +122,11 @@ class Consumer:
     def _run(self) -> None:
         self._bind()
         client = self._factory()
+        if not self._redis_retries:
+            # A timed-out read surfaces at once (and is followed by a re-read of the
+            # pending entries) instead of being retried blind, which would multiply the
+            # socket timeout and could swallow a delivery.
+            client.set_retry(Retry(NoBackoff(), 0))
         try:
             while not self._stop.is_set():
                 self._iteration(client)
@@ -116,17 +137,40 @@ class Consumer:
     def _iteration(self, client: redis.Redis) -> None:
         try:
             if not self.ready.is_set():
-                ensure_group(client, self._keys.requests, self._group)
+                self._create_group(client)
                 self.ready.set()
             self._beat(client)
+            self._schedule_replay()
             self._read_batch(client)
             self._on_tick()
         except BrokerLookupError as exc:
             self._on_error(exc)
         except Exception:  # a bug: counted and logged, never a silent dead thread
+            self._replaying = True
             self.guard()
 
+    def _create_group(self, client: redis.Redis) -> None:
+        if not self._recreate:
+            ensure_group(client, self._keys.requests, self._group)
+            return
+        stream = self._keys.requests
+        with translate_redis_errors(f"re-creating consumer group {self._group} on {stream}"):
+            try:
+                client.xgroup_create(stream, self._group, id="0", mkstream=True)
+                logger.info("rank %d: re-created group %s at 0", self._rank, self._group)
+            except ResponseError as exc:
+                if not str(exc).startswith("BUSYGROUP"):
+                    raise
+        self._recreate = False
+
+    def _schedule_replay(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_replay:
+            self._next_replay = now + REPLAY_EVERY_S
+            self._replaying = True
+
     def _on_error(self, exc: BrokerLookupError) -> None:
+        self._replaying = True  # whatever was delivered before the error is read again
         if is_nogroup(exc):
             # Flushed, restarted without persistence, or the stream was evicted.
             self.stats["nogroup"] += 1
@@ -137,7 +181,7 @@ class Consumer:
                 self._keys.requests,
             )
             self.ready.clear()
-            self._replaying = True
+            self._recreate = True
             return
         self.stats["redis_errors"] += 1
         self.ready.clear()
@@ -159,12 +203,13 @@ class Consumer:
                 self._replaying = False
                 return
             self.stats["replayed"] += len(entries)
-        decoded = [self._decode(client, entry_id, fields) for entry_id, fields in entries]
+        decoded = [(self._decode(client, eid, fields), eid) for eid, fields in entries]
         # Aborts first: a lookup and its abort read in one batch never reach the engine.
-        for msg in sorted(
-            (m for m in decoded if m is not None), key=lambda m: not isinstance(m, Abort)
+        for msg, eid in sorted(
+            ((m, e) for m, e in decoded if m is not None), key=lambda p: not isinstance(p[0], Abort)
         ):
-            self._handle(msg)
+            remaining = math.inf if isinstance(msg, Abort) else self.clock.remaining_ms(msg, eid)
+            self._handle(msg, remaining)
         if entries:
             self._flush(client, [e for e, _ in entries])
 
@@ -181,26 +226,11 @@ class Consumer:
         except MalformedMessage as exc:
             self.dead_letter(client, entry_id, exc.reason, fields)
             return None
-        reason = self._invalid(msg)
+        reason = entry_problem(msg, self._config, self._world_size)
         if reason is not None:
             self.dead_letter(client, entry_id, reason, fields)
             return None
         return msg
-
-    def _invalid(self, msg: LookupRequest | Abort) -> str | None:
-        """Why a decoded entry can't be served (None if it can), by the producer's limits too."""
-        cfg = self._config
-        if isinstance(msg, Abort):
-            return check_lookup_id(msg.lookup_id, cfg.max_lookup_id_length)
-        reason = validate_request(
-            msg, max_chunks=cfg.max_chunks_per_request, max_id_length=cfg.max_lookup_id_length
-        )
-        if reason is not None:
-            return reason
-        world = self._world_size
-        if world is not None and max(msg.expected) >= world:
-            return f"expected ranks {msg.expected[:8]} go beyond world_size={world}"
-        return _configs_problem(msg.request_configs, cfg.max_request_configs_bytes)
 
     def dead_letter(
         self, client: redis.Redis, entry_id: bytes | str, reason: str, raw: object
@@ -221,6 +251,8 @@ class Consumer:
         if now < self._next_beat:
             return
         self._next_beat = now + self._config.heartbeat_interval_ms / 1000
+        if self.clock.due(now):
+            self.clock.sample(client)
         info = {
             "rank": self._rank,
             "pid": os.getpid(),
@@ -260,16 +292,3 @@ def is_nogroup(exc: BaseException) -> bool:
     """True if ``exc`` (or its cause) is Redis's NOGROUP error."""
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     return isinstance(cause, ResponseError) and str(cause).startswith("NOGROUP")
-
-
-def _configs_problem(configs: dict[str, Any] | None, limit: int) -> str | None:
-    """Why ``request_configs`` breaks the client's own rule (None if it does not)."""
-    if configs is None:
-        return None
-    try:
-        size = len(_JSON.encode(configs))
-    except (TypeError, msgspec.EncodeError) as exc:
-        return f"request_configs is not JSON-serialisable: {exc}"
-    if size > limit:
-        return f"request_configs is {size} bytes, over max_request_configs_bytes={limit}"
-    return None

@@ -2,7 +2,9 @@
 
 ``send_response_to_scheduler`` is called on the engine's own thread (LMCache calls
 it from its storage event loop), so it only queues: a slow or unreachable Redis
-never stalls the engine (LMCache D14).
+never stalls the engine (LMCache D14). The queue is bounded: a report that does not
+fit is answered ``overflow`` at once, so its lookup is released instead of queued
+without limit while Redis is away.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ __all__ = ["Report", "Reporter"]
 
 logger = logging.getLogger(__name__)
 
-#: (lookup_id, gen, hits) -> called with the script's answer (or "error").
+#: Reports that may wait for Redis at once; beyond, a report is answered ``overflow``.
+MAX_QUEUED = 10_000
+
+#: (lookup_id, gen, hits) -> called with the script's answer (or "error", "overflow").
 Report = tuple[str, int, int]
 OnResult = Callable[[str, int, str], None]
 
@@ -41,13 +46,17 @@ class Reporter(Batcher[Report]):
         scripts: ScriptSet,
         on_result: OnResult,
     ) -> None:
-        super().__init__(f"rank {rank} reporter", factory, scripts, config.redis_retries, 256)
+        super().__init__(
+            f"rank {rank} reporter", factory, scripts, config.redis_retries, 256, MAX_QUEUED
+        )
         self._config = config
         self._keys = keys
         self._rank = rank
         self._on_result = on_result
         self._inline: list[Report] = []
         self._inline_thread: int | None = None
+        #: Reports that did not fit in the queue.
+        self.overflows = 0
 
     def bind_thread(self) -> None:
         """Mark the calling thread (the rank's consumer) as the one that flushes inline."""
@@ -62,7 +71,12 @@ class Reporter(Batcher[Report]):
         if threading.get_ident() == self._inline_thread:
             self._inline.append((lookup_id, gen, hits))
             return
-        self._put((lookup_id, gen, hits))
+        self._queue_or_refuse((lookup_id, gen, hits))
+
+    def _queue_or_refuse(self, report: Report) -> None:
+        if not self._put(report):
+            self.overflows += 1
+            self._on_result(report[0], report[1], "overflow")
 
     def flush(self, client: redis.Redis, ack_ids: list[bytes]) -> None:
         """On the consumer thread: XACK ``ack_ids`` and send its inline reports, one round trip.
@@ -82,8 +96,8 @@ class Reporter(Batcher[Report]):
             try:
                 results = self._scripts.run(client, [self._call(r) for r in reports], ack)
             except BrokerLookupError:
-                self._queue.extend(reports)
-                self._wake.set()
+                for report in reports:
+                    self._queue_or_refuse(report)
                 raise
             for (lookup_id, gen, _), res in zip(reports, results, strict=True):
                 # May start a queued generation whose engine answers inline: loop again.

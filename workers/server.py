@@ -2,22 +2,26 @@
 
 LMCache's ``LMCacheAsyncLookupServer`` contract over Redis: it starts consuming on
 construction, dispatches lookups to the engine's ``async_lookup_and_prefetch``,
-and the engine reports through :meth:`send_response_to_scheduler`. Aborts call
-``cleanup_memory_objs`` at once if the prefetch finished, else when it finishes.
-A worker always answers: an engine that raises or reports nonsense reports 0.
+and the engine reports through :meth:`send_response_to_scheduler`. What happens to
+each lookup id is decided by one :class:`~workers.lifecycle.Lifecycle` (running ->
+reporting -> held -> released, one generation at a time); this class only carries
+out its steps on the engine and Redis. A worker always answers: an engine that
+raises or reports nonsense reports 0, and one that never reports is answered 0 by
+the watchdog at its deadline plus ``worker_watchdog_grace_ms`` and released.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import math
 import threading
 import time
 from typing import Any
 
 from broker_lookup._state import LATENCY_BUCKETS
 from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.connection import ConnectionFactory, make_factory
+from broker_lookup.connection import ConnectionFactory, close_factory, make_factory
 from broker_lookup.engine import LookupEngine
 from broker_lookup.fingerprint import Publisher
 from broker_lookup.hashing import ChunkedTokenHasher
@@ -26,13 +30,16 @@ from broker_lookup.messages import Abort, LookupRequest
 from broker_lookup.scripts import ScriptSet
 from workers._consumer import Consumer
 from workers._reporter import Reporter
-from workers._tracker import Job, Tracker
+from workers.lifecycle import Job, Lifecycle, Step
+from workers.watchdog import RateLimitedLog, Sweeper
 
 __all__ = ["RedisAsyncLookupServer"]
 
 logger = logging.getLogger(__name__)
 
 _KEEP = ("complete", "recorded", "duplicate")
+#: How often the watchdog, pin TTL and memo expiry run.
+SWEEP_EVERY_S = 0.05
 
 
 class RedisAsyncLookupServer:
@@ -57,46 +64,74 @@ class RedisAsyncLookupServer:
         self.keys = KeySpace(metadata.engine_id)
         self.engine = engine
         cfg = self.config
-        factory = connection_factory or make_factory(
-            cfg, f"bl-worker-{metadata.engine_id}-{self.rank}"
+        self._pin_ttl_s = cfg.worker_pin_ttl_ms / 1000
+        #: The one owner of every lookup id's lifecycle on this rank.
+        self.tracker = Lifecycle(
+            cfg.worker_dedupe_capacity,
+            self._pin_ttl_s,
+            cfg.key_ttl_ms / 1000,
+            cfg.worker_watchdog_grace_ms / 1000,
         )
-        self.tracker = Tracker(
-            cfg.worker_dedupe_capacity, cfg.worker_pin_ttl_ms / 1000, cfg.key_ttl_ms / 1000
-        )
+        self._own_factories: list[ConnectionFactory] = []
+        factory, read_factory = self._factories(connection_factory)
         #: Publishes this rank's hashing fingerprint from the consumer's tick, and checks.
         self.fingerprint = Publisher(
             self.keys, f"rank{self.rank}", ChunkedTokenHasher(cfg), factory
         )
         self.counts: dict[str, int] = {}
         self._count_lock = threading.Lock()
-        #: Reports queued to Redis, by (lookup_id, gen): engine threads add, the reporter pops.
-        self._jobs: dict[tuple[str, int], Job] = {}
+        self._warn = RateLimitedLog(logger)
+        self._watchdog_log = RateLimitedLog(logger)
         self.engine_seconds = [0] * (len(LATENCY_BUCKETS) + 1)
         self.engine_seconds_sum = 0.0
         self._closed = False
-        self._build_threads(factory)
+        self._build_threads(factory, read_factory, own=connection_factory is None)
         post_init = getattr(engine, "post_init", None)
         if callable(post_init):
             post_init(async_lookup_server=self)
         self._reporter.start()
+        self._sweeper.start()
         self._consumer.start()
 
-    def _build_threads(self, factory: ConnectionFactory) -> None:
+    def _factories(
+        self, given: ConnectionFactory | None
+    ) -> tuple[ConnectionFactory, ConnectionFactory]:
+        """(general, blocking-read) factories: ``given`` for both, or two made here.
+
+        Made here, every socket times out after BLOCK plus ``breaker_open_ms``, so no
+        read of a stalled Redis pauses the loop for the general socket timeout.
+        """
+        if given is not None:
+            return given, given
+        cfg = self.config
+        name = f"bl-worker-{self.metadata.engine_id}-{self.rank}"
+        timeout = (cfg.block_ms + cfg.breaker_open_ms) / 1000
+        self._own_factories = [
+            make_factory(cfg, name, socket_timeout_s=timeout),
+            make_factory(cfg, name, socket_timeout_s=timeout),  # its own pool: no retries
+        ]
+        return self._own_factories[0], self._own_factories[1]
+
+    def _build_threads(
+        self, factory: ConnectionFactory, read_factory: ConnectionFactory, own: bool
+    ) -> None:
         cfg = self.config
         self._reporter = Reporter(
             cfg, self.keys, self.rank, factory, ScriptSet(), self._on_reported
         )
+        self._sweeper = Sweeper(f"rank {self.rank} sweeper", SWEEP_EVERY_S, self._sweep)
         self._consumer = Consumer(
             cfg,
             self.keys,
             self.rank,
-            factory,
+            read_factory,
             self._handle,
             self._beat_info,
-            self._sweep,
+            self.fingerprint.tick,
             world_size=self.metadata.world_size,
             flush=self._reporter.flush,
             bind=self._reporter.bind_thread,
+            redis_retries=not own,
         )
 
     # -- LMCache's contract ---------------------------------------------------------
@@ -106,31 +141,24 @@ class RedisAsyncLookupServer:
 
     def send_response_to_scheduler(self, lookup_id: str, num_hit_tokens: int) -> None:
         """The engine finished prefetching ``lookup_id``: report its loaded prefix."""
-        job = self.tracker.take_running(lookup_id)
+        now = time.monotonic()
+        outcome, job, step = self.tracker.on_report(lookup_id, now)
         if job is None:
-            self._count("report_unknown")
-            logger.warning(
-                "rank %d: report for %s which is not running; ignored", self.rank, lookup_id
-            )
+            self._count("report_" + outcome)
+            if outcome == "unknown":
+                self._warn(
+                    logging.WARNING,
+                    "rank %d: report for %s which is not running; ignored",
+                    self.rank,
+                    lookup_id,
+                )
             return
-        self._observe(job)
-        hits = num_hit_tokens
-        if type(hits) is not int or not 0 <= hits <= job.tokens:
-            self._count("engine_invalid_hits")
-            logger.error(
-                "rank %d: engine reported %r hits for %s (%d tokens); reporting 0",
-                self.rank,
-                num_hit_tokens,
-                lookup_id,
-                job.tokens,
-            )
-            hits = 0
-        if job.aborted or job.superseded:
+        self._observe(job, now)
+        if outcome == "skipped":  # aborted or superseded: nobody wants the answer
             self._count("report_skipped_aborted")
-            self._release(lookup_id, job, keep=False)
+            self._apply(lookup_id, step)
             return
-        self._jobs[(lookup_id, job.gen)] = job
-        self._reporter.put(lookup_id, job.gen, hits)
+        self._reporter.put(lookup_id, job.gen, self._valid_hits(job, num_hit_tokens))
 
     def close(self) -> None:
         """Ordered shutdown: stop reading, flush reports, release every pin; idempotent."""
@@ -139,36 +167,42 @@ class RedisAsyncLookupServer:
         self._closed = True
         grace = self.config.block_ms / 1000 + 2.0
         ok = self._consumer.stop(grace)
+        ok = self._sweeper.stop(grace) and ok
         ok = self._reporter.stop(grace) and ok
         self.fingerprint.close()
         for lookup_id in self.tracker.release_all():
             self._cleanup(lookup_id)
+        for factory in self._own_factories:
+            close_factory(factory)
         if not ok:
             logger.error("rank %d: server threads did not stop within %.1fs", self.rank, grace)
 
     # -- dispatch -------------------------------------------------------------------
 
-    def _handle(self, msg: LookupRequest | Abort) -> None:
+    def _handle(self, msg: LookupRequest | Abort, remaining_ms: float = math.inf) -> None:
+        now = time.monotonic()
         if isinstance(msg, Abort):
             self._count("aborts")
-            if self.tracker.on_abort(msg.lookup_id, msg.gen, time.monotonic()):
-                self._cleanup(msg.lookup_id)
+            self._apply(msg.lookup_id, self.tracker.on_abort(msg.lookup_id, msg.gen, now))
             return
-        self._handle_lookup(msg)
-
-    def _handle_lookup(self, req: LookupRequest) -> None:
-        if self.rank not in req.expected:
+        if self.rank not in msg.expected:
             self._count("not_expected")
             return
-        if int(time.time() * 1000) > req.deadline_ms:
+        if remaining_ms <= 0:
             self._count("expired")
             return
-        decision = self.tracker.on_request(req, time.monotonic())
+        # Local and monotonic from here on; capped so no wire value outlives the pin TTL.
+        deadline = now + min(remaining_ms / 1000, self._pin_ttl_s)
+        decision, step = self.tracker.on_request(msg, now, deadline)
         self._count(decision)
-        if decision == "release_then_start":
-            self._cleanup(req.lookup_id)
-        if decision in ("start", "release_then_start"):
-            self._start(req)
+        self._apply(msg.lookup_id, step)
+
+    def _apply(self, lookup_id: str, step: Step) -> None:
+        """Carry out a lifecycle step: release the engine's generation, then start the next."""
+        if step.release:
+            self._cleanup(lookup_id)
+        if step.start is not None:
+            self._start(step.start)
 
     def _start(self, req: LookupRequest) -> None:
         self._count("requests")
@@ -187,18 +221,23 @@ class RedisAsyncLookupServer:
             )
             self.send_response_to_scheduler(req.lookup_id, 0)
 
-    def _on_reported(self, lookup_id: str, gen: int, answer: str) -> None:
-        job = self._jobs.pop((lookup_id, gen), None)
-        self._count("report_" + answer)
-        if job is not None:
-            self._release(lookup_id, job, keep=answer in _KEEP)
+    def _valid_hits(self, job: Job, hits: object) -> int:
+        if type(hits) is int and 0 <= hits <= job.tokens:
+            return hits
+        self._count("engine_invalid_hits")
+        logger.error(
+            "rank %d: engine reported %r hits for %s (%d tokens); reporting 0",
+            self.rank,
+            hits,
+            job.lookup_id,
+            job.tokens,
+        )
+        return 0
 
-    def _release(self, lookup_id: str, job: Job, keep: bool) -> None:
-        held, nxt = self.tracker.settle(lookup_id, job, keep, time.monotonic())
-        if not held:
-            self._cleanup(lookup_id)
-        if nxt is not None:
-            self._start(nxt)
+    def _on_reported(self, lookup_id: str, gen: int, answer: str) -> None:
+        self._count("report_" + answer)
+        step = self.tracker.on_settled(lookup_id, gen, answer in _KEEP, time.monotonic())
+        self._apply(lookup_id, step)
 
     def _cleanup(self, lookup_id: str) -> None:
         self._count("released")
@@ -208,10 +247,28 @@ class RedisAsyncLookupServer:
             self._count("engine_errors")
             logger.exception("rank %d: engine failed to release %s", self.rank, lookup_id)
 
-    def _sweep(self) -> None:
-        for lookup_id in self.tracker.expired_holds(time.monotonic()):
+    def _sweep(self, now: float) -> None:
+        """On the sweeper thread: the watchdog, then pins past their TTL."""
+        for kind, job, step in self.tracker.due(now):
+            if kind == "watchdog":
+                self._on_watchdog(job)
+            self._apply(job.lookup_id, step)
+        for lookup_id in self.tracker.expired_holds(now):
             self._cleanup(lookup_id)
-        self.fingerprint.tick()
+
+    def _on_watchdog(self, job: Job) -> None:
+        """The engine never reported ``job`` (LMCache D9): answer 0 for it ourselves."""
+        self._watchdog_log(
+            logging.ERROR,
+            "rank %d: engine did not report %s (gen %d) by its deadline + %d ms; "
+            "reporting 0 and releasing its memory",
+            self.rank,
+            job.lookup_id,
+            job.gen,
+            self.config.worker_watchdog_grace_ms,
+        )
+        if not (job.aborted or job.superseded):  # else nobody waits for the answer
+            self._reporter.put(job.lookup_id, job.gen, 0)
 
     # -- observability --------------------------------------------------------------
 
@@ -219,11 +276,15 @@ class RedisAsyncLookupServer:
         with self._count_lock:
             self.counts[what] = self.counts.get(what, 0) + n
 
-    def _observe(self, job: Job) -> None:
-        seconds = time.monotonic() - job.started
+    def _observe(self, job: Job, now: float) -> None:
+        seconds = now - job.started
         with self._count_lock:
             self.engine_seconds[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
             self.engine_seconds_sum += seconds
+
+    def _counts_copy(self) -> dict[str, int]:
+        with self._count_lock:
+            return dict(self.counts)
 
     def _beat_info(self) -> dict[str, Any]:
         return {**self.tracker.sizes(), "requests": self.counts.get("requests", 0)}
@@ -232,14 +293,16 @@ class RedisAsyncLookupServer:
         """Counters and map sizes for metrics, heartbeats and tests."""
         return {
             "rank": self.rank,
-            "counts": dict(self.counts),
+            "counts": {**self._counts_copy(), **self.tracker.events()},
             **self.tracker.sizes(),
             "consumer": dict(self._consumer.stats),
             "reporter_errors": self._reporter.errors,
-            "unexpected_errors": self._consumer.guard.count + self._reporter.guard.count,
+            "unexpected_errors": (
+                self._consumer.guard.count + self._reporter.guard.count + self._sweeper.guard.count
+            ),
             "last_heartbeat": self._consumer.last_beat,
             "ready": self._consumer.ready.is_set(),
-            "alive": self._consumer.alive(),
+            "alive": self._consumer.alive() and self._sweeper.alive(),
         }
 
     @property
