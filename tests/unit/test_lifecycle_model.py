@@ -1,0 +1,165 @@
+"""Model-based test of the rank's lifecycle: random requests, reports, settles, aborts and
+time against a model of the engine (plain dicts), checking after every step that
+
+* the engine never holds two generations of one id;
+* every release is of the generation the engine holds, and of one that entered it;
+* every generation that entered the engine is released exactly once, by time alone
+  (watchdog, pin TTL) or at close;
+* no generation starts after its deadline;
+* every map stays bounded.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from broker_lookup.messages import LookupRequest
+from workers.lifecycle import Lifecycle, Step
+
+IDS = ("a", "b")
+GENS = st.integers(min_value=1, max_value=4)
+CAPACITY = len(IDS) * 4  # every (id, gen) pair fits: the memos never forget one in time
+BUDGET = st.floats(min_value=0.1, max_value=5.0)
+MEMO_TTL = 6.0  # >= any budget: an entry older than its memo is dropped as expired first
+PIN_TTL = 8.0
+GRACE = 1.0
+
+
+def _req(lookup_id: str, gen: int) -> LookupRequest:
+    return LookupRequest(
+        lookup_id=lookup_id, gen=gen, hashes=[1], offsets=[4], expected=[0], deadline_ms=0,
+        tokens=4,
+    )  # fmt: skip
+
+
+class LifecycleModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.life = Lifecycle(CAPACITY, PIN_TTL, MEMO_TTL, GRACE)
+        self.now = 0.0
+        self.engine: dict[str, int] = {}  # id -> the generation the engine holds
+        self.phase: dict[str, str] = {}  # id -> running | reporting | held (model's view)
+        self.entered: set[tuple[str, int]] = set()
+        self.released: set[tuple[str, int]] = set()
+        self.inflight: list[tuple[str, int]] = []  # reports queued to Redis, not settled
+        self.expires: dict[tuple[str, int], float] = {}  # first arrival + budget
+
+    # -- the engine -----------------------------------------------------------------
+
+    def apply(self, lookup_id: str, step: Step, gen: int | None = None) -> None:
+        """Do ``step`` to the model engine; ``gen``: the generation the release is for."""
+        if step.release:
+            assert lookup_id in self.engine, f"cleanup({lookup_id}) but the engine holds none"
+            held = self.engine.pop(lookup_id)
+            assert gen is None or held == gen, f"released gen {gen}, the engine held {held}"
+            assert (lookup_id, held) not in self.released, "released twice"
+            self.released.add((lookup_id, held))
+            self.phase.pop(lookup_id)
+        if step.start is not None:
+            assert lookup_id not in self.engine, "two generations of one id in the engine"
+            key = (lookup_id, step.start.gen)
+            assert key not in self.entered, "a generation entered the engine twice"
+            assert self.now < self.expires[key], "a generation started after its deadline"
+            self.entered.add(key)
+            self.engine[lookup_id] = step.start.gen
+            self.phase[lookup_id] = "running"
+
+    # -- rules ----------------------------------------------------------------------
+
+    @rule(lookup_id=st.sampled_from(IDS), gen=GENS, budget=BUDGET)
+    def request(self, lookup_id: str, gen: int, budget: float) -> None:
+        key = (lookup_id, gen)
+        expires = self.expires.setdefault(key, self.now + budget)
+        if self.now >= expires:
+            return  # the server drops it as expired before the lifecycle sees it
+        was = self.phase.get(lookup_id)
+        decision, step = self.life.on_request(_req(lookup_id, gen), self.now, expires)
+        if decision == "release_then_start":
+            assert was == "held", f"released a {was} generation for a new one"
+        if decision in ("start", "release_then_start"):
+            assert step.start is not None and step.start.gen == gen
+        else:
+            assert step == Step(), (decision, step)
+        self.apply(lookup_id, step)
+
+    @rule(lookup_id=st.sampled_from(IDS))
+    def engine_reports(self, lookup_id: str) -> None:
+        outcome, job, step = self.life.on_report(lookup_id, self.now)
+        if self.phase.get(lookup_id) != "running":
+            assert (outcome, job, step) in (("unknown", None, Step()), ("late", None, Step()))
+            return
+        assert job is not None and job.gen == self.engine[lookup_id]
+        if outcome == "report":
+            self.phase[lookup_id] = "reporting"
+            self.inflight.append((lookup_id, job.gen))
+        else:
+            assert outcome == "skipped"
+            self.apply(lookup_id, step, job.gen)
+
+    @precondition(lambda self: self.inflight)
+    @rule(data=st.data(), keep=st.booleans())
+    def report_settles(self, data: st.DataObject, keep: bool) -> None:
+        lookup_id, gen = self.inflight.pop(data.draw(st.integers(0, len(self.inflight) - 1)))
+        step = self.life.on_settled(lookup_id, gen, keep, self.now)
+        ours = self.engine.get(lookup_id) == gen and self.phase[lookup_id] == "reporting"
+        if step.release:
+            assert ours, "a settle released a generation that was not reporting"
+            self.apply(lookup_id, step, gen)
+        elif ours:
+            assert keep and step == Step()
+            self.phase[lookup_id] = "held"
+
+    @rule(lookup_id=st.sampled_from(IDS), gen=GENS)
+    def abort(self, lookup_id: str, gen: int) -> None:
+        step = self.life.on_abort(lookup_id, gen, self.now)
+        if step.release:
+            assert self.phase.get(lookup_id) == "held", "an abort released a busy generation"
+        self.apply(lookup_id, step, gen)
+
+    @rule(dt=st.floats(min_value=0.0, max_value=4.0))
+    def time_passes(self, dt: float) -> None:
+        self.now += dt
+        self.sweep()
+
+    def sweep(self) -> None:
+        for kind, job, step in self.life.due(self.now):
+            want = "running" if kind == "watchdog" else "reporting"
+            assert self.phase.get(job.lookup_id) == want, (kind, self.phase)
+            assert self.now >= job.deadline + GRACE or kind == "unsettled"
+            self.apply(job.lookup_id, step, job.gen)
+        for lookup_id in self.life.expired_holds(self.now):
+            assert self.phase.get(lookup_id) == "held"
+            self.apply(lookup_id, Step(release=True))
+
+    # -- invariants -----------------------------------------------------------------
+
+    @invariant()
+    def engine_and_lifecycle_agree(self) -> None:
+        sizes = self.life.sizes()
+        for state in ("running", "reporting", "held"):
+            assert sizes[state] == sum(p == state for p in self.phase.values()), (state, sizes)
+        assert self.entered - self.released == set(self.engine.items())
+        assert sizes["waiting"] <= len(self.engine)
+        assert max(sizes["seen"], sizes["aborted"], sizes["late"], sizes["held"]) <= CAPACITY
+
+    def teardown(self) -> None:
+        # Time alone releases everything: watchdog, unsettled reports, pin TTL.
+        self.now += 10 * (PIN_TTL + MEMO_TTL)
+        self.sweep()
+        assert self.engine == {}, self.engine
+        assert self.life.release_all() == []
+        assert self.entered == self.released
+
+
+LifecycleModel.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+test_lifecycle_against_model = LifecycleModel.TestCase
+
+
+def test_close_releases_every_generation_the_engine_holds() -> None:
+    life = Lifecycle(CAPACITY, PIN_TTL, MEMO_TTL, GRACE)
+    for lookup_id in IDS:
+        life.on_request(_req(lookup_id, 1), 0.0, 3.0)
+    life.on_report("b", 0.1)
+    assert sorted(life.release_all()) == list(IDS)
