@@ -21,6 +21,7 @@ from helpers import Backend
 from broker_lookup._procs import child_env
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
+from broker_lookup.faultproxy import FaultProxy
 from workers.server import RedisAsyncLookupServer
 
 
@@ -123,3 +124,17 @@ def make_client(
     finally:
         for client in made:
             client.close()
+
+
+@pytest.fixture
+def fault_proxy(real_server) -> Iterator[FaultProxy]:
+    """A fault proxy in front of the session's real server; stopped after the test."""
+    with FaultProxy.for_url(real_server.url).start() as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def fresh_fault_proxy(fresh_real_server) -> Iterator[FaultProxy]:
+    """A fault proxy in front of a private server (``fresh_real_server``); stopped after."""
+    with FaultProxy.for_url(fresh_real_server.url).start() as proxy:
+        yield proxy
