@@ -72,6 +72,12 @@ class Breaker:
                 return True
         return False
 
+    def poll(self) -> None:
+        """Count and log a stall that opened or closed the breaker (a loop's idle tick:
+        the hot path only reads :meth:`is_open`, it never logs)."""
+        if self.is_open() != self._was_open:
+            self._note()
+
     def _note(self) -> None:
         # Called by the loops on transitions only: logs once per opening and closing.
         now_open = self.is_open()

@@ -87,6 +87,7 @@ class Sender(Batcher[Item]):
         self._put((lookup_id, None, Abort(lookup_id=lookup_id, gen=gen)))
 
     def _idle(self, client: redis.Redis) -> None:
+        self._breaker.poll()
         # While the breaker is open because of us, nothing is queued to tell us when
         # Redis is back: probe it, twice a second.
         if not self._breaker.failing("sender") or self._queue:
@@ -99,7 +100,7 @@ class Sender(Batcher[Item]):
             with self._breaker.track("sender"), translate_redis_errors("probing Redis"):
                 client.ping()
         except BrokerLookupError:
-            self.errors += 1
+            pass  # still down: the breaker stays open; probes are not counted as errors
 
     def _call_for(self, item: Item) -> Call | None:
         lookup_id, entry, msg = item

@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ResponseError
 from redis.retry import Retry
 
@@ -232,6 +232,9 @@ def make_factory(
     if url.startswith("redis+cluster://"):
         return _cluster_factory(config, name)
     kwargs = _common_kwargs(config, name, socket_timeout_s)
+    if socket_timeout_s is not None:
+        # The loop retries itself; redis-py's retries would multiply the bound it asked for.
+        kwargs["retry"] = Retry(NoBackoff(), 0)
     if url.startswith("rediss://"):
         kwargs.update(_tls_kwargs(config))
     return PooledFactory(redis.ConnectionPool.from_url(url, **kwargs))

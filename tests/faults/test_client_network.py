@@ -1,0 +1,124 @@
+"""Network faults between the scheduler's client and Redis, through a TCP fault proxy.
+
+Real server, real rank processes (``python -m workers``, connected straight to the
+server); only the client's connections go through the :class:`FaultProxy`, so each
+fault lands on the scheduler's side alone: a stalled or partitioned server (hold
+without RST), resets, a submit that ran on the server but whose reply was lost, a
+completion event lost on its way to the listener, latency. In every case: no
+exception reaches the caller, no lookup hangs, no answer is wrong, a full hit is
+never answered 0 unless a fault was active during that lookup, and everything
+recovers by itself.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from faultkit import alive, answer, config, eventually_right, prompt
+from helpers import wait_until
+
+from broker_lookup.faultproxy import FaultProxy
+from broker_lookup.keys import KeySpace
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+HOT = prompt(1000)  # in memory on every rank: a full hit
+PROMPTS = [{"tokens": HOT}]
+FULL = len(HOT)
+
+
+@pytest.fixture
+def cluster(real_server, fault_proxy, engine_id, rank_procs, clients):
+    """Two rank processes on the server and a client (world 2) through the proxy."""
+    for rank in range(2):
+        rank_procs(real_server.url, engine_id, 2, rank, PROMPTS)
+    client = clients(config(fault_proxy.url, lookup_timeout_ms=3000), engine_id, 2)
+    alive(client)
+    client.lookup(HOT, "warm")
+    assert answer(client, "warm", timeout=10) == FULL
+    return client
+
+
+def test_a_stalled_server_opens_the_breaker_then_it_closes_by_itself(
+    cluster, fault_proxy: FaultProxy
+):
+    client = cluster
+    fault_proxy.hold()  # packets dropped, no RST: what SIGSTOP or a partition looks like
+    wait_until(lambda: client.stats()["breaker_open"], timeout=10, message="breaker opens")
+    for i in range(500):
+        started = time.monotonic()
+        assert client.lookup(HOT, f"held-{i}") == 0  # answered now, not after 3 s
+        assert time.monotonic() - started < 1.0
+        assert client.lookup_cache(f"held-{i}") == 0
+    stats = client.stats()
+    assert stats["outcomes"]["unavailable"] >= 500
+    assert stats["queued"] == 0  # nothing piles up behind the stall
+    fault_proxy.release()
+    wait_until(lambda: not client.stats()["breaker_open"], timeout=15, message="it closes")
+    assert eventually_right(client, HOT, FULL, timeout=15, tag="after") >= 1
+    assert client.stats()["breaker_openings"] >= 1
+
+
+def test_a_submit_whose_reply_is_lost_still_answers_the_full_hit(
+    cluster, fault_proxy: FaultProxy, real_server, engine_id
+):
+    client = cluster
+    conn = redis.Redis.from_url(real_server.url)
+    ks = KeySpace(engine_id)
+    before = conn.xlen(ks.requests)
+    # The server runs the submit script; the reply never comes back; the connection is
+    # reset; the sender (or redis-py) re-sends the batch.
+    fault_proxy.lose_reply("EVALSHA", then="reset")
+    client.lookup(HOT, "lost-reply")
+    assert answer(client, "lost-reply", timeout=10) == FULL
+    assert fault_proxy.stats["replies_lost"] == 1
+    assert conn.xlen(ks.requests) == before + 1  # the re-send wrote no second entry
+
+
+def test_a_completion_lost_on_the_way_to_the_listener_is_read_again(
+    cluster, fault_proxy: FaultProxy
+):
+    client = cluster
+    # The listener's XREAD reply carrying the completion is lost and its connection
+    # hangs: its short socket timeout ends the read, and the re-read from the last
+    # position still finds the event in the stream.
+    fault_proxy.lose_reply("XREAD", then="hold")
+    wait_until(lambda: fault_proxy.stats["replies_lost"] == 1, message="a read is lost")
+    client.lookup(HOT, "lost-event")  # completes while the listener hangs in that read
+    assert answer(client, "lost-event", timeout=15) == FULL
+    assert client.stats()["redis_errors"] >= 1  # the hung read ended by its timeout
+
+
+def test_resets_never_give_a_wrong_answer_and_recovery_is_automatic(
+    cluster, fault_proxy: FaultProxy
+):
+    client = cluster
+    for i in range(5):
+        client.lookup(HOT, f"r{i}")
+        fault_proxy.reset()
+        assert answer(client, f"r{i}", timeout=10) in (0, FULL)
+    assert eventually_right(client, HOT, FULL, timeout=15, tag="after") >= 1
+
+
+def test_latency_under_the_timeout_costs_no_hit(cluster, fault_proxy: FaultProxy):
+    client = cluster
+    fault_proxy.delay(150)  # each way, on every chunk: far under the 3 s timeout
+    for i in range(5):
+        client.lookup(HOT, f"slow-{i}")
+        assert answer(client, f"slow-{i}", timeout=15) == FULL
+
+
+def test_close_leaves_no_connection_open(real_server, engine_id, clients):
+    conn = redis.Redis.from_url(real_server.url)
+
+    def mine() -> int:
+        return sum(1 for c in conn.client_list() if engine_id in c.get("name", ""))
+
+    for _ in range(3):
+        client = clients(config(real_server.url), engine_id, 1)
+        client.lookup(HOT, "r1")
+        wait_until(lambda: mine() >= 2, message="the client's connections are open")
+        client.close()
+        wait_until(lambda: mine() == 0, timeout=5, message="close() closed them all")
