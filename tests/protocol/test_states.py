@@ -302,3 +302,31 @@ def test_a_resubmitted_generation_keeps_the_reports_already_recorded(backend, en
     # A newer generation still replaces the hash.
     scripts.call(conn, Call(SUBMIT, (key, ks.requests), [8, *submit.args[1:]]))
     assert conn.hget(key, "gen") == b"8" and conn.hget(key, "r0") is None
+
+
+def test_lookups_queued_behind_a_slow_sender_are_not_taken_for_vanished(
+    make_server, make_client, monkeypatch, caplog
+):
+    # A burst keeps the sender over a second behind: the listener's reconcile must not
+    # answer those lookups 0 as "vanished from Redis" before they were even written.
+    engine = InstantEngine(hits=20)
+    _ready(make_server(engine))
+    client = make_client(lookup_timeout_ms=5000)
+    _alive(client)
+    sender = client._sender
+    original = sender._send_batch
+    gate = {"first": True}
+
+    def behind(conn, batch):
+        if gate["first"]:
+            gate["first"] = False
+            sender._stop.wait(1.5)  # the sender's own thread, as a long burst would
+        return original(conn, batch)
+
+    monkeypatch.setattr(sender, "_send_batch", behind)
+    for i in range(20):
+        client.lookup(TOKENS, f"q{i}")
+    for i in range(20):
+        assert wait_until(lambda i=i: client.lookup_cache(f"q{i}") == 20, timeout=10)
+    assert client.stats()["outcomes"]["error"] == 0
+    assert not [r for r in caplog.records if "vanished" in r.getMessage()]
