@@ -53,7 +53,8 @@ def _lookups(client: redis.Redis, keys: KeySpace, now_ms: int, limit: int) -> Sn
         created = _int(fields.get("created_ms", ""))
         items.append(
             {
-                "id": keys.lookup_id_of(key),
+                # The caller's id: the key holds a digest of ids a key should not hold.
+                "id": fields.get("id") or keys.lookup_id_of(key),
                 "state": fields.get("state"),
                 "gen": _int(fields.get("gen", "")),
                 "age_ms": now_ms - created if created is not None else None,

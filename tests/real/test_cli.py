@@ -212,3 +212,20 @@ def test_cli_usage_errors_exit_2():
     assert _run("nope").returncode == 2
     assert _run("inspect").returncode == 2  # --engine-id is required
     assert _run("demo", "--ranks", "0").returncode == 2
+
+
+def test_inspect_shows_the_callers_id_of_a_digest_key(real_server, engine_id):
+    client = redis.Redis.from_url(real_server.url)
+    hostile = "user's id {with} spaces"
+    key = KeySpace(engine_id).lookup(hostile)
+    try:
+        client.hset(key, mapping={"state": "pending", "gen": "1", "expected": "0", "id": hostile})
+        client.pexpire(key, 60_000)
+        as_json = _run(
+            "inspect", "--redis-url", real_server.url, "--engine-id", engine_id, "--json"
+        )
+    finally:
+        client.delete(key)
+        client.close()
+    (item,) = json.loads(as_json.stdout)["lookups"]["shown"]
+    assert item["id"] == hostile
