@@ -287,7 +287,13 @@ class RedisAsyncLookupServer:
             return dict(self.counts)
 
     def _beat_info(self) -> dict[str, Any]:
-        return {**self.tracker.sizes(), "requests": self.counts.get("requests", 0)}
+        consumer = self._consumer.stats
+        return {
+            **self.tracker.sizes(),
+            "requests": self.counts.get("requests", 0),
+            "replayed": consumer["replayed"],  # deliveries read again: lost ones among them
+            "redis_errors": consumer["redis_errors"],
+        }
 
     def stats(self) -> dict[str, Any]:
         """Counters and map sizes for metrics, heartbeats and tests."""
