@@ -24,6 +24,11 @@ fake_only = pytest.mark.parametrize("backend", ["fake"], indirect=True)
 real_only = pytest.mark.parametrize("backend", ["real"], indirect=True)
 
 
+def _breaker_closed(client) -> None:
+    """Until the client's loops answered again: meanwhile lookups answer 0 by design."""
+    wait_until(lambda: not client.stats()["breaker_open"], timeout=10, message="breaker closed")
+
+
 def _started(engine: ManualEngine, lookup_id: str) -> None:
     wait_until(lambda: lookup_id in engine.started_ids(), message=f"{lookup_id} started")
 
@@ -49,6 +54,7 @@ def test_connection_lost_during_a_report(make_server, make_client, backend, engi
     fields = backend.factory().hgetall(key)
     assert b"r0" not in fields  # nothing half-applied
     assert server.stats()["reporter_errors"] == retries
+    _breaker_closed(client)
     client.lookup(TOKENS, "r2")
     _started(engine, "r2")
     engine.report("r2", 24)
@@ -80,6 +86,7 @@ def test_connection_lost_during_a_cancel(make_server, make_client, backend, engi
     assert client._sender.errors == retries  # no retry after giving up
     assert client.stats()["redis_errors"] >= retries
     engine.report("r1", 40)  # the undelivered cancel: the rank finishes normally
+    _breaker_closed(client)
     client.lookup(TOKENS, "r2")
     _started(engine, "r2")
     engine.report("r2", 12)
@@ -99,6 +106,7 @@ def test_connection_lost_during_blocking_reads(make_server, make_client, backend
     backend.fake_server.connected = True
     wait_until(lambda: server.ready, timeout=10)
     wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+    _breaker_closed(client)
     client.lookup(TOKENS, "r1")
     _started(engine, "r1")
     engine.report("r1", 8)
@@ -117,6 +125,7 @@ def test_connections_killed_mid_read(make_server, make_client, backend):
     # Every other connection drops: the rank's blocked XREADGROUP, the client's XREAD, ...
     assert admin.client_kill_filter(_type="normal", skipme=True) >= 2
     wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=10)
+    _breaker_closed(client)
     client.lookup(TOKENS, "r1")
     _started(engine, "r1")
     engine.report("r1", 16)
@@ -139,6 +148,7 @@ def test_blocking_read_times_out_then_recovers(make_client, backend, engine_id):
         wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=10)
         wait_until(lambda: server.ready, timeout=10)
         wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+        _breaker_closed(client)
         client.lookup(TOKENS, "r1")
         _started(engine, "r1")
         engine.report("r1", 4)

@@ -12,7 +12,7 @@ from helpers import wait_until
 from broker_lookup.keys import KeySpace
 
 TOKENS = prompt(0, chunks=10)
-LONG = 60_000  # a timeout no assertion below ever gets near
+LONG = 30_000  # a timeout no assertion below ever gets near
 
 
 def _errors_about(caplog, rank: int) -> list[str]:
