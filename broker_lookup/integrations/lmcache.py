@@ -9,7 +9,9 @@ package never imports ``workers``) around an :class:`LMCacheEngineAdapter`. Any 
 config gets LMCache's own classes. :func:`uninstall` restores LMCache's functions.
 
 vLLM loads :func:`vllm_plugin` in every process through the ``vllm.general_plugins``
-entry point; it installs only with ``BROKER_LOOKUP_LMCACHE=1``. See ``docs/lmcache.md``.
+entry point; only with ``BROKER_LOOKUP_LMCACHE=1`` it arms an import hook that installs
+when LMCache's factory is first imported (never importing lmcache itself: that breaks
+vLLM-CPU's worker start). See ``docs/lmcache.md``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import functools
 import logging
 import os
 import threading
+from types import ModuleType
 from typing import Any
 
 import msgspec
@@ -25,12 +28,14 @@ import msgspec
 from broker_lookup.config import ENV_PREFIX, LookupConfig, LookupMetadata
 from broker_lookup.errors import ConfigError
 from broker_lookup.factory import LookupClientFactory
+from broker_lookup.integrations.import_hook import hook_fired, when_imported
 from broker_lookup.integrations.lmcache_adapter import LMCacheEngineAdapter
 from broker_lookup.interface import LookupClientInterface
 
 __all__ = [
     "ENV_SWITCH",
     "EXTRA_PREFIX",
+    "HOOK_MODULES",
     "LMCacheEngineAdapter",
     "broker_requested",
     "config_from_lmcache",
@@ -63,6 +68,13 @@ LMCACHE_FIELDS = (
     "enable_chunk_statistics",
     "pre_caching_hash_algorithm",
 )
+#: The modules whose first import installs the patch (:func:`vllm_plugin`): LMCache's
+#: factory itself, and the vLLM service factory that builds the lookup client/server.
+HOOK_MODULES = (
+    "lmcache.v1.lookup_client.factory",
+    "lmcache.integration.vllm.vllm_service_factory",
+)
+HOOK_KEY = "broker_lookup.integrations.lmcache"
 _PATCHED = ("create_lookup_client", "create_lookup_server")
 _originals: dict[str, Any] = {}
 _lock = threading.Lock()
@@ -269,17 +281,55 @@ def _register_interface() -> None:
 
 
 def vllm_plugin() -> None:
-    """vLLM ``general_plugins`` entry point: :func:`install` if ``BROKER_LOOKUP_LMCACHE=1``."""
+    """vLLM ``general_plugins`` entry point: with ``BROKER_LOOKUP_LMCACHE=1``, arm the patch.
+
+    Imports nothing of LMCache (importing it before vLLM has initialised a worker
+    breaks vLLM-CPU's kernel overrides): :func:`install` runs when LMCache's lookup
+    factory or vLLM service factory is first imported in this process. vLLM calls
+    plugins in every process it starts, so each arms its own hook.
+    """
     if not _truthy(os.environ.get(ENV_SWITCH)):
         return
-    try:
-        install()
-    except ImportError as exc:
-        logger.warning("%s=1 but LMCache is not importable; not installed: %s", ENV_SWITCH, exc)
-        return
+    _ensure_log_handler()
+    if not when_imported(HOOK_MODULES, _install_on_import, key=HOOK_KEY):
+        return  # armed (or done) already in this process
+    if hook_fired(HOOK_KEY):
+        return  # LMCache was imported before us: installed just now
+    logger.info(
+        "broker-lookup armed (pid %d): LMCache's lookup factory is patched when %s is imported",
+        os.getpid(),
+        " or ".join(HOOK_MODULES),
+    )
     if not os.environ.get(ENV_URL):
         logger.info(
             "%s is unset: only LMCache configs with extra_config.%surl use the broker",
             ENV_URL,
             EXTRA_PREFIX,
         )
+
+
+def _install_on_import(module: ModuleType) -> None:
+    """The hook's callback: :func:`install`, logged with the module that triggered it."""
+    try:
+        install()
+    except ImportError as exc:
+        logger.warning("%s=1 but LMCache is not importable; not installed: %s", ENV_SWITCH, exc)
+        return
+    logger.info(
+        "broker-lookup patched LMCache's LookupClientFactory in pid %d (on import of %s)",
+        os.getpid(),
+        module.__name__,
+    )
+
+
+def _ensure_log_handler() -> None:
+    """Give our INFO lines a handler where nobody configured logging (vLLM configures only
+    its own ``vllm`` logger), so the operator sees the patch happen in every process."""
+    package = logging.getLogger("broker_lookup")
+    if package.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    package.addHandler(handler)
+    if package.level == logging.NOTSET:
+        package.setLevel(logging.INFO)
