@@ -147,7 +147,9 @@ def latency_and_probes(opts: BenchOptions, url: str, run_id: str) -> dict[str, A
     try:
         with rank_host(opts, url, engines, frozenset({mute_id})) as pids:
             # First, while no key of an earlier run expires and blurs used_memory.
-            client = client_for(url, mute_id, 1, lookup_timeout_ms=_PATIENT_MS)
+            client = client_for(
+                url, mute_id, 1, lookup_timeout_ms=_PATIENT_MS, worker_pin_ttl_ms=2 * _PATIENT_MS
+            )
             try:
                 out["pending"] = pending_probe(client, Prompts(opts.tokens), opts.pending, server)
             finally:

@@ -32,12 +32,13 @@ STREAM_CAP = 2000
 SLACK = 200  # MAXLEN ~ trims whole macro nodes (100 entries each)
 DEDUPE = 5000
 SETTINGS: dict[str, Any] = {
-    "lookup_timeout_ms": 10_000,  # the late lookups have their own client, timing out at 300
+    "lookup_timeout_ms": 5000,  # the late lookups have their own client, timing out at 300
     "heartbeat_ttl_ms": 5000,
     "key_grace_ms": 1000,
-    "worker_pin_ttl_ms": 1500,
+    # Pins outlive the lookup and the retention (a result never outlives its pins).
+    "worker_pin_ttl_ms": 6500,
     "worker_dedupe_capacity": DEDUPE,
-    "result_retention_ms": 2000,
+    "result_retention_ms": 1000,
     "stream_maxlen": STREAM_CAP,
     "done_maxlen": STREAM_CAP,
 }
