@@ -21,13 +21,14 @@ from typing import Any
 
 from broker_lookup._state import LATENCY_BUCKETS
 from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.connection import ConnectionFactory, close_factory, make_factory
+from broker_lookup.connection import ConnectionFactory, close_factory
 from broker_lookup.engine import LookupEngine
 from broker_lookup.fingerprint import Publisher
 from broker_lookup.hashing import ChunkedTokenHasher
 from broker_lookup.keys import KeySpace
 from broker_lookup.messages import Abort, LookupRequest
 from broker_lookup.scripts import ScriptSet
+from workers._connections import rank_factories
 from workers._consumer import Consumer
 from workers._reporter import Reporter
 from workers.lifecycle import Job, Lifecycle, Step
@@ -72,8 +73,9 @@ class RedisAsyncLookupServer:
             cfg.key_ttl_ms / 1000,
             cfg.worker_watchdog_grace_ms / 1000,
         )
-        self._own_factories: list[ConnectionFactory] = []
-        factory, read_factory = self._factories(connection_factory)
+        factory, read_factory, self._own_factories = rank_factories(
+            cfg, f"bl-worker-{metadata.engine_id}-{self.rank}", connection_factory
+        )
         #: Publishes this rank's hashing fingerprint from the consumer's tick, and checks.
         self.fingerprint = Publisher(
             self.keys, f"rank{self.rank}", ChunkedTokenHasher(cfg), factory
@@ -92,25 +94,6 @@ class RedisAsyncLookupServer:
         self._reporter.start()
         self._sweeper.start()
         self._consumer.start()
-
-    def _factories(
-        self, given: ConnectionFactory | None
-    ) -> tuple[ConnectionFactory, ConnectionFactory]:
-        """(general, blocking-read) factories: ``given`` for both, or two made here.
-
-        Made here, every socket times out after BLOCK plus ``breaker_open_ms``, so no
-        read of a stalled Redis pauses the loop for the general socket timeout.
-        """
-        if given is not None:
-            return given, given
-        cfg = self.config
-        name = f"bl-worker-{self.metadata.engine_id}-{self.rank}"
-        timeout = (cfg.block_ms + cfg.breaker_open_ms) / 1000
-        self._own_factories = [
-            make_factory(cfg, name, socket_timeout_s=timeout),
-            make_factory(cfg, name, socket_timeout_s=timeout),  # its own pool: no retries
-        ]
-        return self._own_factories[0], self._own_factories[1]
 
     def _build_threads(
         self, factory: ConnectionFactory, read_factory: ConnectionFactory, own: bool
