@@ -23,7 +23,7 @@ from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, BrokerUnavailable, translate_redis_errors
 from broker_lookup.keys import KeySpace
 from broker_lookup.messages import Abort, LookupRequest, request_fields
-from broker_lookup.scripts import CANCEL, SUBMIT, Call, ScriptSet
+from broker_lookup.scripts import CANCEL, SUBMIT, Call, ScriptSet, submit_args
 
 __all__ = ["Sender"]
 
@@ -117,21 +117,20 @@ class Sender(Batcher[Item]):
         entry.sent = True  # before reading result: see Entry.sent
         if entry.result is not None:
             return None  # finished before it was sent (timeout, cancel, superseded)
-        now_ms = int(time.time() * 1000)
         return Call(
             SUBMIT,
             (key, self._keys.requests),
-            [
-                msg.gen,
-                self._expected,
-                now_ms,
-                msg.deadline_ms,
-                msg.tokens,
-                cfg.key_ttl_ms,
-                cfg.stream_maxlen,
-                lookup_id,
-                *_flat(request_fields(msg)),
-            ],
+            submit_args(
+                gen=msg.gen,
+                expected=self._expected,
+                created_ms=int(time.time() * 1000),
+                deadline_ms=msg.deadline_ms,
+                tokens=msg.tokens,
+                ttl_ms=cfg.key_ttl_ms,
+                maxlen=cfg.stream_maxlen,
+                lookup_id=lookup_id,
+                fields=request_fields(msg),
+            ),
         )
 
     def _send_batch(self, client: redis.Redis, batch: list[Item]) -> None:

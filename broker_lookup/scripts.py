@@ -20,7 +20,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from broker_lookup.errors import translate_redis_errors
 
-__all__ = ["CANCEL", "REPORT", "SUBMIT", "Call", "ScriptSet", "is_noscript"]
+__all__ = ["CANCEL", "REPORT", "SUBMIT", "Call", "ScriptSet", "is_noscript", "submit_args"]
 
 SUBMIT = "submit"
 REPORT = "report"
@@ -38,6 +38,26 @@ class Call:
     script: str
     keys: Sequence[str]
     args: Sequence[Arg]
+
+
+def submit_args(
+    *,
+    gen: int,
+    expected: str,
+    created_ms: int,
+    deadline_ms: int,
+    tokens: int,
+    ttl_ms: int,
+    maxlen: int,
+    lookup_id: str,
+    fields: dict[str, Arg],
+) -> list[Arg]:
+    """ARGV of ``submit.lua``, in the order its header documents."""
+    args: list[Arg] = [gen, expected, created_ms, deadline_ms, tokens, ttl_ms, maxlen, lookup_id]
+    for name, value in fields.items():
+        args.append(name)
+        args.append(value)
+    return args
 
 
 def is_noscript(result: object) -> bool:

@@ -18,7 +18,7 @@ from redis.crc import key_slot
 from broker_lookup.config import LookupConfig
 from broker_lookup.connection import make_factory
 from broker_lookup.keys import KeySpace
-from broker_lookup.scripts import CANCEL, REPORT, SUBMIT, Call, ScriptSet
+from broker_lookup.scripts import CANCEL, REPORT, SUBMIT, Call, ScriptSet, submit_args
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real]
 
@@ -31,7 +31,17 @@ def _protocol_calls(ks: KeySpace, lookup_id: str) -> list[list[Call]]:
     submit = Call(
         SUBMIT,
         (ks.lookup(lookup_id), ks.requests),
-        [GEN, "0,1", now, now + 5000, 64, 60000, 1000, "type", "lookup", "id", lookup_id],
+        submit_args(
+            gen=GEN,
+            expected="0,1",
+            created_ms=now,
+            deadline_ms=now + 5000,
+            tokens=64,
+            ttl_ms=60000,
+            maxlen=1000,
+            lookup_id=lookup_id,
+            fields={"type": "lookup", "id": lookup_id},
+        ),
     )
     reports = [
         Call(REPORT, (ks.lookup(lookup_id), ks.done), [rank, GEN, 16, 1000, lookup_id, 5000])

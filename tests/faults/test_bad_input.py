@@ -18,7 +18,7 @@ from helpers import wait_until
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.errors import ConfigError, InvalidRequest
 from broker_lookup.keys import KeySpace
-from broker_lookup.scripts import REPORT, SUBMIT, Call, ScriptSet
+from broker_lookup.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
 
 TOKENS = prompt(0, chunks=10)
 LIMITS = {"max_chunks_per_request": 16, "max_request_configs_bytes": 64}
@@ -150,10 +150,15 @@ _ENC = msgspec.msgpack.Encoder()
 
 def _lookup(**changes: Any) -> bytes:
     fields = {
-        "type": "lookup", "lookup_id": "bad", "gen": 1, "hashes": [1, 2],
-        "offsets": [CHUNK, CHUNK], "expected": [0, 1],
-        "deadline_ms": int(time.time() * 1000) + 60_000, "tokens": 2 * CHUNK,
-    }  # fmt: skip
+        "type": "lookup",
+        "lookup_id": "bad",
+        "gen": 1,
+        "hashes": [1, 2],
+        "offsets": [CHUNK, CHUNK],
+        "expected": [0, 1],
+        "deadline_ms": int(time.time() * 1000) + 60_000,
+        "tokens": 2 * CHUNK,
+    }
     return _ENC.encode({**fields, **changes})
 
 
@@ -239,9 +244,18 @@ def test_report_script_refuses_unknown_ranks_and_bad_counts(backend, engine_id):
     conn = backend.factory()
     scripts = ScriptSet()
     key = ks.lookup("s1")
-    scripts.call(
-        conn, Call(SUBMIT, (key, ks.requests), [3, "0,1", 1, 2, 40, 60_000, 100, "m", "x"])
+    args = submit_args(
+        gen=3,
+        expected="0,1",
+        created_ms=1,
+        deadline_ms=2,
+        tokens=40,
+        ttl_ms=60_000,
+        maxlen=100,
+        lookup_id="s1",
+        fields={"m": "x"},
     )
+    scripts.call(conn, Call(SUBMIT, (key, ks.requests), args))
 
     def report(rank: int, hits: object) -> bytes:
         return scripts.call(conn, Call(REPORT, (key, ks.done), [rank, 3, hits, 100, "s1", 1000]))

@@ -14,7 +14,7 @@ from broker_lookup.connection import ensure_group
 from broker_lookup.errors import BrokerResponseError, ConfigError
 from broker_lookup.keys import KeySpace
 from broker_lookup.messages import LookupRequest, request_fields
-from broker_lookup.scripts import REPORT, SUBMIT, Call, ScriptSet
+from broker_lookup.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
 
 TOKENS = prompt(0, chunks=10)
 
@@ -25,9 +25,14 @@ def _alive(client) -> None:
 
 def _request(lookup_id: str, gen: int = 1) -> LookupRequest:
     return LookupRequest(
-        lookup_id=lookup_id, gen=gen, hashes=[1, 2], offsets=[4, 4], expected=[0],
-        deadline_ms=int(time.time() * 1000) + 60_000, tokens=8,
-    )  # fmt: skip
+        lookup_id=lookup_id,
+        gen=gen,
+        hashes=[1, 2],
+        offsets=[4, 4],
+        expected=[0],
+        deadline_ms=int(time.time() * 1000) + 60_000,
+        tokens=8,
+    )
 
 
 def test_busygroup_on_restart_and_other_errors_surface(make_server, backend, engine_id):
@@ -132,7 +137,17 @@ def test_noscript_reload_in_one_pipeline(backend, engine_id):
     submit = Call(
         SUBMIT,
         (ks.lookup("p1"), ks.requests),
-        [7, "0", 1, req.deadline_ms, 8, 60_000, 100, *sum(request_fields(req).items(), ())],
+        submit_args(
+            gen=7,
+            expected="0",
+            created_ms=1,
+            deadline_ms=req.deadline_ms,
+            tokens=8,
+            ttl_ms=60_000,
+            maxlen=100,
+            lookup_id="p1",
+            fields=request_fields(req),
+        ),
     )
     report = Call(REPORT, (ks.lookup("p1"), ks.done), [0, 7, 8, 100, "p1", 1000])
     results = scripts.run(conn, [submit, report, report])

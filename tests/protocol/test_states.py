@@ -9,7 +9,7 @@ from helpers import wait_until
 
 from broker_lookup.client import RedisLookupClient
 from broker_lookup.keys import KeySpace
-from broker_lookup.scripts import REPORT, SUBMIT, Call, ScriptSet
+from broker_lookup.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
 
 TOKENS = list(range(40))  # 10 chunks of 4 tokens
 
@@ -287,7 +287,17 @@ def test_a_resubmitted_generation_keeps_the_reports_already_recorded(backend, en
     submit = Call(
         SUBMIT,
         (key, ks.requests),
-        [7, "0,1", 1, 2, 40, 60_000, 100, "r1", "type", "lookup", "m", "x"],
+        submit_args(
+            gen=7,
+            expected="0,1",
+            created_ms=1,
+            deadline_ms=2,
+            tokens=40,
+            ttl_ms=60_000,
+            maxlen=100,
+            lookup_id="r1",
+            fields={"type": "lookup", "m": "x"},
+        ),
     )
     scripts.call(conn, submit)
     assert scripts.call(conn, Call(REPORT, (key, ks.done), [0, 7, 24, 100, "r1", 1000])) == (
