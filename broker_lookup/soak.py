@@ -40,7 +40,7 @@ from broker_lookup.keys import KeySpace
 from broker_lookup.soak_chaos import Chaos, ChaosTiming
 from broker_lookup.soak_faults import FaultLog
 from broker_lookup.soak_rig import Beats, Proxies, Ranks, rss_kb
-from broker_lookup.soak_traffic import CHUNK, Traffic, make_prompts
+from broker_lookup.soak_traffic import CHUNK, Prompt, Traffic, make_prompts
 
 __all__ = ["add_soak_parser", "cmd_soak", "run_soak", "setup_soak_parser"]
 
@@ -125,18 +125,7 @@ def run_soak(
         work = Path(workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bl-soak-")))
         work.mkdir(parents=True, exist_ok=True)
         keys, config = KeySpace(f"soak-{uuid.uuid4().hex[:8]}"), _config(redis_url)
-        proxies = Proxies(redis_url, ["client", *(f"rank{r}" for r in range(ranks))]).start()
-        stack.callback(proxies.stop)  # after the processes stop: they use it to the end
-        prompts = make_prompts(rng, ranks)
-        urls = [proxies.url(f"rank{r}") for r in range(ranks)]
-        procs = Ranks(urls, keys.engine_id, prompts, work, _TIMEOUT_MS)
-        stack.callback(procs.stop)
-        client = RedisAsyncLookupClient(
-            _config(proxies.url("client")),
-            LookupMetadata(engine_id=keys.engine_id, world_size=ranks),
-        )
-        stack.callback(client.close)
-        _wait_alive(client, procs, 120.0)
+        proxies, procs, client, prompts = _rig(stack, rng, redis_url, keys, ranks, work)
         monitor = stack.enter_context(make_factory(config, "bl-soak", socket_timeout_s=1.0)())
         summary: dict[str, Any] = {"rss_kb_start": _rss(procs, server)}
         started = time.monotonic()
@@ -152,6 +141,26 @@ def run_soak(
         leaked, summary["stream_lengths"] = leaked_keys(monitor, keys)
         summary["proxy_stats"] = proxies.stats()
         return summary | _summary(traffic, log, client.stats(), leaked)
+
+
+def _rig(
+    stack: ExitStack, rng: random.Random, url: str, keys: KeySpace, ranks: int, work: Path
+) -> tuple[Proxies, Ranks, RedisAsyncLookupClient, list[Prompt]]:
+    """A proxy per process, the ranks and the client behind them, all alive; ``stack``
+    stops them in order (faults cleared, client, ranks, then the proxies)."""
+    proxies = Proxies(url, ["client", *(f"rank{r}" for r in range(ranks))]).start()
+    stack.callback(proxies.stop)  # after the processes stop: they use it to the end
+    prompts = make_prompts(rng, ranks)
+    urls = [proxies.url(f"rank{r}") for r in range(ranks)]
+    procs = Ranks(urls, keys.engine_id, prompts, work, _TIMEOUT_MS)
+    stack.callback(procs.stop)
+    client = RedisAsyncLookupClient(
+        _config(proxies.url("client")), LookupMetadata(engine_id=keys.engine_id, world_size=ranks)
+    )
+    stack.callback(client.close)
+    stack.callback(proxies.clear)  # first on the way out: nothing stays held or slowed
+    _wait_alive(client, procs, 120.0)
+    return proxies, procs, client, prompts
 
 
 def _rss(ranks: Ranks, server: EmbeddedServer | None) -> dict[str, int | None]:
@@ -175,6 +184,8 @@ def _summary(
         rejected=stats["rejected"],
         client_outcomes=stats["outcomes"],
         client_redis_errors=stats["redis_errors"],
+        slowest_recovery=traffic.slowest_recovery,
+        quiet_s=log.quiet_s,
         diagnosis=log.examples,
         fault_log=[f.describe(log.origin) for f in log.faults],
     )
@@ -187,12 +198,15 @@ def format_summary(s: dict[str, Any]) -> str:
     rss = ", ".join(
         f"{name} {s['rss_kb_start'].get(name)} -> {kb}" for name, kb in s["rss_kb_end"].items()
     )
+    recovery = ", ".join(f"{k} {v['lag_s']}" for k, v in sorted(s["slowest_recovery"].items()))
     lines = [
         f"soak: {s['duration_s']} s, {s['lookups']} lookups ({s['right']} right, "
         f"{s['zero']} zero, {s['cancels']} cancelled, {s['reused_ids']} reused ids)",
         f"faults: {faults}; lost replies armed but not triggered: {s['faults_unfired']}",
         f"wrong {s['wrong']}, hangs {s['hangs']}, leaked keys {s['leaked_keys']}, "
         f"lost hits {s['lost_hits']} (of {s['quiet_hits']} hits looked up with no fault)",
+        f"slowest recovery (a 0 for a hit, s after the fault ended; quiet time {s['quiet_s']} s):"
+        f" {recovery or 'none'}",
         f"p99 {s['p99_latency_ms']} ms; breaker openings {s['breaker_openings']}; "
         f"rejected {s['rejected']}",
         f"RSS KiB start -> end: {rss}",

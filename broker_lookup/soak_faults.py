@@ -97,6 +97,19 @@ class FaultLog:
         """Whether no fault was in effect at any time from ``start`` to ``end``."""
         return not any(f.explains(start, end, self.quiet_s) for f in self.faults)
 
+    def lag(self, start: float, end: float) -> tuple[float, Fault] | None:
+        """How long after the last explaining fault ended a lookup alive from ``start`` to
+        ``end`` started, and that fault; None if one was in effect during its life.
+
+        The largest lag of a 0 answered for a hit shows how much of ``quiet_s`` the
+        system needed to recover (a lag near ``quiet_s`` hints at a hidden lost hit).
+        """
+        explaining = self.explaining(start, end)
+        if not explaining or any(f.end is None or f.end >= start for f in explaining):
+            return None
+        last = max(explaining, key=lambda f: f.end or 0.0)
+        return start - (last.end or 0.0), last
+
     def counts(self) -> dict[str, int]:
         """How many faults of each kind occurred (lost replies: only those that happened)."""
         return dict(sorted(Counter(f.kind for f in self.faults if f.took_effect).items()))

@@ -117,6 +117,11 @@ class Proxies:
     def stats(self) -> dict[str, dict[str, int]]:
         return {name: proxy.stats for name, proxy in self.by_name.items()}
 
+    def clear(self) -> None:
+        """End every fault on every proxy (so a stop after an error is not held up)."""
+        for proxy in self.by_name.values():
+            proxy.clear()
+
     def stop(self) -> None:
         """Stop every proxy (each joins its thread within about 2 s)."""
         for proxy in self.by_name.values():

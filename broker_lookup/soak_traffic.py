@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.soak_faults import FaultLog
@@ -78,6 +79,9 @@ class Traffic:
     latencies: list[float] = field(default_factory=list)
     serial: int = 0
     observed: int = 0
+    #: Per fault kind, of the 0s answered for a hit after every fault explaining them had
+    #: ended, the one that started last after its fault: how long recovery took.
+    slowest_recovery: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def issue(self, now: float) -> None:
         """One new lookup; some reuse the id of a finished one (a new generation)."""
@@ -120,12 +124,30 @@ class Traffic:
             self._diagnose(verdict, lookup_id, lookup, got, now)
         else:
             verdict = "zero"
+            if right > 0:
+                self._recovery(lookup_id, lookup.started, now)
         if right > 0 and self.faults.quiet(lookup.started, now):
             self.counts["quiet_hits"] += 1
             if got == 0:
                 self.counts["lost_hits"] += 1
                 self._diagnose("lost_hits", lookup_id, lookup, got, now)
         return verdict
+
+    def _recovery(self, lookup_id: str, start: float, now: float) -> None:
+        """Per fault kind, keep the 0-for-a-hit that started longest after its fault ended."""
+        found = self.faults.lag(start, now)
+        if found is None:
+            return
+        lag, fault = found
+        if lag <= self.slowest_recovery.get(fault.kind, {}).get("lag_s", -1.0):
+            return
+        origin = self.faults.origin
+        self.slowest_recovery[fault.kind] = {
+            "lag_s": round(lag, 3),
+            "id": lookup_id,
+            "start_s": round(start - origin, 3),
+            "fault": fault.describe(origin),
+        }
 
     def _diagnose(
         self, verdict: str, lookup_id: str, lookup: _Lookup, got: int | None, now: float
