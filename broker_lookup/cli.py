@@ -173,7 +173,7 @@ COMMANDS: dict[str, Subcommand] = {
         "run worker ranks (same as python -m workers)", _setup_worker, _run_worker, True
     ),
     "soak": Subcommand(
-        "chaos soak: mixed lookups while ranks are killed and the server restarts",
+        "chaos soak: mixed lookups while ranks are killed, the server restarts, the network fails",
         _setup_soak,
         _run_soak,
     ),
