@@ -27,7 +27,7 @@ EXPECTED_COMMANDS = {
     "worker": {
         "xgroup|create", "xreadgroup", "xack", "xadd", "xpending", "xinfo", "evalsha",
         "eval", "script|load", "set", "del", "get", "hset", "pexpire", "ping",
-        "client|setname", "info",
+        "client|setname", "info", "time",
     } | SCRIPT_COMMANDS | WORKER_EXTRA,
     "operator": {
         "scan", "hgetall", "hget", "get", "pttl", "ttl", "xinfo", "xlen", "xrange",

@@ -52,6 +52,7 @@ EXAMPLES: dict[str, list[str]] = {
     "scan": ["SCAN", "0", "MATCH", f"{K}:lookup:*"],
     "ping": ["PING"],
     "info": ["INFO", "server"],
+    "time": ["TIME"],
     "type": ["TYPE", f"{K}:requests"],
     "client|setname": ["CLIENT", "SETNAME", "bl-worker-0"],
     "client|setinfo": ["CLIENT", "SETINFO", "LIB-NAME", "redis-py"],
