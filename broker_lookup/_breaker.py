@@ -34,24 +34,33 @@ class Breaker:
         self._open_after_s = open_after_s
         #: Start (monotonic) of each loop's outstanding round trip; 0.0 when idle.
         self._busy_since = dict.fromkeys(loops, 0.0)
-        #: Loops whose last round trip failed.
+        #: Loops whose last two round trips failed (one reset connection, redone at once
+        #: on a new one, is no outage: it must not turn a second of hits into 0).
         self._failed: set[str] = set()
+        self._strikes = dict.fromkeys(loops, 0)
         self.openings = 0
         self._was_open = False
 
     @contextmanager
-    def track(self, loop: str, expected_s: float = 0.0) -> Iterator[None]:
+    def track(self, loop: str, expected_s: float = 0.0, tolerate: int = 0) -> Iterator[None]:
         """Wrap one round trip of ``loop``; ``expected_s`` is time it may legitimately take
-        (a blocking read's BLOCK) before it counts as a stall."""
-        self._busy_since[loop] = time.monotonic() + expected_s
+        (a blocking read's BLOCK) before it counts as a stall. ``tolerate`` quick failures
+        in a row do not open the breaker (a loop that redoes them at once on a new
+        connection); a failure after a stall always does."""
+        since = time.monotonic() + expected_s
+        self._busy_since[loop] = since
         try:
             yield
         except (BrokerLookupError, redis.RedisError):
-            self._failed.add(loop)
-            self._note()
+            self._strikes[loop] += 1
+            stalled = time.monotonic() - since > self._open_after_s
+            if self._strikes[loop] > tolerate or stalled:
+                self._failed.add(loop)
+                self._note()
             raise
         finally:
             self._busy_since[loop] = 0.0
+        self._strikes[loop] = 0
         if loop in self._failed:
             self._failed.discard(loop)
             self._note()

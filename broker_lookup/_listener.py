@@ -98,7 +98,7 @@ class Listener:
         try:
             while not self._stop.is_set():
                 try:
-                    with self._breaker.track("listener", self._config.block_ms / 1000):
+                    with self._breaker.track("listener", self._config.block_ms / 1000, tolerate=1):
                         self._read(client)
                         self._sweep(client)
                     self.connected = True
@@ -111,13 +111,15 @@ class Listener:
 
     def _on_error(self, exc: Exception) -> None:
         self.errors += 1
+        first = self.connected  # the first error after a success is retried at once
         self.connected = False
         if self.errors == 1 or self.errors % 100 == 0:
             logger.warning("listener: Redis error #%d: %s (retrying)", self.errors, exc)
         # Timeouts still fire while Redis is away: they need no I/O to decide.
         for lookup_id, entry in self._table.overdue(time.monotonic()):
             self._table.expire(lookup_id, entry)
-        self._stop.wait(0.2)
+        if not first:
+            self._stop.wait(0.2)
 
     def _read(self, client: redis.Redis) -> None:
         with translate_redis_errors("reading completions"):
