@@ -131,7 +131,8 @@ def connector_class() -> type:
     """:class:`BlockCopier` as a ``GPUConnectorInterface`` (LMCache's checks want one)."""
     from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 
-    return type("TorchCPUBlockConnector", (BlockCopier, GPUConnectorInterface), {})
+    namespace = {"__module__": __name__}
+    return type("TorchCPUBlockConnector", (BlockCopier, GPUConnectorInterface), namespace)
 
 
 def create(config: Any, metadata: Any, engine_type: Any, **kwargs: Any) -> Any:

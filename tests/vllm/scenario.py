@@ -77,7 +77,10 @@ class Run:
             "client": clients[0] if clients else None,
             "servers": sorted(servers, key=lambda s: s["rank"]),
             "processes": [
-                {k: p[k] for k in ("pid", "connector", "thread_cpu_s", "process_cpu_s")}
+                {
+                    "role": "worker" if p["servers"] else "scheduler",
+                    **{k: p[k] for k in ("pid", "connector", "thread_cpu_s", "process_cpu_s")},
+                }
                 for p in found
             ],
         }
