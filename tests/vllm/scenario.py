@@ -103,7 +103,7 @@ class Run:
 def step_hit(run: Run) -> dict[str, Any]:
     """Prompt 1 computed then loaded through our lookup; prompt 2 computed then loaded
     with noise added to the KV (a chunk is loaded at most once: LMCache 0.5.6 frees a
-    chunk's memory object on its second async retrieve, see README)."""
+    chunk's memory object after its first async load, see README)."""
     first, second = prompt_ids(1, run.vocab), prompt_ids(2, run.vocab)
     probes = [run.probe()]
     computed = run.generate(first)
