@@ -76,9 +76,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             self._factories = [writer, reader]
         else:
             writer = reader = connection_factory
-        self._table = LookupTable(
-            self._cancel_gen, config.max_pending, config.retention_ms / 1000
-        )
+        self._table = LookupTable(self._cancel_gen, config.max_pending, config.retention_ms / 1000)
         self._sender = Sender(config, self.keys, self._table, writer, ScriptSet(), self._breaker)
         #: Publishes our hashing fingerprint and lists processes that hash differently.
         self.fingerprint = Publisher(self.keys, "client", self.hasher)

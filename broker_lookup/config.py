@@ -161,7 +161,8 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             self.worker_pin_ttl_ms > self.lookup_timeout_ms,
             "worker_pin_ttl_ms",
             self.worker_pin_ttl_ms,
-            f"must exceed lookup_timeout_ms={self.lookup_timeout_ms} (pins must outlive the lookup)",
+            f"must exceed lookup_timeout_ms={self.lookup_timeout_ms} "
+            "(pins must outlive the lookup)",
         )
         retention = self.result_retention_ms
         _require(
