@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 
 import redis
 
-from broker_lookup._guard import LoopGuard
+from broker_lookup._guard import LoopThread
 from broker_lookup.errors import BrokerLookupError
 from broker_lookup.scripts import Call, ScriptSet
 
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Batcher(Generic[T]):
+class Batcher(LoopThread, Generic[T]):
     """Owns one connection and one thread; subclasses turn a batch into script calls."""
 
     def __init__(
@@ -39,6 +39,7 @@ class Batcher(Generic[T]):
         max_batch: int,
         max_queue: int | None = None,
     ) -> None:
+        super().__init__(name)
         self.name = name
         self._factory = factory
         self._scripts = scripts
@@ -47,10 +48,7 @@ class Batcher(Generic[T]):
         self._max_queue = max_queue  #: None: unbounded (the caller bounds what it queues)
         self._queue: deque[T] = deque()
         self._wake = threading.Event()
-        self._stop = threading.Event()
-        self.guard = LoopGuard(name, self._stop)
         self.errors = 0
-        self._thread = threading.Thread(target=self._run, name=f"broker-lookup-{name}", daemon=True)
 
     def _put(self, item: T) -> bool:
         """Queue ``item``; False (not queued) if ``max_queue`` items already wait."""
@@ -65,17 +63,11 @@ class Batcher(Generic[T]):
         """Items waiting to be sent."""
         return len(self._queue)
 
-    def start(self) -> None:
-        """Start the thread."""
-        self._thread.start()
-
     def stop(self, timeout_s: float) -> bool:
         """Send what is queued (best effort), stop, join; False if the join timed out."""
         self._stop.set()
         self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        return super().stop(timeout_s)
 
     def _run(self) -> None:
         client = self._factory()

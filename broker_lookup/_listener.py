@@ -13,7 +13,6 @@ burst is never taken for vanished).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import redis
 
 from broker_lookup._breaker import Breaker
-from broker_lookup._guard import LoopGuard
+from broker_lookup._guard import LoopThread
 from broker_lookup._state import LookupTable
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, MalformedMessage, translate_redis_errors
@@ -36,7 +35,7 @@ _RECONCILE_BATCH = 500
 _EVICT_EVERY_S = 5.0
 
 
-class Listener:
+class Listener(LoopThread):
     """Owns the blocking read connection and all timing decisions of the client."""
 
     def __init__(
@@ -49,6 +48,7 @@ class Listener:
         breaker: Breaker,
         on_sweep: Callable[[redis.Redis], None] | None = None,
     ) -> None:
+        super().__init__("client listener", "listener")
         #: Called with the listener's connection on every sweep (the fingerprint's tick).
         self._on_sweep = on_sweep
         self._config = config
@@ -57,8 +57,6 @@ class Listener:
         self._factory = factory
         self._expected = expected
         self._breaker = breaker
-        self._stop = threading.Event()
-        self.guard = LoopGuard("client listener", self._stop)
         self._last_id: bytes | str = b"0-0"
         #: Ranks of ``expected`` without a heartbeat; read by lookup() without a lock.
         self.dead: frozenset[int] = frozenset(expected)
@@ -67,25 +65,14 @@ class Listener:
         self.errors = 0
         self.connected = False
         self._next = {"hb": 0.0, "reconcile": 0.0, "evict": 0.0}
-        self._thread = threading.Thread(
-            target=self._run, name="broker-lookup-listener", daemon=True
-        )
 
-    def start(self, client: redis.Redis) -> None:
-        """Learn liveness and the stream position now, then start the thread."""
+    def prime(self, client: redis.Redis) -> None:
+        """Learn liveness and the stream position now, before :meth:`start`."""
         try:
             self._position(client)
             self.check_heartbeats(client)
         except BrokerLookupError as exc:
             logger.warning("broker unavailable at start (%s); lookups answer 0 until it is", exc)
-        self._thread.start()
-
-    def stop(self, timeout_s: float) -> bool:
-        """Stop and join; False if the join timed out."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        return not self._thread.is_alive()
 
     def _position(self, client: redis.Redis) -> None:
         with translate_redis_errors("reading the completion stream position"):

@@ -55,7 +55,14 @@ class Sender(Batcher[Item]):
         scripts: ScriptSet,
         breaker: Breaker,
     ) -> None:
-        super().__init__("client sender", factory, scripts, config.redis_retries, _MAX_BATCH)
+        super().__init__(
+            "client sender",
+            factory,
+            scripts,
+            config.redis_retries,
+            _MAX_BATCH,
+            max_queue=config.max_pending,
+        )
         self._config = config
         self._keys = keys
         self._table = table
@@ -73,18 +80,15 @@ class Sender(Batcher[Item]):
 
     def submit(self, lookup_id: str, entry: Entry, request: LookupRequest) -> bool:
         """Queue a lookup (hot path: an append and an event set); False if the queue is full."""
-        if len(self._queue) >= self._config.max_pending:
-            self.dropped += 1
-            return False
-        self._put((lookup_id, entry, request))
-        return True
+        if self._put((lookup_id, entry, request)):
+            return True
+        self.dropped += 1
+        return False
 
     def cancel(self, lookup_id: str, gen: int) -> None:
         """Queue a cancel of one generation that was sent (dropped, counted, if full)."""
-        if len(self._queue) >= self._config.max_pending:
+        if not self._put((lookup_id, None, Abort(lookup_id=lookup_id, gen=gen))):
             self._lost_cancel(lookup_id, gen, "the send queue is full")
-            return
-        self._put((lookup_id, None, Abort(lookup_id=lookup_id, gen=gen)))
 
     def _idle(self, client: redis.Redis) -> None:
         self._breaker.poll()

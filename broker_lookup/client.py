@@ -93,7 +93,8 @@ class RedisAsyncLookupClient(LookupClientInterface):
         self._sender.start(",".join(map(str, self.expected)))
         probe = reader()
         try:
-            self._listener.start(probe)
+            self._listener.prime(probe)
+            self._listener.start()
             self.fingerprint.run(probe)
         finally:
             probe.close()

@@ -29,7 +29,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
 from redis.retry import Retry
 
-from broker_lookup._guard import LoopGuard
+from broker_lookup._guard import LoopThread
 from broker_lookup.config import LookupConfig
 from broker_lookup.connection import ensure_group
 from broker_lookup.errors import BrokerLookupError, MalformedMessage, translate_redis_errors
@@ -56,7 +56,7 @@ _COUNTERS = ("entries", "dead_letters", "redis_errors", "nogroup", "replayed", "
 REPLAY_EVERY_S = 1.0
 
 
-class Consumer:
+class Consumer(LoopThread):
     """Owns the rank's blocking connection and loop thread."""
 
     def __init__(
@@ -74,6 +74,7 @@ class Consumer:
         bind: Callable[[], None] | None = None,
         redis_retries: bool = True,
     ) -> None:
+        super().__init__(f"rank {rank} consumer", f"rank-{rank}")
         self._config = config
         self._world_size = world_size
         self._keys = keys
@@ -86,8 +87,6 @@ class Consumer:
         self._bind: Callable[[], None] = bind or (lambda: None)
         self._group = keys.group(rank)
         self._name = keys.consumer(rank)
-        self._stop = threading.Event()
-        self.guard = LoopGuard(f"rank {rank} consumer", self._stop)
         self._replaying = True
         self._recreate = False  # after NOGROUP: the new group starts at 0
         self._next_replay = 0.0
@@ -100,24 +99,6 @@ class Consumer:
         self.last_beat = 0.0
         self.ready = threading.Event()
         self._started_ms = int(time.time() * 1000)
-        self._thread = threading.Thread(
-            target=self._run, name=f"broker-lookup-rank-{rank}", daemon=True
-        )
-
-    def start(self) -> None:
-        """Start the loop thread."""
-        self._thread.start()
-
-    def alive(self) -> bool:
-        """Whether the loop thread is running."""
-        return self._thread.is_alive()
-
-    def stop(self, timeout_s: float) -> bool:
-        """Stop reading and join (bounded by BLOCK); False if the join timed out."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        return not self._thread.is_alive()
 
     def _run(self) -> None:
         self._bind()

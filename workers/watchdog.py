@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from broker_lookup._guard import LoopGuard
+from broker_lookup._guard import LoopThread
 
 __all__ = ["RateLimitedLog", "Sweeper"]
 
@@ -41,30 +41,13 @@ class RateLimitedLog:
         self._log.log(level, msg, *args)
 
 
-class Sweeper:
+class Sweeper(LoopThread):
     """Calls ``sweep(now)`` (monotonic seconds) every ``interval_s`` until :meth:`stop`."""
 
     def __init__(self, name: str, interval_s: float, sweep: Callable[[float], None]) -> None:
+        super().__init__(name)
         self._interval_s = interval_s
         self._sweep = sweep
-        self._stop = threading.Event()
-        self.guard = LoopGuard(name, self._stop)
-        self._thread = threading.Thread(target=self._run, name=f"broker-lookup-{name}", daemon=True)
-
-    def start(self) -> None:
-        """Start the thread."""
-        self._thread.start()
-
-    def alive(self) -> bool:
-        """Whether the thread runs."""
-        return self._thread.is_alive()
-
-    def stop(self, timeout_s: float) -> bool:
-        """Stop and join (bounded); False if the join timed out."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
