@@ -8,6 +8,12 @@ worker side lives in ``workers``.
 """
 
 from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
+from broker_lookup.client.factory import LookupClientFactory
+from broker_lookup.client.wrappers import (
+    BypassLookupClient,
+    ChunkStatisticsLookupClient,
+    HitLimitLookupClient,
+)
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.engine import LookupEngine, ResponseSink, SyncLookupEngine
 from broker_lookup.errors import (
@@ -19,15 +25,9 @@ from broker_lookup.errors import (
     MalformedMessage,
     UnknownScheme,
 )
-from broker_lookup.factory import LookupClientFactory
-from broker_lookup.hashing import ChunkedTokenHasher
 from broker_lookup.interface import LookupClientInterface
-from broker_lookup.keys import KeySpace
-from broker_lookup.wrappers import (
-    BypassLookupClient,
-    ChunkStatisticsLookupClient,
-    HitLimitLookupClient,
-)
+from broker_lookup.protocol.hashing import ChunkedTokenHasher
+from broker_lookup.protocol.keys import KeySpace
 
 __version__ = "0.1.0"
 

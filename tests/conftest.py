@@ -25,8 +25,8 @@ import pytest
 import redis
 from helpers import Backend, RealServer
 
-from broker_lookup.embedded import EmbeddedServer
 from broker_lookup.errors import BrokerUnavailable
+from broker_lookup.tools.embedded import EmbeddedServer
 
 URL_ENV = "BROKER_LOOKUP_TEST_REDIS_URL"
 BINARY_ENV = "BROKER_LOOKUP_TEST_SERVER_BINARY"

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import fakeredis
 import redis
 
-from broker_lookup.embedded import EmbeddedServer
+from broker_lookup.tools.embedded import EmbeddedServer
 
 __all__ = ["Backend", "RealServer", "wait_until"]
 

@@ -11,12 +11,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from workers.reference_engine import ReferenceEngine
+    from workers.reference.engine import ReferenceEngine
     from workers.server import RedisAsyncLookupServer
 
 __all__ = ["RedisAsyncLookupServer", "ReferenceEngine"]
 
-_HOMES = {"RedisAsyncLookupServer": "workers.server", "ReferenceEngine": "workers.reference_engine"}
+_HOMES = {"RedisAsyncLookupServer": "workers.server", "ReferenceEngine": "workers.reference.engine"}
 
 
 def __getattr__(name: str) -> Any:

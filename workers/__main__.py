@@ -1,4 +1,4 @@
-"""``python -m workers``: run worker ranks; see :mod:`workers.runner`."""
+"""``python -m workers``: run worker ranks; see :mod:`workers.runtime.runner`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _early(signum: int, _frame: object) -> None:
 signal.signal(signal.SIGTERM, _early)
 signal.signal(signal.SIGINT, _early)
 
-from workers.runner import main  # noqa: E402  (after the handlers, on purpose)
+from workers.runtime.runner import main  # noqa: E402  (after the handlers, on purpose)
 
 if __name__ == "__main__":
     sys.exit(main(stop=_stop))

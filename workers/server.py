@@ -3,7 +3,7 @@
 LMCache's ``LMCacheAsyncLookupServer`` contract over Redis: it starts consuming on
 construction, dispatches lookups to the engine's ``async_lookup_and_prefetch``,
 and the engine reports through :meth:`send_response_to_scheduler`. What happens to
-each lookup id is decided by one :class:`~workers.lifecycle.Lifecycle` (running ->
+each lookup id is decided by one :class:`~workers.pipeline.lifecycle.Lifecycle` (running ->
 reporting -> held -> released, one generation at a time); this class only carries
 out its steps on the engine and Redis. A worker always answers: an engine that
 raises or reports nonsense reports 0, and one that never reports is answered 0 by
@@ -19,20 +19,20 @@ import threading
 import time
 from typing import Any
 
-from broker_lookup._state import LATENCY_BUCKETS
+from broker_lookup.client.table import LATENCY_BUCKETS
 from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.connection import ConnectionFactory, close_factory
 from broker_lookup.engine import LookupEngine
-from broker_lookup.fingerprint import Publisher
-from broker_lookup.hashing import ChunkedTokenHasher
-from broker_lookup.keys import KeySpace
-from broker_lookup.messages import Abort, LookupRequest
-from broker_lookup.scripts import ScriptSet
-from workers._connections import rank_factories
-from workers._consumer import Consumer
-from workers._reporter import Reporter
-from workers.lifecycle import Job, Lifecycle, Step
-from workers.watchdog import RateLimitedLog, Sweeper
+from broker_lookup.protocol.fingerprint import Publisher
+from broker_lookup.protocol.hashing import ChunkedTokenHasher
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import Abort, LookupRequest
+from broker_lookup.protocol.scripts import ScriptSet
+from broker_lookup.transport.connection import ConnectionFactory, close_factory
+from workers.pipeline.connections import rank_factories
+from workers.pipeline.consumer import Consumer
+from workers.pipeline.lifecycle import Job, Lifecycle, Step
+from workers.pipeline.reporter import Reporter
+from workers.pipeline.watchdog import RateLimitedLog, Sweeper
 
 __all__ = ["RedisAsyncLookupServer"]
 

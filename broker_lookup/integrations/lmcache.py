@@ -25,9 +25,9 @@ from typing import Any
 
 import msgspec
 
+from broker_lookup.client.factory import LookupClientFactory
 from broker_lookup.config import ENV_PREFIX, LookupConfig, LookupMetadata
 from broker_lookup.errors import ConfigError
-from broker_lookup.factory import LookupClientFactory
 from broker_lookup.integrations.import_hook import hook_fired, when_imported
 from broker_lookup.integrations.lmcache_adapter import LMCacheEngineAdapter
 from broker_lookup.interface import LookupClientInterface

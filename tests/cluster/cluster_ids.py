@@ -7,8 +7,8 @@ import uuid
 
 from redis.crc import key_slot
 
-from broker_lookup._cluster_local import LocalCluster
-from broker_lookup.keys import KeySpace
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.tools.local_cluster import LocalCluster
 
 
 def slot_of(engine_id: str) -> int:

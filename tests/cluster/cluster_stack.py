@@ -18,7 +18,7 @@ from helpers import wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.connection import make_factory
+from broker_lookup.transport.connection import make_factory
 from workers.server import RedisAsyncLookupServer
 
 #: Short timers, but a heartbeat TTL that survives a busy shared 2-core machine.

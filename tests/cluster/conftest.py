@@ -1,7 +1,7 @@
 """Fixtures of the Redis Cluster and Sentinel tests: real local deployments, always stopped.
 
 * ``local_cluster``: three masters from one server binary (session-wide: about 2 s to
-  form), see :class:`broker_lookup._cluster_local.LocalCluster`, which the cluster bench
+  form), see :class:`broker_lookup.tools.local_cluster.LocalCluster`, which the cluster bench
   uses too. Tests may move slots but must leave every node up.
 * ``local_sentinel``: one master, one replica, three sentinels (quorum 2), private to one
   test, which may kill the master.
@@ -21,8 +21,8 @@ import pytest
 from cluster_stack import Stack
 from sentinel_local import LocalSentinel
 
-from broker_lookup._cluster_local import LocalCluster
 from broker_lookup.errors import BrokerUnavailable
+from broker_lookup.tools.local_cluster import LocalCluster
 
 BINARY_ENV = "BROKER_LOOKUP_TEST_SERVER_BINARY"
 

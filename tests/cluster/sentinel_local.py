@@ -19,13 +19,13 @@ from typing import Any
 
 import redis
 
-from broker_lookup.embedded import (
+from broker_lookup.errors import BrokerUnavailable
+from broker_lookup.tools.embedded import (
     EmbeddedServer,
     _default_binary,
     _free_port,
     _parent_death_wrapper,
 )
-from broker_lookup.errors import BrokerUnavailable
 
 HOST = "127.0.0.1"
 _ATTEMPTS = 3

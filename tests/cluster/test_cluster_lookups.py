@@ -9,7 +9,7 @@ from cluster_ids import slot_of, spread_engine_ids
 from cluster_stack import Traffic, run_batch, verdicts
 from helpers import wait_until
 
-from broker_lookup.keys import KeySpace
+from broker_lookup.protocol.keys import KeySpace
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real]
 

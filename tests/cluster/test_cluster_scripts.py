@@ -16,9 +16,9 @@ from cluster_ids import slot_of, spread_engine_ids
 from redis.crc import key_slot
 
 from broker_lookup.config import LookupConfig
-from broker_lookup.connection import make_factory
-from broker_lookup.keys import KeySpace
-from broker_lookup.scripts import CANCEL, REPORT, SUBMIT, Call, ScriptSet, submit_args
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.scripts import CANCEL, REPORT, SUBMIT, Call, ScriptSet, submit_args
+from broker_lookup.transport.connection import make_factory
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real]
 

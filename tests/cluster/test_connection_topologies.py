@@ -11,8 +11,8 @@ import redis
 from redis.sentinel import SentinelManagedConnection, SentinelManagedSSLConnection
 
 from broker_lookup.config import LookupConfig
-from broker_lookup.connection import make_factory
 from broker_lookup.errors import BrokerUnavailable, ConfigError, translate_redis_errors
+from broker_lookup.transport.connection import make_factory
 
 
 def _pool(url: str, **config: object) -> redis.ConnectionPool:

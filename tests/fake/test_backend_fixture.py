@@ -9,7 +9,7 @@ import pytest
 import redis
 from helpers import Backend, RealServer
 
-from broker_lookup.embedded import EmbeddedServer
+from broker_lookup.tools.embedded import EmbeddedServer
 
 # The shape of every script in broker_lookup/scripts: streams, hashes and TTLs, all keys in KEYS.
 SCRIPT = """

@@ -18,10 +18,10 @@ import pytest
 from faultkit import FAST, RankProcess, config
 from helpers import Backend
 
-from broker_lookup._procs import child_env
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
-from broker_lookup.faultproxy import FaultProxy
+from broker_lookup.processes import child_env
+from broker_lookup.tools.faultproxy.proxy import FaultProxy
 from workers.server import RedisAsyncLookupServer
 
 

@@ -17,8 +17,8 @@ from helpers import wait_until
 
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.errors import ConfigError, InvalidRequest
-from broker_lookup.keys import KeySpace
-from broker_lookup.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
 
 TOKENS = prompt(0, chunks=10)
 LIMITS = {"max_chunks_per_request": 16, "max_request_configs_bytes": 64}

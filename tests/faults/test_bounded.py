@@ -20,8 +20,8 @@ from helpers import wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.keys import KeySpace
-from workers.reference_engine import ReferenceEngine
+from broker_lookup.protocol.keys import KeySpace
+from workers.reference.engine import ReferenceEngine
 from workers.server import RedisAsyncLookupServer
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]

@@ -19,8 +19,8 @@ import redis
 from faultkit import alive, answer, config, eventually_right, prompt
 from helpers import wait_until
 
-from broker_lookup.faultproxy import FaultProxy
-from broker_lookup.keys import KeySpace
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.tools.faultproxy.proxy import FaultProxy
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 

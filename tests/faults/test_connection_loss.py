@@ -15,7 +15,7 @@ from faultkit import answer, config, prompt, ready
 from helpers import wait_until
 
 from broker_lookup.config import LookupMetadata
-from broker_lookup.keys import KeySpace
+from broker_lookup.protocol.keys import KeySpace
 from workers.server import RedisAsyncLookupServer
 
 TOKENS = prompt(0, chunks=10)

@@ -9,7 +9,7 @@ from engines import InstantEngine, ManualEngine
 from faultkit import answer, prompt, ready
 from helpers import wait_until
 
-from broker_lookup.keys import KeySpace
+from broker_lookup.protocol.keys import KeySpace
 
 TOKENS = prompt(0, chunks=10)
 LONG = 30_000  # a timeout no assertion below ever gets near

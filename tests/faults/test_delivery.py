@@ -10,11 +10,11 @@ from engines import ManualEngine
 from faultkit import answer, config, prompt, ready
 from helpers import wait_until
 
-from broker_lookup.connection import ensure_group
 from broker_lookup.errors import BrokerResponseError, ConfigError
-from broker_lookup.keys import KeySpace
-from broker_lookup.messages import LookupRequest, request_fields
-from broker_lookup.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import LookupRequest, request_fields
+from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
+from broker_lookup.transport.connection import ensure_group
 
 TOKENS = prompt(0, chunks=10)
 

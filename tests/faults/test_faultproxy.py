@@ -20,8 +20,8 @@ from helpers import wait_until
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from broker_lookup.faultproxy import FaultProxy
-from broker_lookup.resp_frames import Frame, FrameParser, RespError
+from broker_lookup.tools.faultproxy.proxy import FaultProxy
+from broker_lookup.tools.faultproxy.resp_frames import Frame, FrameParser, RespError
 
 Connect = Callable[..., redis.Redis]
 

@@ -13,8 +13,8 @@ from engines import ManualEngine
 from faultkit import answer, prompt, ready
 from helpers import wait_until
 
-from broker_lookup.keys import KeySpace
-from broker_lookup.messages import LookupRequest, request_fields
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import LookupRequest, request_fields
 
 TOKENS = prompt(0, chunks=10)
 

@@ -17,9 +17,9 @@ from helpers import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker_lookup.hashing import ChunkedTokenHasher
-from broker_lookup.keys import KeySpace
-from workers.reference_engine import ReferenceEngine
+from broker_lookup.protocol.hashing import ChunkedTokenHasher
+from broker_lookup.protocol.keys import KeySpace
+from workers.reference.engine import ReferenceEngine
 
 pytestmark = pytest.mark.parametrize("backend", ["fake"], indirect=True)
 

@@ -15,8 +15,8 @@ import redis
 from faultkit import CHUNK, alive, answer, beat, config, prompt
 from helpers import wait_until
 
-from broker_lookup.keys import KeySpace
-from broker_lookup.messages import LookupRequest, request_fields
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import LookupRequest, request_fields
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 

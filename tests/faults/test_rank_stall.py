@@ -12,9 +12,9 @@ from faultkit import config, ready
 from helpers import wait_until
 
 from broker_lookup.config import LookupMetadata
-from broker_lookup.faultproxy import FaultProxy
-from broker_lookup.keys import KeySpace
-from broker_lookup.messages import LookupRequest, request_fields
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import LookupRequest, request_fields
+from broker_lookup.tools.faultproxy.proxy import FaultProxy
 from workers.server import RedisAsyncLookupServer
 
 

@@ -17,9 +17,9 @@ from helpers import wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.embedded import EmbeddedServer
-from broker_lookup.keys import KeySpace
-from workers.reference_engine import ReferenceEngine
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.tools.embedded import EmbeddedServer
+from workers.reference.engine import ReferenceEngine
 from workers.server import RedisAsyncLookupServer
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
@@ -46,7 +46,7 @@ class Stack:
         )
 
     def client_hashes(self, cfg: LookupConfig, engine_id: str) -> tuple[list[int], list[int]]:
-        from broker_lookup.hashing import ChunkedTokenHasher
+        from broker_lookup.protocol.hashing import ChunkedTokenHasher
 
         return ChunkedTokenHasher(cfg).hashes_and_offsets(HOT)
 

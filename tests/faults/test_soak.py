@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from broker_lookup.cli import main
-from broker_lookup.soak import run_soak
-from broker_lookup.soak_chaos import KINDS
-from broker_lookup.soak_faults import FaultLog
+from broker_lookup.ops.cli import main
+from broker_lookup.tools.soak.chaos import KINDS
+from broker_lookup.tools.soak.command import run_soak
+from broker_lookup.tools.soak.faults import FaultLog
 
 
 def test_fault_log_explains_a_lookup_until_the_quiet_time_after_the_fault():

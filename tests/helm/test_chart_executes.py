@@ -12,7 +12,7 @@ to a temporary directory (paths rewritten), ``$(VAR)`` expanded. Then:
 * SIGTERM ends the worker with exit status 0 within 10 s.
 
 Needs the worker runner (``python -m workers``), ``broker-lookup inspect`` and
-``broker_lookup.embedded``.
+``broker_lookup.tools.embedded``.
 """
 
 from __future__ import annotations
@@ -200,8 +200,8 @@ def _wait(
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_worker_runs_as_rendered(render: RenderFn, tmp_path: Path, rank: int) -> None:
-    from broker_lookup.embedded import EmbeddedServer
-    from broker_lookup.keys import KeySpace
+    from broker_lookup.protocol.keys import KeySpace
+    from broker_lookup.tools.embedded import EmbeddedServer
 
     with EmbeddedServer() as server:
         admin = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=5)
@@ -262,8 +262,8 @@ def _inspect_hook_fails_for_the_missing_rank(rendered: Rendered, tmp_path: Path)
 
 
 def test_helm_test_hook_passes_when_every_rank_runs(render: RenderFn, tmp_path: Path) -> None:
-    from broker_lookup.embedded import EmbeddedServer
-    from broker_lookup.keys import KeySpace
+    from broker_lookup.protocol.keys import KeySpace
+    from broker_lookup.tools.embedded import EmbeddedServer
 
     with EmbeddedServer() as server:
         conn = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=5)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from broker_lookup.metrics import METRIC_NAMES
+from broker_lookup.ops.metrics import METRIC_NAMES
 
 from ._acl import EXPECTED_COMMANDS, AclUser, parse_acl
 from ._chart import DEPLOY

@@ -282,7 +282,7 @@ def test_protocol_runs_under_least_privilege_users(
 ) -> None:
     """Worker as `worker`, client as `scheduler`, inspect as `operator`: no ACL denial."""
     from broker_lookup import LookupConfig, LookupMetadata, RedisAsyncLookupClient
-    from broker_lookup.keys import KeySpace
+    from broker_lookup.protocol.keys import KeySpace
 
     engine = "acl-e2e"
     keys = KeySpace(engine)

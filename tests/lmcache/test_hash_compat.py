@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from broker_lookup.hashing import ChunkedTokenHasher
+from broker_lookup.protocol.hashing import ChunkedTokenHasher
 
 pytestmark = pytest.mark.lmcache
 

@@ -10,9 +10,9 @@ import pytest
 from engines import ManualEngine
 from helpers import wait_until
 
-from broker_lookup import fingerprint
-from broker_lookup.hashing import ChunkedTokenHasher
-from broker_lookup.keys import KeySpace
+from broker_lookup.protocol import fingerprint
+from broker_lookup.protocol.hashing import ChunkedTokenHasher
+from broker_lookup.protocol.keys import KeySpace
 
 CLIENT = fingerprint.member("client")
 RANK0 = fingerprint.member("rank0")

@@ -8,8 +8,8 @@ from engines import InstantEngine, ManualEngine
 from helpers import wait_until
 
 from broker_lookup.client import RedisLookupClient
-from broker_lookup.keys import KeySpace
-from broker_lookup.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
 
 TOKENS = list(range(40))  # 10 chunks of 4 tokens
 

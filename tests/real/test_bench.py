@@ -18,9 +18,9 @@ import pytest
 import redis
 from helpers import RealServer
 
-from broker_lookup._bench_core import BenchError
-from broker_lookup.bench import BenchOptions, add_bench_parser, cmd_bench, run_bench
-from broker_lookup.bench_lmcache import VARIANTS, require_lmcache
+from broker_lookup.tools.bench.command import BenchOptions, add_bench_parser, cmd_bench, run_bench
+from broker_lookup.tools.bench.lmcache_side import VARIANTS, require_lmcache
+from broker_lookup.tools.bench.measure import BenchError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

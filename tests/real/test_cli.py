@@ -16,8 +16,8 @@ import pytest
 import redis
 from helpers import wait_until
 
-from broker_lookup._procs import child_env, python_module, spawn, terminate
-from broker_lookup.keys import KeySpace
+from broker_lookup.processes import child_env, python_module, spawn, terminate
+from broker_lookup.protocol.keys import KeySpace
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -34,7 +34,7 @@ def _cli(*args: str) -> list[str]:
     script = Path(sys.executable).with_name("broker-lookup")
     if script.exists():
         return [str(script), *args]
-    return python_module("broker_lookup.cli", args)
+    return python_module("broker_lookup.ops.cli", args)
 
 
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

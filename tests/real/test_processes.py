@@ -16,11 +16,11 @@ import redis
 from helpers import wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 
-from broker_lookup._procs import child_env, python_module, spawn, terminate
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.keys import KeySpace
-from broker_lookup.metrics import ClientCollector
+from broker_lookup.ops.metrics import ClientCollector
+from broker_lookup.processes import child_env, python_module, spawn, terminate
+from broker_lookup.protocol.keys import KeySpace
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -15,9 +15,9 @@ import pytest
 from helpers import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker_lookup._procs import child_env, python_module, spawn, terminate
-from broker_lookup.embedded import EmbeddedServer
-from broker_lookup.metrics import METRIC_NAMES
+from broker_lookup.ops.metrics import METRIC_NAMES
+from broker_lookup.processes import child_env, python_module, spawn, terminate
+from broker_lookup.tools.embedded import EmbeddedServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -19,8 +19,8 @@ from redis.retry import Retry
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.embedded import EmbeddedServer
-from broker_lookup.keys import KeySpace
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.tools.embedded import EmbeddedServer
 from workers.server import RedisAsyncLookupServer
 
 pytestmark = pytest.mark.real

@@ -12,13 +12,13 @@ from collections.abc import Iterator
 import pytest
 from helpers import wait_until
 
-from broker_lookup._procs import child_env
-from broker_lookup.cli import main as cli_main
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.connection import make_factory
-from broker_lookup.embedded import EmbeddedServer
 from broker_lookup.errors import BrokerLookupError, ConfigError, translate_redis_errors
+from broker_lookup.ops.cli import main as cli_main
+from broker_lookup.processes import child_env
+from broker_lookup.tools.embedded import EmbeddedServer
+from broker_lookup.transport.connection import make_factory
 
 RIGHT = "Right-Pass-7c1e"
 SECRETS = ("Wrong-Pass-93ab", "Url-Pass-5d2f", RIGHT)

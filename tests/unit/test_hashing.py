@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker_lookup.errors import ConfigError, InvalidRequest
-from broker_lookup.hashing import (
+from broker_lookup.protocol.hashing import (
     ChunkedTokenHasher,
     _resolve_none_hash,
     measure_ns_per_token,
@@ -297,7 +297,7 @@ def test_fingerprint_changes_with_the_settings() -> None:
 def test_fingerprint_is_the_same_in_another_process() -> None:
     code = (
         "from types import SimpleNamespace as N\n"
-        "from broker_lookup.hashing import ChunkedTokenHasher as H\n"
+        "from broker_lookup.protocol.hashing import ChunkedTokenHasher as H\n"
         "c = N(chunk_size=64, save_unfull_chunk=True, pre_caching_hash_algorithm='builtin')\n"
         "print(sorted(H(c).fingerprint().items()))"
     )
@@ -389,7 +389,7 @@ def test_unknown_algorithm_falls_back_to_builtin_like_lmcache(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _fake_vllm_hashing(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="broker_lookup.hashing"):
+    with caplog.at_level(logging.WARNING, logger="broker_lookup.protocol.hashing"):
         hasher = ChunkedTokenHasher(cfg(256, False, "no_such_hash"))
     assert hasher.algorithm == "builtin"
     assert "no_such_hash" in caplog.text
@@ -397,7 +397,7 @@ def test_unknown_algorithm_falls_back_to_builtin_like_lmcache(
 
 
 def test_digest_algorithm_without_vllm_falls_back(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="broker_lookup.hashing"):
+    with caplog.at_level(logging.WARNING, logger="broker_lookup.protocol.hashing"):
         hasher = ChunkedTokenHasher(cfg(256, True, "sha256_cbor"))
     assert hasher.fingerprint()["algorithm"] == "builtin"
     assert "sha256_cbor" in caplog.text
@@ -440,7 +440,7 @@ def test_none_hash_with_vllm_and_no_seed_is_random_and_loud(
 ) -> None:
     _fake_kv_cache_utils(monkeypatch)
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    with caplog.at_level(logging.WARNING, logger="broker_lookup.hashing"):
+    with caplog.at_level(logging.WARNING, logger="broker_lookup.protocol.hashing"):
         first = _resolve_none_hash.__wrapped__(hash)
     assert 0 <= first < 2**64
     assert "PYTHONHASHSEED" in caplog.text and "NEVER" in caplog.text
@@ -489,7 +489,7 @@ def test_vectors_with_vllm_present(
     fake_vllm_dir: Path, seed: str, none_hash: int, hashes: list[int]
 ) -> None:
     code = (
-        "from broker_lookup.hashing import ChunkedTokenHasher as H; h = H();"
+        "from broker_lookup.protocol.hashing import ChunkedTokenHasher as H; h = H();"
         "print(h.none_hash, h.hashes_and_offsets(list(range(512)))[0])"
     )
     out = _run_python(code, pythonpath=[fake_vllm_dir, REPO_ROOT], hash_seed=seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from broker_lookup.errors import ConfigError
-from broker_lookup.keys import PREFIX, KeySpace, validate_engine_id
+from broker_lookup.protocol.keys import PREFIX, KeySpace, validate_engine_id
 
 
 def test_key_formats() -> None:

@@ -2,7 +2,7 @@
 
 1. Every key :class:`KeySpace` can produce for an engine hashes to one slot, the slot of
    the engine id itself (the ``{engine_id}`` hash tag), for several engine ids.
-2. Every ``redis.call``/``redis.pcall`` in ``broker_lookup/scripts/*.lua`` names a
+2. Every ``redis.call``/``redis.pcall`` in ``broker_lookup/protocol/lua/*.lua`` names a
    literal command and takes its key from ``KEYS[n]``, so no script can touch a key its
    caller did not declare (the dynamic half runs the scripts on a real cluster:
    ``tests/cluster/test_cluster_scripts.py``).
@@ -17,7 +17,7 @@ from importlib import resources
 import pytest
 from redis.crc import key_slot
 
-from broker_lookup.keys import PREFIX, KeySpace
+from broker_lookup.protocol.keys import PREFIX, KeySpace
 
 ENGINE_IDS = ["vllm-0", "e", "engine.with.dots", "a:b:c", "x_" * 40, "Z9-" * 40, "0"]
 
@@ -110,7 +110,7 @@ def violations(source: str) -> list[str]:
 
 
 def _scripts() -> dict[str, str]:
-    base = resources.files("broker_lookup") / "scripts"
+    base = resources.files("broker_lookup.protocol") / "lua"
     return {p.name: p.read_text() for p in base.iterdir() if p.name.endswith(".lua")}
 
 

@@ -15,8 +15,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from broker_lookup.messages import LookupRequest
-from workers.lifecycle import Lifecycle, Step
+from broker_lookup.protocol.messages import LookupRequest
+from workers.pipeline.lifecycle import Lifecycle, Step
 
 IDS = ("a", "b")
 GENS = st.integers(min_value=1, max_value=4)

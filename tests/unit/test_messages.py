@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from broker_lookup.errors import MalformedMessage
-from broker_lookup.messages import (
+from broker_lookup.protocol.messages import (
     Abort,
     DoneEvent,
     LookupRequest,

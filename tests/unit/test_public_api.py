@@ -66,7 +66,7 @@ def test_every_public_name_is_importable(module: str, name: str) -> None:
 def test_design_names_come_from_their_documented_modules() -> None:
     from broker_lookup.client import RedisAsyncLookupClient
     from broker_lookup.config import LookupConfig
-    from workers.reference_engine import ReferenceEngine
+    from workers.reference.engine import ReferenceEngine
     from workers.server import RedisAsyncLookupServer
 
     assert broker_lookup.RedisAsyncLookupClient is RedisAsyncLookupClient
@@ -142,7 +142,8 @@ def test_error_tree() -> None:
 
 def test_importing_broker_lookup_does_not_import_workers() -> None:
     code = (
-        "import sys, broker_lookup, broker_lookup.factory, broker_lookup.integrations.lmcache\n"
+        "import sys, broker_lookup, broker_lookup.client.factory\n"
+        "import broker_lookup.integrations.lmcache\n"
         "bad = [m for m in sys.modules if m == 'workers' or m.startswith('workers.')]\n"
         "assert not bad, bad\n"
     )

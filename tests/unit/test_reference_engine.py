@@ -14,7 +14,7 @@ import torch
 from helpers import wait_until
 
 from broker_lookup.engine import LookupEngine, SyncLookupEngine
-from workers.chunk_store import (
+from workers.reference.chunk_store import (
     ChunkLoadError,
     ChunkStore,
     chunk_payload,
@@ -22,7 +22,7 @@ from workers.chunk_store import (
     encode_chunk,
     make_tags,
 )
-from workers.reference_engine import ReferenceEngine
+from workers.reference.engine import ReferenceEngine
 
 CHUNK = 256
 TENANT_A = {"lmcache.tag.user": "a"}

@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from broker_lookup._state import Entry, LookupTable
+from broker_lookup.client.table import Entry, LookupTable
 
 IDS = st.sampled_from(["a", "b", "c", "d", "e", "f"])
 CAP = 4

@@ -3,8 +3,8 @@ or an engine: every decision and engine step, including the generation races of 
 
 from __future__ import annotations
 
-from broker_lookup.messages import LookupRequest
-from workers.lifecycle import NOTHING, Lifecycle, Step
+from broker_lookup.protocol.messages import LookupRequest
+from workers.pipeline.lifecycle import NOTHING, Lifecycle, Step
 
 PIN_TTL = 10.0
 GRACE = 2.0

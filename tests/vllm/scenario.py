@@ -207,7 +207,7 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    from broker_lookup.embedded import EmbeddedServer
+    from broker_lookup.tools.embedded import EmbeddedServer
 
     work = Path(tempfile.mkdtemp(prefix="bl-vllm-"))
     probe_dir = Path(os.environ["BL_TEST_PROBE_DIR"])

@@ -25,7 +25,7 @@ from probe import request as probe_request
 from scenario import prompt_ids
 from vllm_harness import ROOT, engine_env, kill_group
 
-from broker_lookup.embedded import EmbeddedServer
+from broker_lookup.tools.embedded import EmbeddedServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 

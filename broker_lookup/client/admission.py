@@ -1,0 +1,150 @@
+"""What the client does with a request before it reaches Redis: admit, trim or answer 0.
+
+The scheduler's contract path never raises on request data (DESIGN rule 9): vLLM
+takes request ids from a client's ``X-Request-Id`` header and calls ``lookup()``
+inside ``Scheduler.schedule()``, where an exception kills the engine. So a request
+is either admitted (its chunk hashes and offsets), trimmed (a prompt with more than
+``max_chunks_per_request`` chunks is looked up by its first that many: a prefix hit
+is still a right answer), or rejected: answered 0, counted by kind, and logged the
+first time a kind occurs and then at every power of ten.
+
+:meth:`Admission.check` is the strict variant for callers that want an error naming
+the limit and the value; nothing on the scheduler's path calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from broker_lookup.config import LookupConfig
+from broker_lookup.errors import InvalidRequest
+from broker_lookup.protocol.hashing import ChunkedTokenHasher
+from broker_lookup.protocol.messages import check_lookup_id, wire_id_problem
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Admission", "Rejected"]
+
+logger = logging.getLogger(__name__)
+
+_JSON = msgspec.json.Encoder()
+
+
+class Rejected(msgspec.Struct, frozen=True):
+    """Why a request is answered 0 without asking the ranks."""
+
+    kind: str  #: counter name, e.g. ``bad_id``, ``configs_too_large``, ``bad_tokens``
+    detail: str  #: the limit and the value, for the log line
+
+
+class Admission:
+    """Turns a scheduler's request into hashes and offsets, or a :class:`Rejected`."""
+
+    def __init__(self, config: LookupConfig, hasher: ChunkedTokenHasher) -> None:
+        self._config = config
+        self._hasher = hasher
+        #: Requests answered 0 by kind (read by ``stats()`` and the metrics).
+        self.counts: dict[str, int] = {}
+        #: Prompts looked up by their first ``max_chunks_per_request`` chunks only.
+        self.truncated = 0
+
+    def admit(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        lookup_id: object,
+        request_configs: object,
+    ) -> tuple[list[int], list[int]] | Rejected:
+        """Hashes and offsets to send (possibly trimmed), or why the answer is 0."""
+        problem = self._problem(lookup_id, request_configs)
+        if problem is None:
+            try:
+                hashes, offsets = self._hasher.hashes_and_offsets(token_ids)
+            except Exception as exc:  # InvalidRequest, or whatever odd input raised
+                problem = Rejected("bad_tokens", str(exc)[:200])
+        if problem is not None:
+            self.rejected(problem.kind, lookup_id, problem.detail)
+            return problem
+        limit = self._config.max_chunks_per_request
+        if len(hashes) > limit:
+            self.truncated += 1
+            if _worth_logging(self.truncated):
+                logger.warning(
+                    "%d prompt(s) over max_chunks_per_request=%d looked up by their first "
+                    "%d chunks only (latest %.200r: %d chunks)",
+                    self.truncated,
+                    limit,
+                    limit,
+                    lookup_id,
+                    len(hashes),
+                )
+            del hashes[limit:], offsets[limit:]
+        return hashes, offsets
+
+    def check(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        lookup_id: str,
+        request_configs: dict[str, Any] | None,
+    ) -> None:
+        """Raise InvalidRequest for anything ``admit`` would reject or trim, or for an id
+        that is not printable ASCII without spaces."""
+        cfg = self._config
+        reason = check_lookup_id(lookup_id, cfg.max_lookup_id_length)
+        problem = self._problem(lookup_id, request_configs)
+        if reason is None and problem is not None:
+            reason = problem.detail
+        if reason is not None:
+            raise InvalidRequest(reason)
+        hashes, _ = self._hasher.hashes_and_offsets(token_ids)
+        if len(hashes) > cfg.max_chunks_per_request:
+            raise InvalidRequest(
+                f"{len(hashes)} chunks exceed max_chunks_per_request={cfg.max_chunks_per_request}"
+            )
+
+    def rejected(self, kind: str, lookup_id: object, detail: str) -> None:
+        """Count one request answered 0 for ``kind``; log the first and every 10**n-th."""
+        count = self.counts.get(kind, 0) + 1
+        self.counts[kind] = count
+        if _worth_logging(count):
+            shown = repr(lookup_id)[:200]
+            logger.warning(
+                "lookup %s answered 0 (%s: %s); %d such request(s) so far",
+                shown,
+                kind,
+                detail,
+                count,
+            )
+
+    def _problem(self, lookup_id: object, request_configs: object) -> Rejected | None:
+        cfg = self._config
+        reason = wire_id_problem(lookup_id, cfg.max_lookup_id_length)
+        if reason is not None:
+            return Rejected("bad_id", reason)
+        if request_configs is None:
+            return None
+        if not isinstance(request_configs, dict) or not all(
+            isinstance(k, str) for k in request_configs
+        ):
+            return Rejected("bad_configs", "request_configs must be a dict with str keys")
+        try:
+            size = len(_JSON.encode(request_configs))
+        except (TypeError, ValueError, msgspec.EncodeError) as exc:
+            return Rejected("bad_configs", f"request_configs must be JSON-serialisable: {exc}")
+        if size > cfg.max_request_configs_bytes:
+            return Rejected(
+                "configs_too_large",
+                f"request_configs is {size} bytes, over "
+                f"max_request_configs_bytes={cfg.max_request_configs_bytes}",
+            )
+        return None
+
+
+def _worth_logging(count: int) -> bool:
+    """1, 10, 100, ...: a flood of one kind costs a handful of log lines."""
+    while count % 10 == 0:
+        count //= 10
+    return count == 1

@@ -1,0 +1,187 @@
+"""The client's listener thread: completions, timeouts, rank liveness, reconciliation.
+
+It blocks in ``XREAD BLOCK`` on ``bl:{E}:done`` (its own connection, whose socket
+timeout is BLOCK plus the breaker's threshold, so a stalled server costs at most that)
+and publishes results into the lookup table. Between reads it sweeps: in-flight
+lookups past their deadline end as 0 and are cancelled even if nobody polls them
+(LMCache D11); ranks without a heartbeat fail their lookups at once (D8); lookups
+whose completion event was missed (a reconnect, a flushed stream) are reconciled
+from their hash, once Redis confirmed their submit (a lookup still queued behind a
+burst is never taken for vanished).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from broker_lookup.client.breaker import Breaker
+from broker_lookup.client.table import LookupTable
+from broker_lookup.config import LookupConfig
+from broker_lookup.errors import BrokerLookupError, MalformedMessage, translate_redis_errors
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import decode_done
+from broker_lookup.threads import LoopThread
+
+__all__ = ["Listener"]
+
+logger = logging.getLogger(__name__)
+
+_RECONCILE_BATCH = 500
+_EVICT_EVERY_S = 5.0
+
+
+class Listener(LoopThread):
+    """Owns the blocking read connection and all timing decisions of the client."""
+
+    def __init__(
+        self,
+        config: LookupConfig,
+        keys: KeySpace,
+        table: LookupTable,
+        factory: Callable[[], redis.Redis],
+        expected: tuple[int, ...],
+        breaker: Breaker,
+        on_sweep: Callable[[redis.Redis], None] | None = None,
+    ) -> None:
+        super().__init__("client listener", "listener")
+        #: Called with the listener's connection on every sweep (the fingerprint's tick).
+        self._on_sweep = on_sweep
+        self._config = config
+        self._keys = keys
+        self._table = table
+        self._factory = factory
+        self._expected = expected
+        self._breaker = breaker
+        self._last_id: bytes | str = b"0-0"
+        #: Ranks of ``expected`` without a heartbeat; read by lookup() without a lock.
+        self.dead: frozenset[int] = frozenset(expected)
+        #: False until the first successful heartbeat read: ranks dead then are logged too.
+        self._checked = False
+        self.errors = 0
+        self.connected = False
+        self._next = {"hb": 0.0, "reconcile": 0.0, "evict": 0.0}
+
+    def prime(self, client: redis.Redis) -> None:
+        """Learn liveness and the stream position now, before :meth:`start`."""
+        try:
+            self._position(client)
+            self.check_heartbeats(client)
+        except BrokerLookupError as exc:
+            logger.warning("broker unavailable at start (%s); lookups answer 0 until it is", exc)
+
+    def _position(self, client: redis.Redis) -> None:
+        with translate_redis_errors("reading the completion stream position"):
+            last: Any = client.xrevrange(self._keys.done, count=1)
+        if last:
+            self._last_id = last[0][0]
+
+    def _run(self) -> None:
+        client = self._factory()
+        try:
+            while not self._stop.is_set():
+                try:
+                    with self._breaker.track("listener", self._config.block_ms / 1000, tolerate=1):
+                        self._read(client)
+                        self._sweep(client)
+                    self.connected = True
+                except (BrokerLookupError, redis.RedisError) as exc:
+                    self._on_error(exc)
+                except Exception:  # a bug: counted and logged, never a silent dead thread
+                    self.guard()
+        finally:
+            client.close()
+
+    def _on_error(self, exc: Exception) -> None:
+        self.errors += 1
+        first = self.connected  # the first error after a success is retried at once
+        self.connected = False
+        if self.errors == 1 or self.errors % 100 == 0:
+            logger.warning("listener: Redis error #%d: %s (retrying)", self.errors, exc)
+        # Timeouts still fire while Redis is away: they need no I/O to decide.
+        for lookup_id, entry in self._table.overdue(time.monotonic()):
+            self._table.expire(lookup_id, entry)
+        if not first:
+            self._stop.wait(0.2)
+
+    def _read(self, client: redis.Redis) -> None:
+        with translate_redis_errors("reading completions"):
+            resp: Any = client.xread(
+                {self._keys.done: self._last_id}, count=1000, block=self._config.block_ms
+            )
+        for _stream, entries in resp or ():
+            for entry_id, fields in entries:
+                self._last_id = entry_id
+                try:
+                    ev = decode_done(fields)
+                except MalformedMessage as exc:
+                    logger.error("ignoring bad completion entry %r: %s", entry_id, exc)
+                    continue
+                self._table.finish(
+                    ev.lookup_id, ev.gen, ev.result, "hit" if ev.result > 0 else "miss"
+                )
+
+    def _sweep(self, client: redis.Redis) -> None:
+        now = time.monotonic()
+        for lookup_id, entry in self._table.overdue(now):
+            self._table.expire(lookup_id, entry)
+        if now >= self._next["hb"]:
+            self._next["hb"] = now + self._config.heartbeat_interval_ms / 2000
+            self.check_heartbeats(client)
+        if now >= self._next["reconcile"]:
+            self._next["reconcile"] = now + 0.1
+            self._reconcile(client, now)
+        if now >= self._next["evict"]:
+            self._next["evict"] = now + _EVICT_EVERY_S
+            self._table.evict_finished(now)
+        if self._on_sweep is not None:
+            self._on_sweep(client)
+
+    def check_heartbeats(self, client: redis.Redis) -> None:
+        """Refresh :attr:`dead`; fail the in-flight lookups of ranks that just died."""
+        keys = [self._keys.heartbeat(r) for r in self._expected]
+        with translate_redis_errors("reading heartbeats"):
+            values = client.mget(keys)
+        dead = frozenset(r for r, v in zip(self._expected, values, strict=True) if v is None)
+        # The first read reports every dead rank, so one that never started is logged.
+        newly = dead - self.dead if self._checked else dead
+        self._checked = True
+        for rank in sorted(newly):
+            logger.error(
+                "rank %d of engine %s has no heartbeat (%s): its lookups answer 0 "
+                "at once until it is back",
+                rank,
+                self._keys.engine_id,
+                self._keys.heartbeat(rank),
+            )
+        for rank in sorted(self.dead - dead):
+            logger.info("rank %d of engine %s is alive", rank, self._keys.engine_id)
+        self.dead = dead
+        if newly:
+            for lookup_id, entry in self._table.waiting_on(newly):
+                self._table.expire(lookup_id, entry, "dead_rank")
+
+    def _reconcile(self, client: redis.Redis, now: float) -> None:
+        due = self._table.due_for_reconcile(now, _RECONCILE_BATCH)
+        if not due:
+            return
+        with translate_redis_errors("reconciling lookups"):
+            pipe = client.pipeline(transaction=False)
+            for lookup_id, _ in due:
+                pipe.hmget(self._keys.lookup(lookup_id), "state", "gen", "result")
+            rows = pipe.execute()
+        for (lookup_id, entry), (state, gen, result) in zip(due, rows, strict=True):
+            if state is None:
+                # Redis confirmed the submit, so the key existed: it was flushed, the
+                # server restarted empty, or the key was evicted.
+                logger.warning(
+                    "lookup %.200r gen %d vanished from Redis; answering 0", lookup_id, entry.gen
+                )
+                self._table.expire(lookup_id, entry, "error")
+            elif state == b"done" and gen is not None and int(gen) == entry.gen:
+                value = int(result)
+                self._table.finish(lookup_id, entry.gen, value, "hit" if value > 0 else "miss")

@@ -1,0 +1,317 @@
+"""The scheduler's lookup clients over Redis: async and synchronous.
+
+Hot path: ``lookup_cache`` is a dict read (no I/O, no sleep, no lock);
+``lookup`` hashes the tokens and appends to a queue. A sender thread pipelines
+the writes and a listener thread turns completion events into table entries.
+
+vLLM calls these methods inside ``Scheduler.schedule()`` with ids taken from a
+client's ``X-Request-Id`` header, so none of them raises on request data: a request
+the protocol cannot carry is answered 0 (recompute), counted in ``stats()`` and logged
+once per kind (see :mod:`broker_lookup.client.admission`). :meth:`RedisAsyncLookupClient.validate`
+is the strict, raising check for callers that want it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from broker_lookup.client.admission import Admission, Rejected
+from broker_lookup.client.breaker import Breaker
+from broker_lookup.client.listener import Listener
+from broker_lookup.client.sender import Sender
+from broker_lookup.client.table import Entry, LookupTable, Outcome
+from broker_lookup.config import LookupConfig, LookupMetadata, expected_ranks
+from broker_lookup.interface import LookupClientInterface
+from broker_lookup.protocol.fingerprint import Publisher
+from broker_lookup.protocol.hashing import ChunkedTokenHasher
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import LookupRequest
+from broker_lookup.protocol.scripts import ScriptSet
+from broker_lookup.transport.connection import ConnectionFactory, close_factory, make_factory
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["RedisAsyncLookupClient", "RedisLookupClient"]
+
+logger = logging.getLogger(__name__)
+
+
+class RedisAsyncLookupClient(LookupClientInterface):
+    """LMCache's ``LMCacheAsyncLookupClient`` contract, brokered by Redis.
+
+    >>> client = RedisAsyncLookupClient(config, metadata)    # doctest: +SKIP
+    >>> client.lookup(token_ids, "req-1")                     # None: in flight
+    >>> client.lookup_cache("req-1")                          # None ... then hit tokens
+    """
+
+    def __init__(
+        self,
+        config: LookupConfig,
+        metadata: LookupMetadata,
+        *,
+        connection_factory: ConnectionFactory | None = None,
+    ) -> None:
+        self.config = config
+        self.metadata = metadata
+        self.keys = KeySpace(metadata.engine_id)
+        self.expected = expected_ranks(config, metadata)
+        self.hasher = ChunkedTokenHasher(config)
+        self._timeout_s = config.lookup_timeout_ms / 1000
+        self._gens = itertools.count(time.time_ns() // 1000)
+        self._admission = Admission(config, self.hasher)
+        self._breaker = Breaker(config.breaker_open_ms / 1000, ("sender", "listener"))
+        self._factories: list[ConnectionFactory] = []
+        if connection_factory is None:
+            name = f"bl-client-{metadata.engine_id}"
+            writer = make_factory(config, name)
+            # A stalled server must cost the listener at most BLOCK plus the breaker's
+            # threshold, so its timeout sweeps never pause for a full socket timeout.
+            reader = make_factory(
+                config, name, socket_timeout_s=(config.block_ms + config.breaker_open_ms) / 1000
+            )
+            self._factories = [writer, reader]
+        else:
+            writer = reader = connection_factory
+        self._table = LookupTable(self._cancel_gen, config.max_pending, config.retention_ms / 1000)
+        self._sender = Sender(config, self.keys, self._table, writer, ScriptSet(), self._breaker)
+        #: Publishes our hashing fingerprint and lists processes that hash differently.
+        self.fingerprint = Publisher(self.keys, "client", self.hasher)
+        self._listener = Listener(
+            config,
+            self.keys,
+            self._table,
+            reader,
+            self.expected,
+            self._breaker,
+            self.fingerprint.tick,
+        )
+        self._closed = False
+        self._sender.start(",".join(map(str, self.expected)))
+        probe = reader()
+        try:
+            self._listener.prime(probe)
+            self._listener.start()
+            self.fingerprint.run(probe)
+        finally:
+            probe.close()
+
+    # -- hot path -------------------------------------------------------------------
+
+    def lookup_cache(self, lookup_id: str) -> int | None:
+        """-1 unknown, None in flight, else hit tokens (0 after a timeout, until cleared)."""
+        try:
+            entry = self._table.entries.get(lookup_id)
+        except TypeError:  # an unhashable id: nothing was ever recorded under it
+            return -1
+        if entry is None:
+            return -1
+        result = entry.result
+        if result is not None:
+            return result
+        now = time.monotonic()
+        if now >= entry.deadline:
+            return self._table.expire(lookup_id, entry)
+        if not entry.sent and self._breaker.is_open(now):
+            # Queued behind a stalled server: answer 0 now, not at the timeout.
+            return self._table.expire(lookup_id, entry, "unavailable")
+        return None
+
+    def lookup(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        lookup_id: str,
+        request_configs: dict[str, Any] | None = None,
+    ) -> int | None:
+        """Start a lookup; None while in flight, or an int when answered without Redis.
+
+        Never raises on request data: what cannot be looked up is answered 0.
+        """
+        entry = self._start(token_ids, lookup_id, request_configs, with_event=False)
+        return entry if isinstance(entry, int) else None
+
+    def validate(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        lookup_id: str,
+        request_configs: dict[str, Any] | None = None,
+    ) -> None:
+        """Strict check, for callers that want one: raise InvalidRequest naming the limit a
+        request breaks (``lookup`` itself answers such a request 0 instead)."""
+        self._admission.check(token_ids, lookup_id, request_configs)
+
+    def _start(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        lookup_id: str,
+        request_configs: dict[str, Any] | None,
+        with_event: bool,
+    ) -> Entry | int:
+        try:
+            return self._submit(token_ids, lookup_id, request_configs, with_event)
+        except Exception as exc:  # a bug of ours must not kill the scheduler's engine
+            self._admission.rejected("internal_error", lookup_id, repr(exc))
+            logger.debug("lookup %.200r failed", lookup_id, exc_info=True)
+            return 0
+
+    def _submit(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        lookup_id: str,
+        request_configs: dict[str, Any] | None,
+        with_event: bool,
+    ) -> Entry | int:
+        admitted = self._admission.admit(token_ids, lookup_id, request_configs)
+        if isinstance(admitted, Rejected):
+            if isinstance(lookup_id, str):
+                self._record(lookup_id, with_event, "rejected")
+            return 0
+        hashes, offsets = admitted
+        if not hashes:  # shorter than one chunk: nothing to ask (LMCache D17)
+            self._record(lookup_id, with_event, "miss")
+            return 0
+        now = time.monotonic()
+        tokens = sum(offsets)
+        entry = Entry(
+            next(self._gens), now, now + self._timeout_s, tokens, self.expected, with_event
+        )
+        if self._listener.dead.intersection(self.expected):
+            self._table.add(lookup_id, entry, finished="dead_rank")
+            return 0
+        if self._breaker.is_open(now):
+            self._table.add(lookup_id, entry, finished="unavailable")
+            return 0
+        if not self._table.add(lookup_id, entry):
+            self._admission.rejected(
+                "table_full", lookup_id, f"max_pending={self.config.max_pending}"
+            )
+            return 0
+        request = LookupRequest(
+            lookup_id=lookup_id,
+            gen=entry.gen,
+            hashes=hashes,
+            offsets=offsets,
+            expected=list(self.expected),
+            deadline_ms=int(time.time() * 1000) + self.config.lookup_timeout_ms,
+            request_configs=request_configs,
+            tokens=tokens,
+            budget_ms=self.config.lookup_timeout_ms,
+        )
+        if not self._sender.submit(lookup_id, entry, request):
+            self._table.expire(lookup_id, entry, "unavailable")
+            return 0
+        return entry
+
+    def _record(self, lookup_id: str, with_event: bool, outcome: Outcome) -> None:
+        """Record an answer given without Redis, so lookup_cache returns it until cleared."""
+        now = time.monotonic()
+        entry = Entry(next(self._gens), now, now, 0, self.expected, with_event)
+        self._table.add(lookup_id, entry, finished=outcome)
+
+    # -- lifecycle of one id ----------------------------------------------------------
+
+    def clear_lookup_status(self, lookup_id: str) -> None:
+        """Forget the result; a lookup still in flight is cancelled so ranks release it."""
+        try:
+            self._table.pop(lookup_id, None)
+        except Exception as exc:  # an unhashable id, or a bug: never into the scheduler
+            self._admission.rejected("bad_clear", lookup_id, repr(exc))
+
+    def cancel_lookup(self, lookup_id: str) -> None:
+        """Abort: delete the lookup's key and tell every rank to release its memory.
+
+        Works after ``clear_lookup_status`` too (vLLM clears on allocation and cancels
+        on abort): the cleared generation is remembered so its pins are released.
+        """
+        try:
+            self._table.pop(lookup_id, "cancelled")
+        except Exception as exc:
+            self._admission.rejected("bad_cancel", lookup_id, repr(exc))
+
+    def _cancel_gen(self, lookup_id: str, gen: int) -> None:
+        self._sender.cancel(lookup_id, gen)
+
+    def supports_producer_reuse(self) -> bool:
+        """True, as LMCache's async client."""
+        return True
+
+    # -- observability and shutdown ---------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics and tests; cheap, takes no lock."""
+        t = self._table
+        return {
+            "outcomes": dict(t.counts),
+            "hit_tokens": t.hit_tokens,
+            "inflight": len(t.inflight),
+            "entries": len(t.entries),
+            "queued": self._sender.queued,
+            "rejected": dict(self._admission.counts),
+            "truncated": self._admission.truncated,
+            "breaker_open": self._breaker.is_open(),
+            "breaker_openings": self._breaker.openings,
+            "send_queue_full": self._sender.dropped,
+            "stale_events": t.stale_events,
+            "redis_errors": self._sender.errors + self._listener.errors,
+            "unexpected_errors": self._sender.guard.count + self._listener.guard.count,
+            "dead_ranks": sorted(self._listener.dead),
+            "latency_counts": list(t.latency_counts),
+            "latency_sum": t.latency_sum,
+        }
+
+    def close(self) -> None:
+        """Cancel what is in flight, flush the queue, stop both threads (bounded), and
+        close every connection this client opened. Never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for lookup_id, entry in self._table.drain_inflight():
+                self._sender.cancel(lookup_id, entry.gen)
+            grace = (self.config.block_ms + self.config.breaker_open_ms) / 1000 + 2.0
+            ok = self._sender.stop(grace) & self._listener.stop(grace)
+            if not ok:
+                logger.error("lookup client threads did not stop within %.1fs", grace)
+        except Exception:
+            logger.exception("lookup client close failed; connections are closed anyway")
+        finally:
+            for factory in self._factories:
+                close_factory(factory)
+
+    def __enter__(self) -> RedisAsyncLookupClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RedisLookupClient(RedisAsyncLookupClient):
+    """Synchronous variant: ``lookup`` waits (at most ``lookup_timeout_ms``) and returns the int."""
+
+    def lookup(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        lookup_id: str,
+        request_configs: dict[str, Any] | None = None,
+    ) -> int:
+        """Hit tokens on every expected rank (min), or 0 on timeout, miss or error."""
+        entry = self._start(token_ids, lookup_id, request_configs, with_event=True)
+        if isinstance(entry, int):
+            return entry
+        assert entry.event is not None  # created with_event=True above
+        entry.event.wait(max(0.0, entry.deadline - time.monotonic()))
+        if entry.result is None:
+            return self._table.expire(lookup_id, entry)
+        return entry.result
+
+    def lookup_cache(self, lookup_id: str) -> int | None:
+        """-1 unknown, else the result (the sync client never reports 'in flight')."""
+        result = super().lookup_cache(lookup_id)
+        return -1 if result is None else result
+
+    def supports_producer_reuse(self) -> bool:
+        """False, as LMCache's sync client."""
+        return False

@@ -1,0 +1,181 @@
+"""The client's sender thread: turns queued submits and cancels into pipelined scripts.
+
+``lookup()`` and ``cancel_lookup()`` only append to a deque and set an event; this
+thread drains everything queued per wake-up into one pipeline, so a burst of N
+lookups costs one round trip, not N. The queue is bounded (``max_pending``), every
+round trip is tracked by the circuit breaker, and every script is idempotent per
+(lookup id, generation), so re-sending a batch whose reply was lost changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from broker_lookup.client.breaker import Breaker
+from broker_lookup.client.table import Entry, LookupTable
+from broker_lookup.config import LookupConfig
+from broker_lookup.errors import BrokerLookupError, BrokerUnavailable, translate_redis_errors
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import Abort, LookupRequest, request_fields
+from broker_lookup.protocol.scripts import CANCEL, SUBMIT, Call, ScriptSet, submit_args
+from broker_lookup.transport.batcher import Batcher
+
+__all__ = ["Sender"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_BATCH = 512
+
+
+def _flat(fields: dict[str, bytes | str | int]) -> list[bytes | str | int]:
+    out: list[bytes | str | int] = []
+    for k, v in fields.items():
+        out.append(k)
+        out.append(v)
+    return out
+
+
+Item = tuple[str, Entry | None, LookupRequest | Abort]
+
+
+class Sender(Batcher[Item]):
+    """Owns the write connection; the only thread that submits and cancels."""
+
+    def __init__(
+        self,
+        config: LookupConfig,
+        keys: KeySpace,
+        table: LookupTable,
+        factory: Callable[[], redis.Redis],
+        scripts: ScriptSet,
+        breaker: Breaker,
+    ) -> None:
+        super().__init__(
+            "client sender",
+            factory,
+            scripts,
+            config.redis_retries,
+            _MAX_BATCH,
+            max_queue=config.max_pending,
+        )
+        self._config = config
+        self._keys = keys
+        self._table = table
+        self._breaker = breaker
+        self._expected = ""
+        self._next_probe = 0.0
+        self.batches = 0
+        self.lost_cancels = 0
+        self.dropped = 0
+
+    def start(self, expected: str = "") -> None:
+        """Start the thread; ``expected`` is the comma-separated rank list of every lookup."""
+        self._expected = expected
+        super().start()
+
+    def submit(self, lookup_id: str, entry: Entry, request: LookupRequest) -> bool:
+        """Queue a lookup (hot path: an append and an event set); False if the queue is full."""
+        if self._put((lookup_id, entry, request)):
+            return True
+        self.dropped += 1
+        return False
+
+    def cancel(self, lookup_id: str, gen: int) -> None:
+        """Queue a cancel of one generation that was sent (dropped, counted, if full)."""
+        if not self._put((lookup_id, None, Abort(lookup_id=lookup_id, gen=gen))):
+            self._lost_cancel(lookup_id, gen, "the send queue is full")
+
+    def _idle(self, client: redis.Redis) -> None:
+        self._breaker.poll()
+        # While the breaker is open because of us, nothing is queued to tell us when
+        # Redis is back: probe it, twice a second.
+        if not self._breaker.failing("sender") or self._queue:
+            return
+        now = time.monotonic()
+        if now < self._next_probe:
+            return
+        self._next_probe = now + 0.5
+        try:
+            with self._breaker.track("sender"), translate_redis_errors("probing Redis"):
+                client.ping()
+        except BrokerLookupError:
+            pass  # still down: the breaker stays open; probes are not counted as errors
+
+    def _call_for(self, item: Item) -> Call | None:
+        lookup_id, entry, msg = item
+        key = self._keys.lookup(lookup_id)
+        cfg = self._config
+        if isinstance(msg, Abort):
+            return Call(
+                CANCEL,
+                (key, self._keys.requests),
+                [msg.gen, cfg.stream_maxlen, *_flat(request_fields(msg))],
+            )
+        if entry is None:
+            return None
+        entry.sent = True  # before reading result: see Entry.sent
+        if entry.result is not None:
+            return None  # finished before it was sent (timeout, cancel, superseded)
+        return Call(
+            SUBMIT,
+            (key, self._keys.requests),
+            submit_args(
+                gen=msg.gen,
+                expected=self._expected,
+                created_ms=int(time.time() * 1000),
+                deadline_ms=msg.deadline_ms,
+                tokens=msg.tokens,
+                ttl_ms=cfg.key_ttl_ms,
+                maxlen=cfg.stream_maxlen,
+                lookup_id=lookup_id,
+                fields=request_fields(msg),
+            ),
+        )
+
+    def _send_batch(self, client: redis.Redis, batch: list[Item]) -> None:
+        pairs = [(item, call) for item in batch if (call := self._call_for(item)) is not None]
+        if not pairs:
+            return
+        results: list[Any]
+        try:
+            with self._breaker.track("sender"):
+                sent = self._run_with_retries(client, [c for _, c in pairs])
+                if sent is None:
+                    raise BrokerUnavailable("Redis unavailable after retries")
+                results = sent
+        except BrokerUnavailable as exc:
+            results = [exc] * len(pairs)
+        self.batches += 1
+        now = time.monotonic()
+        for (item, _), res in zip(pairs, results, strict=True):
+            lookup_id, entry, _ = item
+            if isinstance(res, Exception):
+                self._failed(item, res)
+            elif entry is not None:
+                self._table.confirmed(lookup_id, entry, now)
+
+    def _failed(self, item: Item, exc: Exception) -> None:
+        lookup_id, entry, msg = item
+        if entry is not None:
+            # Redis is unreachable or refused: answer 0 now instead of at the timeout.
+            self._table.expire(lookup_id, entry, "error")
+        else:
+            self._lost_cancel(lookup_id, msg.gen, str(exc))
+
+    def _lost_cancel(self, lookup_id: str, gen: int, why: str) -> None:
+        self.lost_cancels += 1
+        if self.lost_cancels % 100 != 1:
+            return
+        logger.warning(
+            "%d cancel(s) not delivered, latest %s gen %d: %s; keys expire by TTL and "
+            "workers release pins after worker_pin_ttl_ms",
+            self.lost_cancels,
+            lookup_id[:200],
+            gen,
+            why,
+        )

@@ -1,0 +1,300 @@
+"""Typed, validated configuration: :class:`LookupConfig` and :class:`LookupMetadata`.
+
+Field names follow LMCache's ``LMCacheEngineConfig`` where LMCache has them, so a
+deployment can move its settings over unchanged. Every value is checked when the
+object is built; a bad one raises :class:`~broker_lookup.errors.ConfigError`
+naming the field, its environment variable and the value. This module is the
+only one that reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from broker_lookup.config.sources import ENV_PREFIX, env_name, parse_env, parse_file
+from broker_lookup.errors import ConfigError
+from broker_lookup.protocol.keys import validate_engine_id
+
+__all__ = ["ENV_PREFIX", "LookupConfig", "LookupMetadata", "env_name", "expected_ranks"]
+
+
+_URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "redis+cluster://")
+_SECRET_IN_URL = re.compile(r"(://[^:/@]*:)([^@]*)@")
+_AT_FIELD = re.compile(r" - at `\$\.([a-z_]+)`")
+#: Fields that must be > 0.
+_POSITIVE = (
+    "chunk_size lookup_timeout_ms socket_timeout_ms block_ms heartbeat_interval_ms "
+    "heartbeat_ttl_ms stream_maxlen done_maxlen dead_maxlen max_pending "
+    "max_lookup_id_length max_chunks_per_request max_request_configs_bytes worker_pin_ttl_ms "
+    "worker_dedupe_capacity redis_retries breaker_open_ms worker_watchdog_grace_ms"
+).split()
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``."""
+    return _SECRET_IN_URL.sub(r"\1***@", url)
+
+
+class _Validated(msgspec.Struct, frozen=True, kw_only=True):
+    """Base that type-checks every field at construction (msgspec does not on ``__init__``)."""
+
+    def __post_init__(self) -> None:
+        for info in msgspec.structs.fields(self):
+            value = getattr(self, info.name)
+            try:
+                msgspec.convert(value, info.type, strict=True)
+            except msgspec.ValidationError as exc:
+                raise ConfigError(
+                    f"{info.name}={_shown(info.name, value)} (env {env_name(info.name)}) "
+                    f"has the wrong type: {exc}"
+                ) from None
+        self._check()
+
+    def _check(self) -> None:
+        """Cross-field and range checks of the subclass."""
+
+
+def _shown(field: str, value: object) -> str:
+    if "password" in field and value is not None:
+        return "'***'"
+    if isinstance(value, str):
+        return repr(redact_url(value))
+    return repr(value)
+
+
+def _require(ok: bool, field: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ConfigError(
+            f"{field}={_shown(field, value)} (env {env_name(field)}) is invalid: {rule}"
+        )
+
+
+class LookupConfig(_Validated, frozen=True, kw_only=True):
+    """Everything the client and the workers can be told, with LMCache's names and defaults.
+
+    >>> cfg = LookupConfig(redis_url="redis://localhost:6379/0", lookup_timeout_ms=1500)
+    >>> cfg.chunk_size
+    256
+    """
+
+    # LMCache's names (LMCacheEngineConfig).
+    chunk_size: int = 256  #: tokens per chunk
+    save_unfull_chunk: bool = False  #: hash the trailing partial chunk too
+    lookup_timeout_ms: int = 3000  #: a lookup not answered by then returns 0 (terminal)
+    lookup_server_worker_ids: tuple[int, ...] | None = None  #: ranks asked; None = LMCache's rule
+    enable_async_loading: bool = False  #: factory: async client instead of the sync one
+    enable_scheduler_bypass_lookup: bool = False  #: factory: scheduler asks its own engine
+    external_lookup_client: str | None = None  #: factory: ``<scheme>://<address>``
+    hit_miss_ratio: float | None = None  #: cap hits at (1 - ratio) of the prompt, for benchmarks
+    enable_chunk_statistics: bool = False  #: count total and unique chunks seen
+    pre_caching_hash_algorithm: str = "builtin"  #: chunk hash function (LMCache's setting)
+    # The broker's own knobs.
+    redis_url: str = "redis://127.0.0.1:6379/0"  #: see connection.py for schemes
+    redis_username: str | None = None  #: ACL user; overrides the URL's
+    redis_password: str | None = None  #: overrides the URL's; never logged
+    ssl_ca_certs: str | None = None  #: CA bundle for rediss://
+    ssl_certfile: str | None = None  #: client certificate for mutual TLS
+    ssl_keyfile: str | None = None  #: client key for mutual TLS
+    socket_timeout_ms: int = 5000  #: every Redis socket read/write
+    block_ms: int = 200  #: XREAD/XREADGROUP BLOCK; well under socket_timeout_ms
+    heartbeat_interval_ms: int = 500  #: how often a rank refreshes its heartbeat
+    heartbeat_ttl_ms: int = 2000  #: a rank silent this long is dead
+    stream_maxlen: int = 20000  #: approximate cap of the request stream
+    done_maxlen: int = 20000  #: approximate cap of the completion stream
+    dead_maxlen: int = 1000  #: approximate cap of the dead-letter stream
+    key_grace_ms: int = 10000  #: a lookup hash lives lookup_timeout_ms + this
+    max_pending: int = 100_000  #: lookups the client tracks at once; beyond, lookups answer 0
+    #: finished lookups never cleared are forgotten after this; with lookup_timeout_ms it
+    #: must fit in worker_pin_ttl_ms, so no result outlives the pins it promises. None:
+    #: 30 s, or less where the pin TTL asks for it (see ``retention_ms``)
+    result_retention_ms: int | None = None
+    max_lookup_id_length: int = 4096  #: characters; a longer id is answered 0
+    #: a Redis call outstanding this long, or one that failed, opens the circuit breaker:
+    #: new lookups answer 0 at once until Redis answers again
+    breaker_open_ms: int = 1000
+    #: a rank whose engine has not reported by the lookup's deadline plus this reports 0
+    #: for it and releases its memory (an engine that never answers, LMCache D9)
+    worker_watchdog_grace_ms: int = 2000
+    max_chunks_per_request: int = 16384  #: 4M tokens at chunk 256
+    max_request_configs_bytes: int = 8192  #: encoded size of request_configs
+    worker_pin_ttl_ms: int = 60000  #: a worker releases a completed lookup's pins after this
+    worker_dedupe_capacity: int = 100_000  #: (id, gen) pairs a worker remembers
+    redis_retries: int = 3  #: attempts for one write before it counts as failed
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f}={_shown(f, getattr(self, f))}" for f in self.__struct_fields__)
+        return f"LookupConfig({shown})"
+
+    __str__ = __repr__
+
+    def _check(self) -> None:
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            _require(value > 0, name, value, "must be > 0")
+        _require(self.key_grace_ms >= 0, "key_grace_ms", self.key_grace_ms, "must be >= 0")
+        _require(
+            self.redis_url.startswith(_URL_SCHEMES),
+            "redis_url",
+            self.redis_url,
+            "must start with one of " + ", ".join(_URL_SCHEMES),
+        )
+        _require(
+            self.block_ms + 1000 <= self.socket_timeout_ms,
+            "block_ms",
+            self.block_ms,
+            f"must be at least 1000 ms under socket_timeout_ms={self.socket_timeout_ms} "
+            "(a blocking read longer than the socket timeout fails)",
+        )
+        _require(
+            self.heartbeat_ttl_ms >= 2 * self.heartbeat_interval_ms,
+            "heartbeat_ttl_ms",
+            self.heartbeat_ttl_ms,
+            "must be at least twice heartbeat_interval_ms",
+        )
+        _require(
+            self.worker_pin_ttl_ms > self.lookup_timeout_ms,
+            "worker_pin_ttl_ms",
+            self.worker_pin_ttl_ms,
+            f"must exceed lookup_timeout_ms={self.lookup_timeout_ms} "
+            "(pins must outlive the lookup)",
+        )
+        retention = self.result_retention_ms
+        _require(
+            retention is None or 0 < retention <= self.worker_pin_ttl_ms - self.lookup_timeout_ms,
+            "result_retention_ms",
+            retention,
+            f"must be > 0 and, plus lookup_timeout_ms={self.lookup_timeout_ms}, not exceed "
+            f"worker_pin_ttl_ms={self.worker_pin_ttl_ms} (a result must not outlive its pins)",
+        )
+        ratio = self.hit_miss_ratio
+        _require(
+            ratio is None or 0.0 <= ratio <= 1.0, "hit_miss_ratio", ratio, "must be between 0 and 1"
+        )
+        ids = self.lookup_server_worker_ids
+        _require(
+            ids is None or all(i >= 0 for i in ids),
+            "lookup_server_worker_ids",
+            ids,
+            "ranks are >= 0",
+        )
+
+    @property
+    def retention_ms(self) -> int:
+        """How long the client keeps a finished, uncleared result: ``result_retention_ms``,
+        or by default 30 s cut to what the ranks' pin TTL leaves after the timeout."""
+        if self.result_retention_ms is not None:
+            return self.result_retention_ms
+        return min(30_000, self.worker_pin_ttl_ms - self.lookup_timeout_ms)
+
+    @property
+    def key_ttl_ms(self) -> int:
+        """PEXPIRE of a lookup hash: its timeout plus grace."""
+        return self.lookup_timeout_ms + self.key_grace_ms
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, source: str = "mapping") -> LookupConfig:
+        """Build from plain values (a parsed file), lax about str/int forms; unknown keys fail."""
+        unknown = sorted(set(values) - set(cls.__struct_fields__))
+        if unknown:
+            raise ConfigError(f"unknown config field(s) in {source}: {', '.join(unknown)}")
+        try:
+            return msgspec.convert(dict(values), cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(_explain(exc, values, source)) from None
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, base: LookupConfig | None = None
+    ) -> LookupConfig:
+        """``base`` (or the defaults) overridden by every ``BROKER_LOOKUP_<FIELD>`` set."""
+        env = os.environ if environ is None else environ
+        values = msgspec.structs.asdict(base) if base is not None else {}
+        given: dict[str, str] = {}
+        for info in msgspec.structs.fields(cls):
+            raw = env.get(env_name(info.name))
+            if raw is not None:
+                values[info.name] = parse_env(info.name, raw, info.type)
+                given[info.name] = raw
+        try:
+            return msgspec.convert(values, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(_explain(exc, given, "environment")) from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> LookupConfig:
+        """Load a YAML (``.yaml``/``.yml``) or TOML (``.toml``) file of config fields."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {p}: {exc}") from None
+        data = parse_file(p, text)
+        return cls.from_mapping(data, source=str(p))
+
+    @classmethod
+    def load(
+        cls, path: str | Path | None = None, environ: Mapping[str, str] | None = None
+    ) -> LookupConfig:
+        """File (if given, or ``BROKER_LOOKUP_CONFIG_FILE``) then environment overrides."""
+        env = os.environ if environ is None else environ
+        path = path or env.get(ENV_PREFIX + "CONFIG_FILE") or None
+        base = cls.from_file(path) if path else None
+        return cls.from_env(env, base=base)
+
+
+def _explain(exc: msgspec.ValidationError, given: Mapping[str, object], source: str) -> str:
+    """``exc`` rephrased to name the field, its env var and the (redacted) value given."""
+    text, found = str(exc), _AT_FIELD.search(str(exc))
+    if found is None or found.group(1) not in given:  # e.g. a _check message: names all three
+        return f"invalid config in {source}: {text}"
+    field, why = found.group(1), _AT_FIELD.sub("", text)
+    return f"invalid config in {source}: {field}={_shown(field, given[field])} " + (
+        f"(env {env_name(field)}) has the wrong type: {why}"
+    )
+
+
+class LookupMetadata(_Validated, frozen=True, kw_only=True):
+    """Who this process is: LMCache's ``LMCacheMetadata`` fields the lookup path uses.
+
+    >>> LookupMetadata(engine_id="vllm-0", world_size=4).worker_id
+    0
+    """
+
+    engine_id: str  #: vLLM's kv_transfer_config.engine_id; namespaces every key
+    world_size: int  #: TP x PP ranks
+    worker_id: int = 0  #: this process's rank (the scheduler is 0)
+    use_mla: bool = False  #: MLA models ask rank 0 only
+    kv_connector_extra_config: dict[str, Any] | None = None  #: vLLM's extra config, copied
+
+    def _check(self) -> None:
+        try:
+            validate_engine_id(self.engine_id)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (env {env_name('engine_id')})") from None
+        _require(self.world_size >= 1, "world_size", self.world_size, "must be >= 1")
+        _require(
+            0 <= self.worker_id < self.world_size,
+            "worker_id",
+            self.worker_id,
+            f"must be in [0, world_size={self.world_size})",
+        )
+
+
+def expected_ranks(config: LookupConfig, metadata: LookupMetadata) -> tuple[int, ...]:
+    """Ranks a lookup is sent to, by LMCache's ``get_lookup_server_worker_ids`` rule."""
+    ids = config.lookup_server_worker_ids
+    if not ids:
+        return (0,) if metadata.use_mla else tuple(range(metadata.world_size))
+    bad = [i for i in ids if not 0 <= i < metadata.world_size]
+    if bad:
+        raise ConfigError(
+            f"lookup_server_worker_ids={ids!r} (env {env_name('lookup_server_worker_ids')}) "
+            f"names rank(s) {bad} outside world_size={metadata.world_size}"
+        )
+    return tuple(sorted(set(ids)))

@@ -1,0 +1,1 @@
+"""The operator's surface: the ``broker-lookup`` command, ``inspect`` and Prometheus metrics."""

@@ -1,0 +1,255 @@
+"""``broker-lookup inspect``: what one engine's keys say right now.
+
+In-flight lookups (state, age, per-rank hits, missing ranks, TTL), rank liveness from
+the heartbeat keys, per-group lag and pending, stream lengths, the last dead letters
+and hashing fingerprints. ``--check`` turns it into a probe: exit 0 iff every expected
+rank has a heartbeat and a consumer group. Read-only: it never writes a key.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import redis
+
+from broker_lookup.config import LookupConfig, redact_url
+from broker_lookup.errors import BrokerLookupError, translate_redis_errors
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.transport.connection import make_factory
+
+__all__ = ["check", "render", "run_inspect", "snapshot"]
+
+Snapshot = dict[str, Any]
+
+
+def _s(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _int(value: object, default: int | None = None) -> int | None:
+    try:
+        return int(_s(value))
+    except ValueError:
+        return default
+
+
+def _lookups(client: redis.Redis, keys: KeySpace, now_ms: int, limit: int) -> Snapshot:
+    found = [_s(k) for k in client.scan_iter(match=keys.lookup_pattern, count=500)]
+    shown = sorted(found)[:limit]
+    pipe = client.pipeline(transaction=False)
+    for key in shown:
+        pipe.hgetall(key)
+        pipe.pttl(key)
+    replies = pipe.execute()
+    items = []
+    for i, key in enumerate(shown):
+        fields = {_s(k): _s(v) for k, v in replies[2 * i].items()}
+        expected = [int(r) for r in fields.get("expected", "").split(",") if r.isdigit()]
+        hits = {r: _int(fields[f"r{r}"]) for r in expected if f"r{r}" in fields}
+        created = _int(fields.get("created_ms", ""))
+        items.append(
+            {
+                # The caller's id: the key holds a digest of ids a key should not hold.
+                "id": fields.get("id") or keys.lookup_id_of(key),
+                "state": fields.get("state"),
+                "gen": _int(fields.get("gen", "")),
+                "age_ms": now_ms - created if created is not None else None,
+                "tokens": _int(fields.get("tokens", "")),
+                "hits": hits,
+                "missing": [r for r in expected if r not in hits],
+                "result": _int(fields.get("result", "")),
+                "ttl_ms": replies[2 * i + 1],
+            }
+        )
+    return {"total": len(found), "shown": items}
+
+
+def _ranks(client: redis.Redis, keys: KeySpace, now_ms: int) -> dict[int, Snapshot]:
+    ranks: dict[int, Snapshot] = {}
+    for raw in client.scan_iter(match=keys.heartbeat_pattern, count=500):
+        key = _s(raw)
+        rank = _int(key.rsplit(":", 1)[-1])
+        value, ttl = client.get(key), client.pttl(key)
+        if rank is None or value is None:
+            continue  # expired between SCAN and GET
+        try:
+            info = json.loads(value)
+        except ValueError:
+            info = {"raw": _s(value)}
+        ts = info.get("ts_ms")
+        age = (now_ms - ts) / 1000 if isinstance(ts, int) else None
+        ranks[rank] = {**info, "age_s": age, "ttl_ms": ttl}
+    return ranks
+
+
+def _groups(client: redis.Redis, keys: KeySpace) -> list[Snapshot]:
+    try:
+        groups: Any = client.xinfo_groups(keys.requests)
+    except redis.ResponseError:
+        return []  # no stream yet: no rank ever started
+    return [{_s(k): (_s(v) if isinstance(v, bytes) else v) for k, v in g.items()} for g in groups]
+
+
+def snapshot(client: redis.Redis, keys: KeySpace, world_size: int | None, limit: int) -> Snapshot:
+    """Everything ``inspect`` shows, as plain JSON-able data.
+
+    Raises:
+        BrokerUnavailable: Redis could not be reached.
+    """
+    now_ms = int(time.time() * 1000)
+    with translate_redis_errors(f"inspecting engine {keys.engine_id}"):
+        groups = _groups(client, keys)
+        pipe = client.pipeline(transaction=False)
+        for stream in (keys.requests, keys.done, keys.dead):
+            pipe.xlen(stream)
+        pipe.xrevrange(keys.dead, count=5)
+        pipe.hgetall(keys.fingerprint)
+        req, done, dead, letters, fps = pipe.execute()
+        snap: Snapshot = {
+            "engine_id": keys.engine_id,
+            "time_ms": now_ms,
+            "lookups": _lookups(client, keys, now_ms, limit),
+            "ranks": _ranks(client, keys, now_ms),
+            "groups": groups,
+            "streams": {keys.requests: req, keys.done: done, keys.dead: dead},
+            "dead_letters": [
+                {"id": _s(i), **{_s(k): _s(v) for k, v in f.items()}} for i, f in letters
+            ],
+            "fingerprints": {_s(k): _s(v) for k, v in fps.items()},
+        }
+    names = [str(g.get("name", "")) for g in groups]
+    in_groups = [int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit()]
+    snap["world_size"] = world_size if world_size else (max(in_groups) + 1 if in_groups else 0)
+    return snap
+
+
+def check(snap: Snapshot, keys: KeySpace) -> list[str]:
+    """Why the engine is not healthy: empty when every expected rank beats and has its group."""
+    n = snap["world_size"]
+    if not n:
+        return [f"no consumer group on {keys.requests} and no --world-size: no rank expected"]
+    groups = {str(g.get("name")) for g in snap["groups"]}
+    reasons = []
+    for rank in range(n):
+        if rank not in snap["ranks"]:
+            reasons.append(f"rank {rank}: no heartbeat ({keys.heartbeat(rank)} missing)")
+        if keys.group(rank) not in groups:
+            reasons.append(f"rank {rank}: consumer group {keys.group(rank)} missing")
+    return reasons
+
+
+def _fmt_s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}s"
+
+
+def _render_ranks(snap: Snapshot, lines: list[str]) -> None:
+    n = snap["world_size"]
+    lines.append(f"RANKS (world size {n})")
+    lines.append(f"  {'rank':<5}{'alive':<7}{'pid':<9}{'host':<22}{'hb age':<8}{'running':<9}held")
+    for rank in sorted(set(range(n)) | set(snap["ranks"])):
+        info = snap["ranks"].get(rank)
+        if info is None:
+            lines.append(f"  {rank:<5}{'NO':<7}-")
+            continue
+        lines.append(
+            f"  {rank:<5}{'yes':<7}{info.get('pid', '-')!s:<9}{str(info.get('host', '-'))[:21]:<22}"
+            f"{_fmt_s(info.get('age_s')):<8}{info.get('running', '-')!s:<9}{info.get('held', '-')}"
+        )
+
+
+def _render_lookups(snap: Snapshot, lines: list[str]) -> None:
+    lk = snap["lookups"]
+    lines.append(f"LOOKUPS ({lk['total']} keys, {len(lk['shown'])} shown)")
+    if lk["shown"]:
+        lines.append(f"  {'id':<28}{'state':<9}{'age':<9}{'ttl':<9}{'hits':<24}missing")
+    for item in lk["shown"]:
+        hits = " ".join(f"r{r}={v}" for r, v in item["hits"].items()) or "-"
+        ttl = item["ttl_ms"] / 1000 if item["ttl_ms"] and item["ttl_ms"] > 0 else None
+        age = item["age_ms"] / 1000 if item["age_ms"] is not None else None
+        missing = ",".join(map(str, item["missing"])) or "-"
+        lines.append(
+            f"  {item['id'][:27]:<28}{item['state'] or '-':<9}{_fmt_s(age):<9}"
+            f"{_fmt_s(ttl):<9}{hits[:23]:<24}{missing}"
+        )
+
+
+def render(snap: Snapshot, url: str, reasons: list[str] | None) -> str:
+    """The human-readable report (``reasons`` is None unless ``--check``)."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snap["time_ms"] / 1000))
+    lines = [f"engine {snap['engine_id']}  redis {redact_url(url)}  at {when}", ""]
+    _render_ranks(snap, lines)
+    lines += ["", "GROUPS"]
+    lines.append(f"  {'group':<10}{'consumers':<11}{'pending':<9}{'lag':<7}last-delivered")
+    for g in snap["groups"]:
+        lines.append(
+            f"  {g.get('name')!s:<10}{g.get('consumers')!s:<11}{g.get('pending')!s:<9}"
+            f"{g.get('lag')!s:<7}{g.get('last-delivered-id')}"
+        )
+    lines += ["", "STREAMS  " + "  ".join(f"{k} {v}" for k, v in snap["streams"].items()), ""]
+    _render_lookups(snap, lines)
+    lines += ["", f"DEAD LETTERS (last {len(snap['dead_letters'])})"]
+    for d in snap["dead_letters"]:
+        lines.append(f"  {d['id']}  rank {d.get('rank', '?')}: {d.get('reason', '?')}")
+    if snap["fingerprints"]:
+        lines += ["", "FINGERPRINTS"]
+        lines += [f"  {k}: {v}" for k, v in sorted(snap["fingerprints"].items())]
+    if reasons is not None:
+        lines += ["", "CHECK " + ("OK" if not reasons else "FAILED")]
+        lines += [f"  {r}" for r in reasons]
+    return "\n".join(lines)
+
+
+def _once(
+    client: redis.Redis, keys: KeySpace, config: LookupConfig, opts: dict[str, Any], out: TextIO
+) -> int:
+    snap = snapshot(client, keys, opts["world_size"], opts["limit"])
+    reasons = check(snap, keys)
+    if opts["as_json"]:
+        snap["check"] = {"ok": not reasons, "reasons": reasons}
+        snap["redis_url"] = redact_url(config.redis_url)
+        print(json.dumps(snap, default=str), file=out, flush=True)
+    else:
+        print(render(snap, config.redis_url, reasons if opts["check"] else None), file=out)
+    return 1 if opts["check"] and reasons else 0
+
+
+def run_inspect(
+    config: LookupConfig,
+    engine_id: str,
+    *,
+    world_size: int | None = None,
+    as_json: bool = False,
+    watch_s: float | None = None,
+    check: bool = False,
+    limit: int = 50,
+    out: TextIO | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Print one report, or one every ``watch_s`` seconds until Ctrl-C; return the exit code.
+
+    Exit codes: 0 ok, 1 ``check`` failed, 3 Redis unreachable.
+    """
+    stream = out or sys.stdout
+    keys = KeySpace(engine_id)
+    opts = {"world_size": world_size, "limit": limit, "as_json": as_json, "check": check}
+    client = make_factory(config, "bl-inspect")()
+    code = 0
+    try:
+        while True:
+            try:
+                code = _once(client, keys, config, opts, stream)
+            except BrokerLookupError as exc:
+                print(f"cannot inspect {redact_url(config.redis_url)}: {exc}", file=sys.stderr)
+                code = 3
+            if not watch_s:
+                return code
+            print("-" * 72, file=stream, flush=True)
+            sleep(watch_s)
+    except KeyboardInterrupt:
+        return code
+    finally:
+        client.close()

@@ -1,0 +1,307 @@
+"""Prometheus metric names and the collectors that export them.
+
+Counters live as plain integers inside the client and the server (nothing is
+added to the scheduler's hot path); :class:`ClientCollector` and
+:class:`ServerCollector` read their ``stats()`` at scrape time. No metric carries
+a per-lookup label: client series have at most ``outcome``, worker series carry
+``rank`` (plus ``result``/``reason``/``state`` where the help says so).
+
+>>> registry = CollectorRegistry()                  # doctest: +SKIP
+>>> registry.register(ClientCollector(client))      # doctest: +SKIP
+>>> generate_latest(registry)                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from broker_lookup.client.table import LATENCY_BUCKETS, OUTCOMES
+
+__all__ = [
+    "CLIENT_METRICS",
+    "METRIC_NAMES",
+    "WORKER_METRICS",
+    "ClientCollector",
+    "ServerCollector",
+]
+
+#: Client-side metrics (scheduler process): name -> (type, help).
+CLIENT_METRICS: dict[str, tuple[str, str]] = {
+    "broker_lookup_client_lookups_total": (
+        "counter",
+        "Finished lookups by outcome (hit, miss, timeout, cancelled, dead_rank, error, "
+        "unavailable, rejected).",
+    ),
+    "broker_lookup_client_rejected_total": (
+        "counter",
+        "Requests answered 0 because the protocol cannot carry them, by reason.",
+    ),
+    "broker_lookup_client_truncated_total": (
+        "counter",
+        "Prompts over max_chunks_per_request looked up by their first chunks.",
+    ),
+    "broker_lookup_client_breaker_open": (
+        "gauge",
+        "1 while the circuit breaker is open (Redis failing or stalled: lookups answer 0).",
+    ),
+    "broker_lookup_client_breaker_openings_total": (
+        "counter",
+        "Times the circuit breaker opened.",
+    ),
+    "broker_lookup_client_latency_seconds": (
+        "histogram",
+        "Time from lookup() to the result being available to lookup_cache().",
+    ),
+    "broker_lookup_client_hit_tokens_total": (
+        "counter",
+        "Sum of hit tokens over finished lookups.",
+    ),
+    "broker_lookup_client_inflight": ("gauge", "Lookups submitted and not finished."),
+    "broker_lookup_client_redis_errors_total": ("counter", "Redis errors seen by client threads."),
+}
+
+#: Worker-side metrics (one series per rank, label ``rank``): name -> (type, help).
+WORKER_METRICS: dict[str, tuple[str, str]] = {
+    "broker_lookup_worker_requests_total": ("counter", "Lookup requests dispatched to the engine."),
+    "broker_lookup_worker_engine_seconds": (
+        "histogram",
+        "Engine lookup + prefetch time, from dispatch to report.",
+    ),
+    "broker_lookup_worker_reports_total": ("counter", "Reports written, by result."),
+    "broker_lookup_worker_reports_dropped_total": (
+        "counter",
+        "Reports that changed nothing (late, stale or duplicate), by reason.",
+    ),
+    "broker_lookup_worker_dead_letters_total": ("counter", "Entries dead-lettered, by reason."),
+    "broker_lookup_worker_expired_total": ("counter", "Requests dropped past their deadline."),
+    "broker_lookup_worker_aborts_total": ("counter", "Abort entries handled."),
+    "broker_lookup_worker_group_pending": ("gauge", "Entries delivered to the rank, not acked."),
+    "broker_lookup_worker_group_lag": ("gauge", "Entries not yet delivered to the rank's group."),
+    "broker_lookup_worker_heartbeat_age_seconds": ("gauge", "Seconds since the last heartbeat."),
+    "broker_lookup_worker_redis_errors_total": ("counter", "Redis errors seen by the rank loop."),
+    "broker_lookup_worker_engine_errors_total": (
+        "counter",
+        "Engine calls that raised (the rank answered 0 or went on).",
+    ),
+    "broker_lookup_worker_lookups": (
+        "gauge",
+        "Lookups the rank holds now, by state (running, waiting, held).",
+    ),
+}
+
+
+def _exposed(name: str, kind: str) -> set[str]:
+    if kind == "histogram":
+        return {name + "_bucket", name + "_sum", name + "_count"}
+    return {name}
+
+
+#: Every series name a scrape can contain (histograms expand to _bucket/_sum/_count).
+METRIC_NAMES: frozenset[str] = frozenset(
+    n
+    for name, (kind, _) in {**CLIENT_METRICS, **WORKER_METRICS}.items()
+    for n in _exposed(name, kind)
+)
+
+#: Script answers of ``report.lua`` counted as ``reports_total{result}``.
+_REPORT_RESULTS = (
+    "complete",
+    "recorded",
+    "dropped",
+    "stale",
+    "duplicate",
+    "unknown_rank",
+    "invalid",
+    "error",
+)
+#: Server count -> ``reports_dropped_total{reason}``: reports that changed nothing.
+_DROP_REASONS = {
+    "report_dropped": "late",
+    "report_stale": "stale",
+    "report_duplicate": "duplicate",
+    "report_skipped_aborted": "aborted",
+    "report_unknown": "unknown",
+}
+_LOOKUP_STATES = ("running", "waiting", "held")
+
+
+class _HasStats(Protocol):
+    def stats(self) -> dict[str, Any]: ...
+
+
+class _ServerLike(_HasStats, Protocol):
+    @property
+    def engine_seconds(self) -> Sequence[int]: ...
+
+    @property
+    def engine_seconds_sum(self) -> float: ...
+
+
+def _help(name: str) -> str:
+    return {**CLIENT_METRICS, **WORKER_METRICS}[name][1]
+
+
+def _counter(name: str, labels: Sequence[str] = ()) -> CounterMetricFamily:
+    return CounterMetricFamily(name, _help(name), labels=list(labels))
+
+
+def _gauge(name: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, _help(name), labels=list(labels))
+
+
+def _histogram(
+    name: str, counts: Sequence[int], total: float, labels: Mapping[str, str]
+) -> HistogramMetricFamily:
+    """A histogram from per-bucket counts over LATENCY_BUCKETS (+ overflow), made cumulative."""
+    family = HistogramMetricFamily(name, _help(name), labels=list(labels))
+    buckets: list[tuple[str, float]] = []
+    running = 0
+    for bound, count in zip((*LATENCY_BUCKETS, math.inf), counts, strict=False):
+        running += count
+        buckets.append(("+Inf" if bound == math.inf else repr(bound), float(running)))
+    family.add_metric(list(labels.values()), buckets, float(total))
+    return family
+
+
+class ClientCollector(Collector):
+    """Exports a lookup client's ``stats()`` (scheduler process) at scrape time.
+
+    Args:
+        client: anything with ``stats()`` shaped like ``RedisAsyncLookupClient.stats()``.
+    """
+
+    def __init__(self, client: _HasStats) -> None:
+        self._client = client
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield one family per name of :data:`CLIENT_METRICS`."""
+        st = self._client.stats()
+        lookups = _counter("broker_lookup_client_lookups_total", ["outcome"])
+        outcomes: Mapping[str, int] = st.get("outcomes", {})
+        for outcome in sorted({*OUTCOMES, *outcomes}):
+            lookups.add_metric([outcome], float(outcomes.get(outcome, 0)))
+        yield lookups
+        yield _histogram(
+            "broker_lookup_client_latency_seconds",
+            st.get("latency_counts", ()),
+            st.get("latency_sum", 0.0),
+            {},
+        )
+        rejected = _counter("broker_lookup_client_rejected_total", ["reason"])
+        for kind, count in sorted(st.get("rejected", {}).items()):
+            rejected.add_metric([kind], float(count))
+        yield rejected
+        for name, key in (
+            ("broker_lookup_client_hit_tokens_total", "hit_tokens"),
+            ("broker_lookup_client_redis_errors_total", "redis_errors"),
+            ("broker_lookup_client_truncated_total", "truncated"),
+            ("broker_lookup_client_breaker_openings_total", "breaker_openings"),
+        ):
+            family = _counter(name)
+            family.add_metric([], float(st.get(key, 0)))
+            yield family
+        for name, key in (
+            ("broker_lookup_client_inflight", "inflight"),
+            ("broker_lookup_client_breaker_open", "breaker_open"),
+        ):
+            gauge = _gauge(name)
+            gauge.add_metric([], float(st.get(key, 0)))
+            yield gauge
+
+
+class ServerCollector(Collector):
+    """Exports one worker rank's ``RedisAsyncLookupServer.stats()`` at scrape time.
+
+    Args:
+        server: the rank's server (``stats()``, ``engine_seconds``, ``engine_seconds_sum``).
+        clock: wall clock for the heartbeat age (tests pass their own).
+    """
+
+    def __init__(self, server: _ServerLike, clock: Any = time.time) -> None:
+        self._server = server
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield one family per name of :data:`WORKER_METRICS`, each labelled ``rank``."""
+        st = self._server.stats()
+        rank = str(st.get("rank", 0))
+        counts: Mapping[str, int] = st.get("counts", {})
+        consumer: Mapping[str, Any] = st.get("consumer", {})
+        yield from self._simple(rank, counts, st, consumer)
+        yield _histogram(
+            "broker_lookup_worker_engine_seconds",
+            list(self._server.engine_seconds),
+            self._server.engine_seconds_sum,
+            {"rank": rank},
+        )
+        yield self._by_label(
+            "broker_lookup_worker_reports_total",
+            "result",
+            rank,
+            {r: counts.get("report_" + r, 0) for r in _REPORT_RESULTS},
+        )
+        yield self._by_label(
+            "broker_lookup_worker_reports_dropped_total",
+            "reason",
+            rank,
+            {reason: counts.get(key, 0) for key, reason in _DROP_REASONS.items()},
+        )
+        by_reason: Mapping[str, int] = consumer.get("dead_letter_reasons") or {
+            "all": consumer.get("dead_letters", 0)
+        }
+        yield self._by_label("broker_lookup_worker_dead_letters_total", "reason", rank, by_reason)
+        yield self._by_label(
+            "broker_lookup_worker_lookups",
+            "state",
+            rank,
+            {s: st.get(s, 0) for s in _LOOKUP_STATES},
+            gauge=True,
+        )
+
+    def _simple(
+        self,
+        rank: str,
+        counts: Mapping[str, int],
+        st: Mapping[str, Any],
+        consumer: Mapping[str, Any],
+    ) -> Iterator[Metric]:
+        beat = float(st.get("last_heartbeat") or 0.0)
+        values: dict[str, float] = {
+            "broker_lookup_worker_requests_total": counts.get("requests", 0),
+            "broker_lookup_worker_expired_total": counts.get("expired", 0),
+            "broker_lookup_worker_aborts_total": counts.get("aborts", 0),
+            "broker_lookup_worker_engine_errors_total": counts.get("engine_errors", 0),
+            "broker_lookup_worker_redis_errors_total": consumer.get("redis_errors", 0)
+            + st.get("reporter_errors", 0),
+            "broker_lookup_worker_group_pending": consumer.get("pending", 0),
+            "broker_lookup_worker_group_lag": consumer.get("lag", 0),
+            # Never beaten yet: infinitely old, so the staleness alert sees it.
+            "broker_lookup_worker_heartbeat_age_seconds": (
+                max(0.0, self._clock() - beat) if beat else math.inf
+            ),
+        }
+        for name, value in values.items():
+            kind = WORKER_METRICS[name][0]
+            family = _counter(name, ["rank"]) if kind == "counter" else _gauge(name, ["rank"])
+            family.add_metric([rank], float(value))
+            yield family
+
+    @staticmethod
+    def _by_label(
+        name: str, label: str, rank: str, values: Mapping[str, int], gauge: bool = False
+    ) -> Metric:
+        family = _gauge(name, ["rank", label]) if gauge else _counter(name, ["rank", label])
+        for key in sorted(values):
+            family.add_metric([rank, key], float(values[key]))
+        return family

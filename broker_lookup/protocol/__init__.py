@@ -1,0 +1,1 @@
+"""The wire protocol both sides share: keys, messages, Lua scripts, chunk hashing, fingerprints."""

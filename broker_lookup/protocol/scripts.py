@@ -1,0 +1,125 @@
+"""The Lua scripts of the protocol, called by SHA with NOSCRIPT recovery.
+
+The script cache is volatile (restart, failover, ``SCRIPT FLUSH``), so every call
+goes through :class:`ScriptSet`, which reloads and retries once on NOSCRIPT, in a
+pipeline too. Every key a script touches arrives in ``KEYS``, which keeps the
+scripts legal on Redis Cluster (all keys of one engine share one hash tag); there the
+pipeline is a ``ClusterPipeline`` and ``SCRIPT LOAD`` goes to every primary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.exceptions import NoScriptError, ResponseError
+
+from broker_lookup.errors import translate_redis_errors
+
+__all__ = ["CANCEL", "REPORT", "SUBMIT", "Call", "ScriptSet", "is_noscript", "submit_args"]
+
+SUBMIT = "submit"
+REPORT = "report"
+CANCEL = "cancel"
+
+Arg = str | bytes | int
+#: Queues extra commands on a pipeline ahead of the scripts; returns how many.
+Before = Callable[[Any], int]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One script invocation: which script, its KEYS and its ARGV."""
+
+    script: str
+    keys: Sequence[str]
+    args: Sequence[Arg]
+
+
+def submit_args(
+    *,
+    gen: int,
+    expected: str,
+    created_ms: int,
+    deadline_ms: int,
+    tokens: int,
+    ttl_ms: int,
+    maxlen: int,
+    lookup_id: str,
+    fields: dict[str, Arg],
+) -> list[Arg]:
+    """ARGV of ``submit.lua``, in the order its header documents."""
+    args: list[Arg] = [gen, expected, created_ms, deadline_ms, tokens, ttl_ms, maxlen, lookup_id]
+    for name, value in fields.items():
+        args.append(name)
+        args.append(value)
+    return args
+
+
+def is_noscript(result: object) -> bool:
+    """True if ``result`` is the error Redis gives for a script missing from its cache."""
+    return isinstance(result, NoScriptError) or (
+        isinstance(result, ResponseError) and str(result).startswith("NOSCRIPT")
+    )
+
+
+class ScriptSet:
+    """The protocol's scripts, loaded from ``broker_lookup/protocol/lua/*.lua``."""
+
+    NAMES = (SUBMIT, REPORT, CANCEL)
+
+    def __init__(self) -> None:
+        base = resources.files("broker_lookup.protocol") / "lua"
+        self.source = {n: (base / f"{n}.lua").read_text() for n in self.NAMES}
+        self.sha = {n: hashlib.sha1(t.encode()).hexdigest() for n, t in self.source.items()}
+
+    def load(self, client: redis.Redis) -> None:
+        """Load every script into the server's cache (idempotent)."""
+        with translate_redis_errors("loading Lua scripts"):
+            for text in self.source.values():
+                client.script_load(text)
+
+    def call(self, client: redis.Redis, call: Call) -> Any:
+        """Run one script now; reload and retry once if the server lost it."""
+        return self.run(client, [call])[0]
+
+    def run(
+        self, client: redis.Redis, calls: Sequence[Call], before: Before | None = None
+    ) -> list[Any]:
+        """Run ``calls`` in one pipelined round trip; per-call errors come back as values.
+
+        ``before`` may queue other commands ahead of the scripts in the same round trip
+        (a rank's XACK); an error from one of those is raised, translated.
+        Calls that failed with NOSCRIPT did not run, so re-running them after a
+        reload cannot apply anything twice.
+        """
+        results = self._execute(client, calls, before)
+        redo = [i for i, res in enumerate(results) if is_noscript(res)]
+        if redo:
+            self.load(client)
+            again = self._execute(client, [calls[i] for i in redo])
+            for i, res in zip(redo, again, strict=True):
+                results[i] = res
+        return results
+
+    def _execute(
+        self, client: redis.Redis, calls: Sequence[Call], before: Before | None = None
+    ) -> list[Any]:
+        with translate_redis_errors("running Lua scripts"):
+            pipe = client.pipeline(transaction=False)
+            ahead = before(pipe) if before is not None else 0
+            for c in calls:
+                # execute_command, not pipe.evalsha: redis-py's ClusterPipeline blocks its
+                # evalsha method (it cannot reload scripts), and we handle NOSCRIPT here.
+                pipe.execute_command(  # type: ignore[no-untyped-call]  # untyped in redis-py
+                    "EVALSHA", self.sha[c.script], len(c.keys), *c.keys, *c.args
+                )
+            results = list(pipe.execute(raise_on_error=False))
+            for res in results[:ahead]:
+                if isinstance(res, Exception):
+                    raise res
+        return results[ahead:]

@@ -1,0 +1,1 @@
+"""``broker-lookup bench``: our lookup path and LMCache's, measured side by side."""

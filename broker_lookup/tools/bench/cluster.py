@@ -1,0 +1,300 @@
+"""``broker-lookup bench --cluster``: lookups/s of 1, 4, 8 engines on one node vs a cluster.
+
+One run starts both topologies itself from the same server binary: one
+:class:`~broker_lookup.tools.embedded.EmbeddedServer`, then a
+:class:`~broker_lookup.tools.local_cluster.LocalCluster` of three masters. For each engine
+count N it forks N engine processes; each holds one :class:`RedisAsyncLookupClient` and
+one worker rank (``LookupClientFactory.create_lookup_server`` with an engine that answers
+at once) and keeps ``window`` lookups in flight for ``duration_s``. The table gives the
+summed lookups/s and how busy the servers were (CPU seconds per second: 1.00 is one
+core saturated, which is where one node stops scaling and a cluster starts to pay).
+
+Honest limits: engines and servers share this machine's cores, so on a small machine
+the engine processes, not the server, are the bottleneck; the server CPU column shows
+how far one node is from saturation. Engine ids are chosen so that their hash-tag
+slots fall on the masters round-robin. See ``docs/scaling.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import redis
+from redis.crc import key_slot
+
+from broker_lookup.errors import BrokerLookupError, BrokerUnavailable
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.tools.embedded import EmbeddedServer
+from broker_lookup.tools.local_cluster import LocalCluster, slot_ranges
+
+__all__ = ["add_cluster_args", "cmd_cluster_bench", "render_cluster_table", "run_cluster_bench"]
+
+_TOKENS = 256  # one chunk of the default chunk_size: the lookup path, not hashing
+_WARM_SHARE = 0.2  # completions of the first 20% of a run are not counted
+_READY_TIMEOUT_S = 60.0
+
+
+class _InstantEngine:
+    """Answers every lookup with a full hit at once, on the rank's consumer thread."""
+
+    server: Any = None
+
+    def post_init(self, async_lookup_server: Any = None) -> None:
+        self.server = async_lookup_server
+
+    def async_lookup_and_prefetch(
+        self, lookup_id: str, hashes: list[int], offsets: list[int], **_: Any
+    ) -> None:
+        self.server.send_response_to_scheduler(lookup_id, sum(offsets))
+
+    def cleanup_memory_objs(self, lookup_id: str) -> None:  # nothing is pinned
+        pass
+
+
+def engine_ids(run_id: str, count: int, masters: int) -> list[str]:
+    """``count`` engine ids whose slots fall on the ``masters`` slot ranges round-robin."""
+    ranges, ids, n = slot_ranges(masters), list[str](), 0
+    while len(ids) < count:
+        first, last = ranges[len(ids) % masters]
+        candidate = f"bench-{run_id}-{n}"
+        n += 1
+        if first <= key_slot(KeySpace(candidate).requests.encode()) <= last:
+            ids.append(candidate)
+    return ids
+
+
+def _closed_loop(client: Any, window: int, duration_s: float) -> tuple[int, float]:
+    """Keep ``window`` lookups in flight; (completions counted, seconds they span)."""
+    prompt, issued, inflight = list(range(_TOKENS)), 0, set[str]()
+    done_at: list[float] = []
+    end = time.monotonic() + duration_s
+    while time.monotonic() < end:
+        while len(inflight) < window:
+            lookup_id = f"l{issued}"
+            issued += 1
+            client.lookup(prompt, lookup_id)
+            inflight.add(lookup_id)
+        for lookup_id in [i for i in inflight if client.lookup_cache(i) is not None]:
+            if client.lookup_cache(lookup_id) == _TOKENS:
+                done_at.append(time.monotonic())
+            client.clear_lookup_status(lookup_id)
+            inflight.discard(lookup_id)
+        time.sleep(0.0002)
+    counted_from = end - duration_s * (1 - _WARM_SHARE)
+    return sum(1 for t in done_at if t >= counted_from), duration_s * (1 - _WARM_SHARE)
+
+
+def _engine_main(url: str, engine_id: str, window: int, duration_s: float, pipe: Any) -> None:
+    """One engine process: a rank and a client; ready, wait for go, run, send the result."""
+    from broker_lookup.client import RedisAsyncLookupClient
+    from broker_lookup.client.factory import LookupClientFactory
+    from broker_lookup.config import LookupConfig, LookupMetadata
+
+    config = LookupConfig(redis_url=url, lookup_timeout_ms=30_000)
+    meta = LookupMetadata(engine_id=engine_id, world_size=1)
+    server = LookupClientFactory.create_lookup_server(_InstantEngine(), meta, config)
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while not server.stats()["last_heartbeat"] and time.monotonic() < deadline:
+        time.sleep(0.02)  # the client would log the rank dead if it started first
+    client = RedisAsyncLookupClient(config, meta)
+    try:
+        while client.stats()["dead_ranks"] or not server.ready:
+            if time.monotonic() > deadline:
+                raise BrokerLookupError(f"engine {engine_id}: rank not alive")
+            time.sleep(0.02)
+        pipe.send("ready")
+        pipe.recv()  # go
+        pipe.send(_closed_loop(client, window, duration_s))
+    except BaseException as exc:
+        pipe.send(f"error: {exc!r}")
+    finally:
+        client.close()
+        server.close()
+
+
+def _busy(nodes: list[redis.Redis]) -> list[float]:
+    """CPU seconds each server process has used so far."""
+    infos: list[Any] = [node.info("cpu") for node in nodes]
+    return [float(i["used_cpu_user"]) + float(i["used_cpu_sys"]) for i in infos]
+
+
+def _run_engines(
+    url: str, ids: list[str], window: int, duration_s: float, nodes: list[redis.Redis]
+) -> tuple[list[Any], list[float]]:
+    """Fork one process per engine id; (their results, each server's CPU share meanwhile)."""
+    # fork: the engine processes start in milliseconds instead of re-importing torch.
+    ctx = multiprocessing.get_context("fork")
+    pipes, procs = [], []
+    for eid in ids:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_engine_main, args=(url, eid, window, duration_s, child))
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    try:
+        _expect_all(pipes, "ready", _READY_TIMEOUT_S)
+        before, t0 = _busy(nodes), time.monotonic()
+        for p in pipes:
+            p.send("go")
+        results = _expect_all(pipes, None, duration_s + _READY_TIMEOUT_S)
+        wall = time.monotonic() - t0
+        return results, [(b - a) / wall for a, b in zip(before, _busy(nodes), strict=True)]
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _expect_all(pipes: list[Connection], want: str | None, timeout_s: float) -> list[Any]:
+    deadline, got = time.monotonic() + timeout_s, []
+    for p in pipes:
+        if not p.poll(max(0.0, deadline - time.monotonic())):
+            raise BrokerLookupError(f"an engine process did not answer within {timeout_s:g}s")
+        msg = p.recv()
+        if isinstance(msg, str) and msg.startswith("error"):
+            raise BrokerLookupError(f"an engine process failed: {msg}")
+        if want is not None and msg != want:
+            raise BrokerLookupError(f"an engine process said {msg!r}, not {want!r}")
+        got.append(msg)
+    return got
+
+
+def _measure(
+    url: str, nodes: list[redis.Redis], ids: list[str], window: int, duration_s: float
+) -> dict[str, Any]:
+    results, cpu = _run_engines(url, ids, window, duration_s, nodes)
+    return {
+        "lookups_per_s": round(sum(n / s for n, s in results), 1),
+        "per_engine": [round(n / s, 1) for n, s in results],
+        "server_cpu": [round(c, 2) for c in cpu],
+    }
+
+
+@contextmanager
+def _topology(
+    kind: str, masters: int, binary: str | None
+) -> Iterator[tuple[str, list[redis.Redis]]]:
+    if kind == "single":
+        with EmbeddedServer(binary=binary) as server, redis.Redis.from_url(server.url) as node:
+            yield server.url, [node]
+        return
+    with LocalCluster(masters, binary=binary) as cluster:
+        yield cluster.url, [cluster.admin(i) for i in range(masters)]
+
+
+def run_cluster_bench(
+    engines: tuple[int, ...] = (1, 4, 8),
+    duration_s: float = 3.0,
+    *,
+    window: int = 32,
+    masters: int = 3,
+    binary: str | None = None,
+) -> dict[str, Any]:
+    """Total lookups/s per engine count, on one node and on a ``masters``-master cluster."""
+    if threading.active_count() > 1:
+        raise BrokerLookupError("run the cluster bench from a process without threads (fork)")
+    run_id = uuid.uuid4().hex[:8]
+    out: dict[str, Any] = {
+        "meta": {"duration_s": duration_s, "window_per_engine": window, "masters": masters,
+                 "tokens": _TOKENS, "engine_processes": True, "run_id": run_id,
+                 "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
+    }  # fmt: skip
+    for kind in ("single", "cluster"):
+        with _topology(kind, masters, binary) as (url, nodes):
+            out[kind] = {
+                str(n): _measure(url, nodes, engine_ids(f"{run_id}{kind[0]}{n}", n, masters),
+                                 window, duration_s)
+                for n in engines
+            }  # fmt: skip
+            out["meta"].setdefault("server", _server_name(nodes[0]))
+    out["meta"]["loadavg_end"] = os.getloadavg()
+    return out
+
+
+def _server_name(node: redis.Redis) -> str:
+    info: Any = node.info("server")
+    return f"valkey {info['valkey_version']}" if "valkey_version" in info else (
+        f"redis {info.get('redis_version')}")  # fmt: skip
+
+
+def render_cluster_table(results: dict[str, Any]) -> str:
+    """The table ``cmd_cluster_bench`` prints."""
+    meta = results["meta"]
+    lines = [
+        f"lookups/s, one node vs a {meta['masters']}-master cluster ({meta['server']}; "
+        f"{meta['duration_s']:g}s per cell, {meta['window_per_engine']} in flight per engine)",
+        f"{'engines':>7}  {'single lookups/s':>16}  {'node CPU':>8}  "
+        f"{'cluster lookups/s':>17}  {'busiest master CPU':>18}  {'cluster/single':>14}",
+    ]
+    for n, single in results["single"].items():
+        cluster = results["cluster"][n]
+        ratio = cluster["lookups_per_s"] / max(1.0, single["lookups_per_s"])
+        lines.append(
+            f"{n:>7}  {single['lookups_per_s']:>16,.0f}  {single['server_cpu'][0]:>8.2f}  "
+            f"{cluster['lookups_per_s']:>17,.0f}  {max(cluster['server_cpu']):>18.2f}  "
+            f"{ratio:>14.2f}"
+        )
+    lines.append(
+        f"CPU: server CPU seconds per second (1.00 = one core saturated); {meta['cpus']} CPUs, "
+        f"load average {meta['loadavg_start'][0]:.1f} at start, {meta['loadavg_end'][0]:.1f} at end"
+    )
+    return "\n".join(lines)
+
+
+def add_cluster_args(p: argparse.ArgumentParser, standalone: bool = False) -> None:
+    """Add ``--cluster`` (and, standalone, the options ``bench`` already has)."""
+    help_ = "compare one node with a local Redis Cluster (1, 4, 8 engines)"
+    p.add_argument("--cluster", action="store_true", help=help_)
+    p.add_argument("--cluster-masters", type=int, default=3, help="masters of that cluster")
+    if standalone:
+        p.add_argument("--engines", type=lambda s: tuple(int(x) for x in s.split(",")))
+        p.add_argument("--duration", type=float, help="seconds per cell (default 3)")
+        p.add_argument("--out", help="also write the results as JSON here")
+
+
+def cmd_cluster_bench(args: argparse.Namespace) -> int:
+    """Run from parsed ``bench`` arguments (``--engines``, ``--duration``, ``--out`` reused).
+
+    Exit codes as ``bench``: 0 ok, 1 failed, 2 usage, 3 a server did not start.
+    """
+    if getattr(args, "redis_url", None):
+        print("broker-lookup bench --cluster starts its own servers: drop --redis-url")
+        return 2
+    try:
+        results = run_cluster_bench(
+            tuple(getattr(args, "engines", None) or (1, 4, 8)),
+            getattr(args, "duration", None) or 3.0,
+            masters=args.cluster_masters,
+        )
+    except BrokerLookupError as exc:
+        print(f"broker-lookup bench --cluster: {exc}", file=sys.stderr)
+        return 3 if isinstance(exc, BrokerUnavailable) else 1
+    if getattr(args, "out", None):
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(render_cluster_table(results))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m broker_lookup.tools.bench.cluster [--engines 1,4,8] [--duration 3]``."""
+    p = argparse.ArgumentParser(prog="python -m broker_lookup.tools.bench.cluster")
+    add_cluster_args(p, standalone=True)
+    return cmd_cluster_bench(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

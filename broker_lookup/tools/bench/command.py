@@ -1,0 +1,252 @@
+"""``broker-lookup bench``: latency, caller cost, throughput, hashing, memory and CPU.
+
+Runs against an embedded Valkey (default) or ``--redis-url``, with worker ranks as real
+processes (``python -m broker_lookup.tools.bench.our_ranks``) that answer at once, so what is
+measured
+is the lookup path itself: client, Redis, server, and the hand-offs between them.
+``--vs-lmcache`` runs the same loops on LMCache 0.5.6's ZMQ client and server and adds
+the ratios. ``--quick`` is the CI smoke mode (world sizes 1 and 2, a few hundred
+lookups, small hashing sizes, well under a minute). The polling model is described in
+``broker_lookup.tools.bench.measure``; the results and how to read them in ``docs/performance.md``.
+
+>>> results = run_bench(BenchOptions.defaults(quick=True))   # doctest: +SKIP
+>>> results["ours"]["latency"]["1"]["e2e"]["p50_ms"]          # doctest: +SKIP
+0.41
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from broker_lookup.errors import BrokerUnavailable
+from broker_lookup.protocol.hashing import measure_ns_per_token
+from broker_lookup.tools.bench.cluster import add_cluster_args, cmd_cluster_bench
+from broker_lookup.tools.bench.measure import BenchError, BenchOptions
+from broker_lookup.tools.bench.report import evaluate_targets, ratios, render
+
+__all__ = [
+    "BenchOptions",
+    "add_bench_parser",
+    "cmd_bench",
+    "configure_parser",
+    "run_bench",
+]
+
+HELP = "measure lookup latency, caller cost, throughput, hashing, memory and CPU"
+#: Exit codes, as the rest of the CLI: ok, failed, usage, Redis unreachable.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+@contextmanager
+def _redis_url(opts: BenchOptions) -> Iterator[tuple[str, str]]:
+    """The URL to use and what it is; an embedded server lives for the block."""
+    if opts.redis_url:
+        yield opts.redis_url, "external"
+        return
+    from broker_lookup.tools.embedded import EmbeddedServer
+
+    server = EmbeddedServer().start()
+    try:
+        yield server.url, "embedded"
+    finally:
+        server.stop()
+
+
+def _server_meta(url: str, kind: str) -> dict[str, Any]:
+    client = redis.Redis.from_url(url)
+    try:
+        info: Any = client.info("server")
+    finally:
+        client.close()
+    name = "valkey" if "valkey_version" in info else "redis"
+    version = info.get("valkey_version") or info.get("redis_version")
+    return {"kind": kind, "server": f"{name} {version}"}
+
+
+def _delete_keys(url: str, run_id: str) -> None:
+    """Drop every key of this run (an external server keeps no bench litter)."""
+    client = redis.Redis.from_url(url)
+    try:
+        batch = []
+        for key in client.scan_iter(match=f"bl:{{bench-{run_id}-*", count=1000):
+            batch.append(key)
+            if len(batch) >= 500:
+                client.unlink(*batch)
+                batch.clear()
+        if batch:
+            client.unlink(*batch)
+    finally:
+        client.close()
+
+
+def hashing(sizes: tuple[int, ...]) -> dict[str, dict[str, float]]:
+    """ns per token of our hasher, list and int64 tensor input, per prompt size."""
+    return {
+        str(n): {
+            "list_ns_per_token": measure_ns_per_token(n, "list"),
+            "tensor_ns_per_token": measure_ns_per_token(n, "tensor"),
+        }
+        for n in sizes
+    }
+
+
+def _ours(opts: BenchOptions, run_id: str, meta: dict[str, Any]) -> dict[str, Any]:
+    from broker_lookup.tools.bench.engines import concurrency
+    from broker_lookup.tools.bench.ours import latency_and_probes
+
+    with _redis_url(opts) as (url, kind):
+        meta["redis"] = _server_meta(url, kind)
+        try:
+            ours = latency_and_probes(opts, url, run_id)
+            ours["engines"] = {str(n): concurrency(opts, url, run_id, n) for n in opts.engines}
+        finally:
+            if kind == "external":
+                _delete_keys(url, run_id)
+    return ours
+
+
+def _source_version() -> str | None:
+    """``git describe --always --dirty`` of the checkout, if it is one."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
+def run_bench(opts: BenchOptions) -> dict[str, Any]:
+    """Run every measurement ``opts`` asks for; return the results as a JSON-able dict.
+
+    Raises:
+        BenchError: a rank or driver failed, or lmcache is missing for ``vs_lmcache``.
+        BrokerUnavailable: the embedded server did not start.
+    """
+    if opts.vs_lmcache:  # fail before the long part, not after it
+        from broker_lookup.tools.bench.lmcache_side import require_lmcache
+
+        require_lmcache()
+    run_id = uuid.uuid4().hex[:8]
+    meta: dict[str, Any] = {
+        "run_id": run_id,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "source": _source_version(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "options": asdict(opts),
+    }
+    t0 = time.monotonic()
+    results: dict[str, Any] = {"meta": meta, "ours": _ours(opts, run_id, meta)}
+    results["hashing"] = hashing(opts.hash_sizes)
+    if opts.vs_lmcache:
+        from broker_lookup.tools.bench.lmcache_side import bench_lmcache
+
+        results["lmcache"] = bench_lmcache(opts, run_id)
+        results["ratios"] = ratios(results)
+    results["targets"] = evaluate_targets(results)
+    meta["loadavg_end"] = os.getloadavg()
+    meta["seconds"] = round(time.monotonic() - t0, 1)
+    return results
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    """Add ``bench``'s options to ``p`` (for a CLI subcommand registry)."""
+    p.add_argument("--redis-url", help="use this server (default: start an embedded Valkey)")
+    p.add_argument("--quick", action="store_true", help="CI smoke mode: small and fast")
+    p.add_argument("--vs-lmcache", action="store_true", help="also measure LMCache 0.5.6")
+    p.add_argument("--out", default="bench-results.json", help="JSON results file")
+    p.add_argument("--lookups", type=int, help="measured lookups per latency run")
+    p.add_argument("--duration", type=float, help="seconds per throughput run")
+    p.add_argument("--poll-us", type=float, help="sleep between polls in µs (0: sleep(0))")
+    p.add_argument("--worlds", type=_ints, help="world sizes, e.g. 1,2,4,8")
+    p.add_argument("--engines", type=_ints, help="concurrent engine counts, e.g. 1,4,16")
+    add_cluster_args(p)  # --cluster: one node vs a local Redis Cluster (bench_cluster.py)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated ints") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ints >= 1")
+    return values
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``bench`` on an ``add_subparsers()`` object; ``args.func`` runs it."""
+    p: argparse.ArgumentParser = subparsers.add_parser("bench", help=HELP, description=HELP)
+    configure_parser(p)
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def _options(args: argparse.Namespace) -> BenchOptions:
+    given = {
+        "redis_url": args.redis_url,
+        "lookups": args.lookups,
+        "duration_s": args.duration,
+        "poll_us": args.poll_us,
+        "worlds": args.worlds,
+        "engines": args.engines,
+        "vs_lmcache": args.vs_lmcache,
+    }
+    overrides = {k: v for k, v in given.items() if v is not None}
+    opts = BenchOptions.defaults(args.quick, **overrides)
+    if opts.throughput_world not in opts.worlds:  # throughput runs on a measured world
+        opts = replace(opts, throughput_world=max(opts.worlds))
+    return opts
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the bench from parsed arguments: JSON to ``--out``, a table on stdout."""
+    if getattr(args, "cluster", False):
+        return cmd_cluster_bench(args)
+    opts = _options(args)
+    try:
+        results = run_bench(opts)
+    except BrokerUnavailable as exc:
+        print(f"broker-lookup bench: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except BenchError as exc:
+        print(f"broker-lookup bench: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(render(results))
+    print(f"\nresults written to {args.out}")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m broker_lookup.tools.bench.command``: the subcommand without the CLI around it."""
+    p = argparse.ArgumentParser(
+        prog="python -m broker_lookup.tools.bench.command", description=HELP
+    )
+    configure_parser(p)
+    return cmd_bench(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""``broker-lookup demo``: a server, N worker rank processes and four lookups, end to end.
+
+It starts an embedded Valkey (unless given ``--redis-url``), N real ``python -m workers``
+processes that preload prompts, then looks up like vLLM's scheduler (``lookup`` then
+polling ``lookup_cache``): a FULL hit (cached on every rank), a PARTIAL hit (rank 0 has
+all of it, the others half: the answer is the minimum), a ZERO hit and one CANCEL.
+It prints what Redis holds for each and the ``redis-cli`` commands to look yourself,
+then stops everything in order: client, ranks (SIGTERM), server.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import urlsplit
+
+import redis
+
+from broker_lookup.client import RedisAsyncLookupClient
+from broker_lookup.config import LookupConfig, LookupMetadata, env_name, redact_url
+from broker_lookup.processes import child_env, python_module, spawn, terminate
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.tools.embedded import EmbeddedServer
+from broker_lookup.transport.connection import make_factory, redis_cli_args
+
+__all__ = ["run_demo"]
+
+_CHUNKS = 8  #: chunks per demo prompt
+_LOAD_DELAY_MS = 300  #: per disk chunk, so the CANCEL lookup is still prefetching when cancelled
+
+
+@dataclass(frozen=True)
+class Case:
+    """One demo lookup and the answer it must get."""
+
+    name: str
+    lookup_id: str
+    tokens: list[int]
+    expected: int
+
+
+def _prompt(base: int, chunk_size: int) -> list[int]:
+    return list(range(base, base + _CHUNKS * chunk_size))
+
+
+def _wait(predicate: Any, timeout_s: float, interval_s: float = 0.1) -> Any:
+    """Poll ``predicate`` until truthy or ``timeout_s``; return its last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval_s)
+
+
+class Demo:
+    """The demo's state; :meth:`run` returns the exit code."""
+
+    def __init__(
+        self, url: str, ranks: int, chunk_size: int, workdir: Path, environ: Mapping[str, str]
+    ) -> None:
+        self.url = url
+        self.n = ranks
+        self.cs = chunk_size
+        self.workdir = workdir
+        self.environ = environ
+        self.keys = KeySpace(f"demo-{uuid.uuid4().hex[:8]}")
+        self.config = LookupConfig(redis_url=url, chunk_size=chunk_size, lookup_timeout_ms=15_000)
+        self.redis = make_factory(self.config, "bl-demo")()
+        self.procs: list[Any] = []
+        self.client: RedisAsyncLookupClient | None = None
+        self.out: TextIO = sys.stdout
+        full, part, cancel = (_prompt(b, chunk_size) for b in (1000, 2000, 4000))
+        self.cases = [
+            Case("FULL", "demo-full", full, len(full)),
+            Case("PARTIAL", "demo-partial", part, len(part) // 2),
+            Case("ZERO", "demo-zero", _prompt(3000, chunk_size), 0),
+        ]
+        self.cancel_tokens = cancel
+
+    def say(self, text: str = "") -> None:
+        """Print one line of the demo's output."""
+        print(text, file=self.out, flush=True)
+
+    # -- setup ----------------------------------------------------------------------
+
+    def _files(self) -> tuple[Path, Path]:
+        others = list(range(1, self.n)) or [0]
+        prompts = [
+            {"tokens": self.cases[0].tokens, "ranks": None, "fraction": 1.0},
+            {"tokens": self.cases[1].tokens, "ranks": [0] if self.n > 1 else [], "fraction": 1.0},
+            {"tokens": self.cases[1].tokens, "ranks": others, "fraction": 0.5},
+            {"tokens": self.cancel_tokens, "ranks": None, "fraction": 1.0, "tier": "disk"},
+        ]
+        preload = self.workdir / "preload.json"
+        preload.write_text(json.dumps({"prompts": prompts}))
+        config = self.workdir / "config.yaml"
+        config.write_text(f"chunk_size: {self.cs}\nlookup_timeout_ms: 15000\n")
+        return preload, config
+
+    def start_ranks(self) -> None:
+        """Start one ``python -m workers`` process per rank, logging to the work dir."""
+        preload, config = self._files()
+        env = child_env(self.environ, {env_name("redis_url"): self.url})
+        for rank in range(self.n):
+            args = [
+                "--engine-id", self.keys.engine_id, "--world-size", str(self.n),
+                "--rank", str(rank), "--metrics-port", "0", "--preload", str(preload),
+                "--config", str(config), "--disk-dir", str(self.workdir / f"disk-{rank}"),
+                "--load-delay-ms", str(_LOAD_DELAY_MS), "--connect-timeout", "60",
+            ]  # fmt: skip
+            with open(self.workdir / f"rank-{rank}.log", "wb") as log:
+                self.procs.append(spawn(python_module("workers", args), env, output=log))
+            self.say(f"started rank {rank}: pid {self.procs[-1].pid}")
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Until every rank has a heartbeat and the client sees them all alive."""
+        beats = [self.keys.heartbeat(r) for r in range(self.n)]
+
+        def ranks_up() -> bool:
+            dead = [p for p in self.procs if p.poll() is not None]
+            return bool(dead) or self.redis.exists(*beats) == self.n
+
+        _wait(ranks_up, timeout_s)
+        if self.redis.exists(*beats) != self.n:
+            self.say(f"ranks did not all start within {timeout_s:.0f}s; their logs:")
+            for rank in range(self.n):
+                log = (self.workdir / f"rank-{rank}.log").read_text(errors="replace")
+                self.say(f"--- rank {rank} ---\n" + "\n".join(log.splitlines()[-15:]))
+            return False
+        self.say(f"all {self.n} ranks alive (heartbeats {self.keys.heartbeat_pattern})")
+        meta = LookupMetadata(engine_id=self.keys.engine_id, world_size=self.n)
+        client = self.client = RedisAsyncLookupClient(self.config, meta)
+        return bool(_wait(lambda: not client.stats()["dead_ranks"], 30.0, 0.02))
+
+    def _client(self) -> RedisAsyncLookupClient:
+        if self.client is None:
+            raise RuntimeError("the demo client is not started")
+        return self.client
+
+    # -- lookups --------------------------------------------------------------------
+
+    def per_rank(self, lookup_id: str) -> str:
+        """The lookup hash as ``redis-cli HGETALL`` shows it, condensed."""
+        raw: Any = self.redis.hgetall(self.keys.lookup(lookup_id))
+        fields = {k.decode(): v.decode() for k, v in raw.items()}
+        hits = " ".join(f"r{r}={fields.get(KeySpace.rank_field(r), '-')}" for r in range(self.n))
+        return f"{hits}  state={fields.get('state', '-')} result={fields.get('result', '-')}"
+
+    def lookup(self, case: Case) -> bool:
+        """One scheduler-style lookup: submit, poll lookup_cache, read the hash back."""
+        client = self._client()
+        started = time.perf_counter()
+        got = client.lookup(case.tokens, case.lookup_id)
+        while got is None:
+            got = client.lookup_cache(case.lookup_id)
+            if got is None:
+                time.sleep(0.001)  # the scheduler's step loop; lookup_cache itself never waits
+        latency_ms = (time.perf_counter() - started) * 1000
+        ok = got == case.expected
+        self.say(
+            f"{case.name:<8} {case.lookup_id}: expected {case.expected:>4}  got {got:>4}  "
+            f"{'OK' if ok else 'WRONG'}  latency {latency_ms:.1f} ms"
+        )
+        self.say(f"{'':<9}per-rank hits (HGETALL): {self.per_rank(case.lookup_id)}")
+        client.clear_lookup_status(case.lookup_id)
+        return ok
+
+    def _beats(self) -> dict[int, dict[str, Any]]:
+        values = self.redis.mget([self.keys.heartbeat(r) for r in range(self.n)])
+        return {r: json.loads(v) for r, v in enumerate(values) if v is not None}
+
+    def _running(self, want: int) -> dict[int, dict[str, Any]] | None:
+        beats = self._beats()
+        ok = len(beats) == self.n and all(
+            (b.get("running", 0) >= 1) if want else (b.get("running", 0) == 0)
+            for b in beats.values()
+        )
+        return beats if ok else None
+
+    def cancel(self) -> bool:
+        """Start a slow (disk) lookup, cancel it mid-prefetch, show the key and pins are gone."""
+        client = self._client()
+        lookup_id = "demo-cancel"
+        key = self.keys.lookup(lookup_id)
+        client.lookup(self.cancel_tokens, lookup_id)
+        before = _wait(lambda: self._running(1), 10.0, 0.05) or self._beats()
+        self.say(
+            f"CANCEL   {lookup_id}: prefetching from disk on every rank: "
+            + " ".join(f"r{r} running={b.get('running')}" for r, b in before.items())
+        )
+        client.cancel_lookup(lookup_id)
+        gone = bool(_wait(lambda: not self.redis.exists(key), 5.0, 0.01))
+        cache = client.lookup_cache(lookup_id)
+        self.say(f"{'':<9}cancel_lookup -> {key} exists={int(not gone)}  lookup_cache={cache}")
+        after = _wait(lambda: self._running(0), 15.0, 0.05)
+        released = after is not None and all(
+            after[r].get("held") == before.get(r, {}).get("held") for r in after
+        )
+        still_gone = not self.redis.exists(key)
+        self.say(
+            f"{'':<9}ranks released it: "
+            + " ".join(f"r{r} running={b.get('running')} held={b.get('held')}"
+                       for r, b in (after or self._beats()).items())
+            + f"  key still gone after their prefetch ended: {still_gone}"
+        )  # fmt: skip
+        ok = gone and cache == -1 and released and still_gone
+        self.say(f"{'':<9}{'OK' if ok else 'WRONG'}")
+        return ok
+
+    def commands(self) -> None:
+        """The redis-cli commands to inspect what the demo left, with the real host/port."""
+        parts = urlsplit(self.url)
+        cli = "redis-cli " + redis_cli_args(self.url)  # also cluster and sentinel URLs
+        k = self.keys
+        self.say("\nInspect it with (an embedded server stops with the demo: pass --redis-url):")
+        if parts.password:
+            self.say("  export REDISCLI_AUTH=<password>   # never on the command line")
+        for line in (
+            f"--scan --pattern '{k.lookup_pattern}'",
+            f"HGETALL '{k.lookup('demo-full')}'",
+            f"TTL '{k.lookup('demo-full')}'",
+            f"XINFO GROUPS '{k.requests}'",
+            f"XPENDING '{k.requests}' {k.group(0)}",
+            f"XLEN '{k.requests}'",
+            f"XLEN '{k.done}'",
+            f"XLEN '{k.dead}'",
+            f"--scan --pattern '{k.heartbeat_pattern}'",
+            f"GET '{k.heartbeat(0)}'",
+        ):
+            self.say(f"  {cli} {line}")
+        self.say(
+            f"  broker-lookup inspect --redis-url {redact_url(self.url)} "
+            f"--engine-id {k.engine_id} --world-size {self.n}"
+        )
+
+    def stop_ranks(self) -> bool:
+        """SIGTERM every rank, wait (bounded), report their exit codes."""
+        codes = terminate(self.procs, 30.0)
+        self.say("ranks stopped: " + " ".join(f"r{r}={c}" for r, c in enumerate(codes)))
+        self.procs = []
+        return all(c == 0 for c in codes)
+
+    def close_client(self) -> None:
+        """Close the client (cancels anything in flight) and the inspection connection."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        self.redis.close()
+
+
+def _lookups(demo: Demo, timeout_s: float) -> bool:
+    demo.start_ranks()
+    if not demo.wait_ready(timeout_s):
+        return False
+    demo.say()
+    results = [demo.lookup(case) for case in demo.cases]
+    results.append(demo.cancel())
+    demo.commands()
+    return all(results)
+
+
+def run_demo(
+    redis_url: str | None,
+    ranks: int,
+    chunk_size: int,
+    environ: Mapping[str, str],
+    startup_timeout_s: float = 180.0,
+    out: TextIO | None = None,
+) -> int:
+    """Run the demo; 0 if every lookup gave the expected answer and everything stopped cleanly."""
+    with ExitStack() as stack:
+        where = "given"
+        if redis_url is None:
+            server = stack.enter_context(EmbeddedServer(startup_timeout_s=30.0))
+            redis_url, where = server.url, f"embedded, pid {server.pid}"
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bl-demo-")))
+        demo = Demo(redis_url, ranks, chunk_size, workdir, environ)
+        demo.out = out or sys.stdout
+        demo.say(f"redis: {redact_url(redis_url)} ({where})  engine: {demo.keys.engine_id}")
+        stopped = True
+        try:
+            ok = _lookups(demo, startup_timeout_s)
+        except (redis.RedisError, OSError) as exc:
+            demo.say(f"demo failed: {exc}")
+            ok = False
+        finally:
+            demo.close_client()
+            stopped = demo.stop_ranks()
+        demo.say(f"\ndemo {'OK' if ok and stopped else 'FAILED'}")
+        return 0 if ok and stopped else 1

@@ -1,0 +1,284 @@
+"""``broker-lookup soak``: mixed traffic against real rank processes while things break.
+
+A client drives hits, misses, partial hits, cancels and id reuse
+(:mod:`broker_lookup.tools.soak.traffic`) against N rank processes. Each process reaches the
+server through its own TCP fault proxy, and at random a rank is SIGKILLed and
+restarted, the embedded server restarts, or one process's network fails: a hold, a
+reset, a lost reply, latency (:mod:`broker_lookup.tools.soak.chaos`). It counts:
+
+* ``wrong``: a result that is neither 0 nor the right answer (must be 0);
+* ``hangs``: a lookup still unanswered ``lookup_timeout_ms`` + 2 s after it started (must be 0);
+* ``leaked_keys``: keys of the engine without a TTL, streams excepted (must be 0);
+* ``lost_hits``: 0 for a hit although no fault was in effect in the lookup's life
+  (:mod:`broker_lookup.tools.soak.faults`; must be 0);
+plus the faults of each kind, p99 latency, the RSS of every process at start and at the
+end, the client's breaker openings and rejected lookups. The command exits 1 if any
+count that must be 0 is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from broker_lookup.client import RedisAsyncLookupClient
+from broker_lookup.config import LookupConfig, LookupMetadata
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.tools.embedded import EmbeddedServer
+from broker_lookup.tools.soak.chaos import Chaos, ChaosTiming
+from broker_lookup.tools.soak.faults import FaultLog
+from broker_lookup.tools.soak.rig import Beats, Proxies, Ranks, rss_kb
+from broker_lookup.tools.soak.traffic import CHUNK, Prompt, Traffic, make_prompts
+from broker_lookup.transport.connection import make_factory
+
+__all__ = ["add_soak_parser", "cmd_soak", "run_soak", "setup_soak_parser"]
+
+_TIMEOUT_MS, _CONCURRENCY = 2000, 32
+_MUST_BE_ZERO = ("wrong", "hangs", "leaked_keys", "lost_hits")
+_COUNTS = ("lookups", "right", "zero", "cancels", "reused_ids", "quiet_hits", *_MUST_BE_ZERO)
+
+
+def _config(url: str) -> LookupConfig:
+    return LookupConfig(redis_url=url, chunk_size=CHUNK, lookup_timeout_ms=_TIMEOUT_MS)
+
+
+def leaked_keys(client: redis.Redis, keys: KeySpace) -> tuple[list[str], dict[str, int]]:
+    """Keys of the engine without a TTL (streams excepted), and the stream lengths."""
+    leaked, streams = [], {}
+    for key in client.scan_iter(match=keys.pattern, count=500):
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        if client.type(key) in (b"stream", "stream"):
+            streams[name] = int(client.xlen(key))
+        elif int(client.pttl(key)) == -1:
+            leaked.append(name)
+    return leaked, streams
+
+
+def _drive(traffic: Traffic, chaos: Chaos, until: float, calm_s: float) -> None:
+    chaos.start(time.monotonic())
+    while (now := time.monotonic()) < until:
+        while len(traffic.inflight) < _CONCURRENCY:
+            traffic.issue(now)
+        traffic.poll(now)
+        if now < until - calm_s:
+            chaos.tick(now)
+        else:  # the calm at the end: everything must be right again
+            chaos.settle(now)
+        time.sleep(0.002)  # the scheduler's step loop; lookup_cache itself never waits
+    chaos.finish(time.monotonic())
+    # The lookups still in flight are answered (or hang) within the hang limit.
+    drain_until = time.monotonic() + traffic.timeout_s + 3.0
+    while traffic.inflight and time.monotonic() < drain_until:
+        traffic.poll(time.monotonic())
+        chaos.settle(time.monotonic())
+        time.sleep(0.005)
+
+
+def _wait_alive(client: RedisAsyncLookupClient, ranks: Ranks, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.stats()["dead_ranks"]:
+        failed = [p.returncode for p in ranks.procs if p.poll() is not None]
+        if failed or time.monotonic() > deadline:
+            raise RuntimeError(f"ranks did not start (exit codes {failed}); see their logs")
+        time.sleep(0.05)
+
+
+def _quiet_s(config: LookupConfig) -> float:
+    """How long a fault's effect outlasts it: a lookup sent just before its end may time
+    out, a rank it silenced may be taken for dead until its next heartbeat, then 1 s of
+    reconnects."""
+    return (config.lookup_timeout_ms + config.heartbeat_ttl_ms) / 1000 + 1.0
+
+
+def run_soak(
+    duration_s: float,
+    ranks: int,
+    redis_url: str | None = None,
+    seed: int = 0,
+    chaos_every_s: tuple[float, float] = ChaosTiming.every_s,
+    workdir: str | None = None,
+    calm_s: float = 0.0,
+) -> dict[str, Any]:
+    """Soak for ``duration_s`` seconds against ``ranks`` rank processes; return the summary.
+
+    A fault comes every ``chaos_every_s`` seconds (random within the range), none in the
+    last ``calm_s`` seconds (lookups there show that everything recovered). The ranks'
+    logs and disk tiers go to ``workdir`` (kept), or to a temporary directory.
+    """
+    rng = random.Random(seed)
+    with ExitStack() as stack:
+        server = None
+        if redis_url is None:
+            server = stack.enter_context(EmbeddedServer(startup_timeout_s=30.0))
+            redis_url = server.url
+        work = Path(workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bl-soak-")))
+        work.mkdir(parents=True, exist_ok=True)
+        keys, config = KeySpace(f"soak-{uuid.uuid4().hex[:8]}"), _config(redis_url)
+        proxies, procs, client, prompts = _rig(stack, rng, redis_url, keys, ranks, work)
+        monitor = stack.enter_context(make_factory(config, "bl-soak", socket_timeout_s=1.0)())
+        summary: dict[str, Any] = {"rss_kb_start": _rss(procs, server)}
+        started = time.monotonic()
+        log = FaultLog(_quiet_s(config), started)
+        timing = ChaosTiming(every_s=chaos_every_s)
+        chaos = Chaos(rng, log, proxies, procs, server, Beats(monitor, keys, ranks), config, timing)
+        traffic = Traffic(client, prompts, rng, log, config.lookup_timeout_ms / 1000)
+        _drive(traffic, chaos, started + duration_s, calm_s)
+        summary["rss_kb_end"] = _rss(procs, server)
+        summary["duration_s"] = round(time.monotonic() - started, 1)
+        client.close()
+        summary["rank_exit_codes"] = procs.stop()
+        leaked, summary["stream_lengths"] = leaked_keys(monitor, keys)
+        summary["proxy_stats"] = proxies.stats()
+        return summary | _summary(traffic, log, client.stats(), leaked)
+
+
+def _rig(
+    stack: ExitStack, rng: random.Random, url: str, keys: KeySpace, ranks: int, work: Path
+) -> tuple[Proxies, Ranks, RedisAsyncLookupClient, list[Prompt]]:
+    """A proxy per process, the ranks and the client behind them, all alive; ``stack``
+    stops them in order (faults cleared, client, ranks, then the proxies)."""
+    proxies = Proxies(url, ["client", *(f"rank{r}" for r in range(ranks))]).start()
+    stack.callback(proxies.stop)  # after the processes stop: they use it to the end
+    prompts = make_prompts(rng, ranks)
+    urls = [proxies.url(f"rank{r}") for r in range(ranks)]
+    procs = Ranks(urls, keys.engine_id, prompts, work, _TIMEOUT_MS)
+    stack.callback(procs.stop)
+    client = RedisAsyncLookupClient(
+        _config(proxies.url("client")), LookupMetadata(engine_id=keys.engine_id, world_size=ranks)
+    )
+    stack.callback(client.close)
+    stack.callback(proxies.clear)  # first on the way out: nothing stays held or slowed
+    _wait_alive(client, procs, 120.0)
+    return proxies, procs, client, prompts
+
+
+def _rss(ranks: Ranks, server: EmbeddedServer | None) -> dict[str, int | None]:
+    pids: dict[str, int | None] = {"client": os.getpid()}  # the fault proxies run in it too
+    pids.update({f"rank{r}": p.pid for r, p in enumerate(ranks.procs)})
+    pids["server"] = server.pid if server is not None else None
+    return {name: rss_kb(pid) for name, pid in pids.items()}
+
+
+def _summary(
+    traffic: Traffic, log: FaultLog, stats: dict[str, Any], leaked: list[str]
+) -> dict[str, Any]:
+    out: dict[str, Any] = {k: traffic.counts[k] for k in _COUNTS}
+    out.update(
+        faults=log.counts(),
+        faults_unfired=log.unfired(),
+        leaked_keys=len(leaked),
+        leaked_examples=leaked[:5],
+        p99_latency_ms=traffic.p99_ms(),
+        breaker_openings=stats["breaker_openings"],
+        rejected=stats["rejected"],
+        client_outcomes=stats["outcomes"],
+        client_redis_errors=stats["redis_errors"],
+        slowest_recovery=traffic.slowest_recovery,
+        quiet_s=log.quiet_s,
+        diagnosis=log.examples,
+        fault_log=[f.describe(log.origin) for f in log.faults],
+    )
+    return out
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The summary for a person: what ran, what broke, and the counts that must be 0."""
+    faults = ", ".join(f"{k} {v}" for k, v in s["faults"].items()) or "none"
+    rss = ", ".join(
+        f"{name} {s['rss_kb_start'].get(name)} -> {kb}" for name, kb in s["rss_kb_end"].items()
+    )
+    recovery = ", ".join(f"{k} {v['lag_s']}" for k, v in sorted(s["slowest_recovery"].items()))
+    lines = [
+        f"soak: {s['duration_s']} s, {s['lookups']} lookups ({s['right']} right, "
+        f"{s['zero']} zero, {s['cancels']} cancelled, {s['reused_ids']} reused ids)",
+        f"faults: {faults}; lost replies armed but not triggered: {s['faults_unfired']}",
+        f"wrong {s['wrong']}, hangs {s['hangs']}, leaked keys {s['leaked_keys']}, "
+        f"lost hits {s['lost_hits']} (of {s['quiet_hits']} hits looked up with no fault)",
+        f"slowest recovery (a 0 for a hit, s after the fault ended; quiet time {s['quiet_s']} s):"
+        f" {recovery or 'none'}",
+        f"p99 {s['p99_latency_ms']} ms; breaker openings {s['breaker_openings']}; "
+        f"rejected {s['rejected']}",
+        f"RSS KiB start -> end: {rss}",
+    ]
+    for verdict, examples in s["diagnosis"].items():
+        lines += [f"{verdict}: {json.dumps(e, sort_keys=True)}" for e in examples]
+    return "\n".join(lines)
+
+
+def _interval(text: str) -> tuple[float, float]:
+    """``"MIN-MAX"`` or ``"S"`` seconds, for ``--chaos-every``."""
+    low, _, high = text.partition("-")
+    try:
+        pair = (float(low), float(high or low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not seconds or MIN-MAX seconds: {text!r}") from None
+    if not 0 < pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"need 0 < MIN <= MAX, not {text!r}")
+    return pair
+
+
+def setup_soak_parser(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``broker-lookup soak``."""
+    p.add_argument("--duration", type=float, default=60.0, help="seconds (default 60)")
+    p.add_argument("--ranks", type=int, default=2, help="rank processes (default 2)")
+    p.add_argument("--redis-url", help="use this server (default: an embedded one, restarted)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    low, high = ChaosTiming.every_s
+    p.add_argument(
+        "--chaos-every",
+        type=_interval,
+        default=ChaosTiming.every_s,
+        metavar="MIN-MAX",
+        help=f"seconds between faults, random in the range (default {low:g}-{high:g})",
+    )
+    p.add_argument(
+        "--calm", type=float, default=0.0, help="seconds at the end without new faults (default 0)"
+    )
+    p.add_argument("--json", help="also write the summary as JSON to this file")
+    p.add_argument(
+        "--workdir", help="keep the ranks' logs and disk tiers here (default: a temp dir)"
+    )
+
+
+def add_soak_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``soak`` on an ``add_subparsers()`` object."""
+    p: argparse.ArgumentParser = subparsers.add_parser("soak", help="chaos soak; see --help")
+    setup_soak_parser(p)
+    return p
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    """Run the soak; print the summary as JSON on stdout and for a person on stderr.
+
+    0 iff no wrong result, hang, leaked key or lost hit.
+    """
+    if args.duration <= 0 or args.ranks < 1 or not 0 <= args.calm < args.duration:
+        msg = "--duration must be > 0, --ranks >= 1 and 0 <= --calm < --duration"
+        print(f"broker-lookup soak: {msg}", file=sys.stderr)
+        return 2
+    summary = run_soak(
+        args.duration,
+        args.ranks,
+        args.redis_url,
+        args.seed,
+        args.chaos_every,
+        args.workdir,
+        args.calm,
+    )
+    text = json.dumps(summary, indent=2, sort_keys=True)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    print(format_summary(summary), file=sys.stderr)
+    return 0 if all(summary[k] == 0 for k in _MUST_BE_ZERO) else 1

@@ -1,0 +1,1 @@
+"""Talking to Redis: clients made from a config, cluster routing, pipelined batches."""

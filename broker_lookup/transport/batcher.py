@@ -1,0 +1,119 @@
+"""A thread that drains a queue into one pipelined round trip per batch.
+
+The client's sender and each rank's reporter are this thread with a different
+``_send_batch``: callers only append to a deque and set an event (no I/O, no lock,
+no sleep on their side); the thread owns its connection, retries a failed batch a
+bounded number of times with backoff, and survives unexpected errors loudly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import redis
+
+from broker_lookup.errors import BrokerLookupError
+from broker_lookup.protocol.scripts import Call, ScriptSet
+from broker_lookup.threads import LoopThread
+
+__all__ = ["Batcher"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Batcher(LoopThread, Generic[T]):
+    """Owns one connection and one thread; subclasses turn a batch into script calls."""
+
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[], redis.Redis],
+        scripts: ScriptSet,
+        retries: int,
+        max_batch: int,
+        max_queue: int | None = None,
+    ) -> None:
+        super().__init__(name)
+        self.name = name
+        self._factory = factory
+        self._scripts = scripts
+        self._retries = retries
+        self._max_batch = max_batch
+        self._max_queue = max_queue  #: None: unbounded (the caller bounds what it queues)
+        self._queue: deque[T] = deque()
+        self._wake = threading.Event()
+        self.errors = 0
+
+    def _put(self, item: T) -> bool:
+        """Queue ``item``; False (not queued) if ``max_queue`` items already wait."""
+        if self._max_queue is not None and len(self._queue) >= self._max_queue:
+            return False
+        self._queue.append(item)
+        self._wake.set()
+        return True
+
+    @property
+    def queued(self) -> int:
+        """Items waiting to be sent."""
+        return len(self._queue)
+
+    def stop(self, timeout_s: float) -> bool:
+        """Send what is queued (best effort), stop, join; False if the join timed out."""
+        self._stop.set()
+        self._wake.set()
+        return super().stop(timeout_s)
+
+    def _run(self) -> None:
+        client = self._factory()
+        try:
+            while not self._stop.is_set():
+                self._wake.wait(0.1)
+                self._wake.clear()
+                try:
+                    self._idle(client)
+                    self._drain(client)
+                except Exception:  # a bug: counted and logged, never a silent dead thread
+                    self.guard()
+            self._drain(client)  # ordered shutdown: what close() queued still goes out
+        finally:
+            client.close()
+
+    def _drain(self, client: redis.Redis) -> None:
+        while self._queue:
+            batch: list[T] = []
+            while self._queue and len(batch) < self._max_batch:
+                batch.append(self._queue.popleft())
+            self._send_batch(client, batch)
+
+    def _send_batch(self, client: redis.Redis, batch: list[T]) -> None:
+        raise NotImplementedError
+
+    def _idle(self, client: redis.Redis) -> None:
+        """Called on every wake-up before draining (a probe of a failing server)."""
+
+    def _run_with_retries(self, client: redis.Redis, calls: Sequence[Call]) -> list[Any] | None:
+        """Script results, or None once ``retries`` attempts failed (each counted and logged)."""
+        delay = 0.01
+        for attempt in range(1, self._retries + 1):
+            try:
+                return self._scripts.run(client, calls)
+            except BrokerLookupError as exc:
+                self.errors += 1
+                logger.warning(
+                    "%s: %d operation(s) failed (attempt %d/%d): %s",
+                    self.name,
+                    len(calls),
+                    attempt,
+                    self._retries,
+                    exc,
+                )
+                if attempt < self._retries:
+                    self._stop.wait(delay)  # this thread only: never a caller's
+                    delay *= 4
+        return None

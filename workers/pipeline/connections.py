@@ -1,0 +1,26 @@
+"""The connections of one rank: what the server makes itself, and how they time out."""
+
+from __future__ import annotations
+
+from broker_lookup.config import LookupConfig
+from broker_lookup.transport.connection import ConnectionFactory, make_factory
+
+__all__ = ["rank_factories"]
+
+
+def rank_factories(
+    config: LookupConfig, name: str, given: ConnectionFactory | None
+) -> tuple[ConnectionFactory, ConnectionFactory, list[ConnectionFactory]]:
+    """(general, blocking-read, owned) factories: ``given`` for both (owned: none), or two
+    made here, which the server closes at shutdown.
+
+    Made here, every socket times out after BLOCK plus ``breaker_open_ms``, so no read
+    of a stalled Redis pauses the rank's loop for the general socket timeout; the read
+    loop's factory has a pool of its own, so it can turn redis-py's retries off alone.
+    """
+    if given is not None:
+        return given, given, []
+    timeout = (config.block_ms + config.breaker_open_ms) / 1000
+    general = make_factory(config, name, socket_timeout_s=timeout)
+    read = make_factory(config, name, socket_timeout_s=timeout)
+    return general, read, [general, read]

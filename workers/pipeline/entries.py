@@ -1,0 +1,47 @@
+"""Whether a decoded request entry can be served: the wire's rules and the rank's limits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from broker_lookup.config import LookupConfig
+from broker_lookup.protocol.messages import Abort, LookupRequest, validate_request, wire_id_problem
+
+__all__ = ["entry_problem"]
+
+_JSON = msgspec.json.Encoder()
+
+
+def entry_problem(
+    msg: LookupRequest | Abort, config: LookupConfig, world_size: int | None
+) -> str | None:
+    """Why ``msg`` can't be served (None if it can), by the producer's limits too.
+
+    Any non-empty UTF-8 ``str`` is a legal lookup id (keys hold a digest of ids they
+    should not hold verbatim), so ids with spaces or non-ASCII characters are served.
+    """
+    if isinstance(msg, Abort):
+        return wire_id_problem(msg.lookup_id, config.max_lookup_id_length)
+    reason = validate_request(
+        msg, max_chunks=config.max_chunks_per_request, max_id_length=config.max_lookup_id_length
+    )
+    if reason is not None:
+        return reason
+    if world_size is not None and max(msg.expected) >= world_size:
+        return f"expected ranks {msg.expected[:8]} go beyond world_size={world_size}"
+    return _configs_problem(msg.request_configs, config.max_request_configs_bytes)
+
+
+def _configs_problem(configs: dict[str, Any] | None, limit: int) -> str | None:
+    """Why ``request_configs`` breaks the client's own rule (None if it does not)."""
+    if configs is None:
+        return None
+    try:
+        size = len(_JSON.encode(configs))
+    except (TypeError, msgspec.EncodeError) as exc:
+        return f"request_configs is not JSON-serialisable: {exc}"
+    if size > limit:
+        return f"request_configs is {size} bytes, over max_request_configs_bytes={limit}"
+    return None

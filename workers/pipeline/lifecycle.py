@@ -1,0 +1,274 @@
+"""The one owner of each lookup id's lifecycle on a rank: pure logic, no Redis, no engine.
+
+States of the generation of an id that the engine holds (DESIGN rule 11)::
+
+    request --> running --engine reports--> reporting --kept--> held --abort, pin TTL,
+                  |   \\                         \\                      new gen, close--> released
+                  |    \\--aborted / superseded---\\--not kept, aborted, newer gen waits--> released
+                  \\--watchdog: no report by deadline + grace (the server reports 0)-----> released
+
+The engine never holds two generations of one id: a newer generation that arrives
+while one is running or reporting waits in a single slot per id (a still newer one
+replaces it; the replaced one is superseded), and starts when the engine's generation
+is released, unless its own deadline passed meanwhile. Every transition to
+``released`` happens once per generation and is the only time the server calls
+``cleanup_memory_objs(id)``: the engine keys memory by the plain id, so a release is
+only ever issued while the generation it belongs to is the one the engine holds.
+
+The engine reports by plain id too, so a report is attributed to the generation
+running now. After the watchdog released a generation, a report that comes while no
+generation of that id runs is counted as late and changes nothing; if a newer
+generation already runs, the two cannot be told apart (LMCache's engine contract has
+no generation), and the report counts for the newer one.
+
+Bounds: ``held`` by the pin TTL and ``capacity``; ``running`` and ``reporting`` by
+time (the watchdog, and the pin TTL for a report that never settles); ``waiting`` by
+one per tracked id; the memos by ``capacity`` and time; the timer heap by time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Literal
+
+from broker_lookup.protocol.messages import LookupRequest
+from workers.pipeline.memo import Memo
+
+__all__ = ["NOTHING", "Job", "Lifecycle", "State", "Step"]
+
+State = Literal["running", "reporting", "held"]
+_STATES: tuple[State, ...] = ("running", "reporting", "held")
+
+
+@dataclass(slots=True)
+class Job:
+    """The generation of a lookup id that the engine holds."""
+
+    lookup_id: str
+    gen: int
+    tokens: int
+    started: float  #: monotonic seconds, when it was handed to the engine
+    deadline: float  #: monotonic seconds after which its answer is worthless
+    state: State = "running"
+    aborted: bool = False  #: release instead of holding once it reports
+    superseded: bool = False  #: a newer generation waits: release instead of reporting
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What the server does to the engine next, outside any lock, in this order."""
+
+    release: bool = False  #: ``cleanup_memory_objs(id)``: the engine's generation is done
+    start: LookupRequest | None = None  #: then hand this generation to the engine
+
+
+NOTHING = Step()
+
+
+@dataclass(slots=True)
+class _Waiting:
+    req: LookupRequest
+    deadline: float
+
+
+class Lifecycle:
+    """Decides, per lookup id, what the engine does with each request, report and abort.
+
+    Args:
+        capacity: Most held ids, and most (id, gen) pairs each memo remembers.
+        pin_ttl_s: How long a reported generation's pins are held at most.
+        memo_ttl_s: How long a seen or aborted (id, gen) is remembered.
+        grace_s: How long past its deadline a running generation may stay unreported.
+    """
+
+    def __init__(self, capacity: int, pin_ttl_s: float, memo_ttl_s: float, grace_s: float) -> None:
+        self._lock = threading.Lock()
+        self._capacity = capacity
+        self._pin_ttl_s = pin_ttl_s
+        self._memo_ttl_s = memo_ttl_s
+        self._grace_s = grace_s
+        self._jobs: dict[str, Job] = {}
+        self._waiting: dict[str, _Waiting] = {}
+        self._held: OrderedDict[str, float] = OrderedDict()  # id -> until; TTL order
+        self._timers: list[tuple[float, int, str, int, State]] = []  # lazily deleted
+        self._seq = itertools.count()
+        self._seen: Memo[tuple[str, int]] = Memo(capacity)
+        self._aborted: Memo[tuple[str, int]] = Memo(capacity)
+        self._late: Memo[str] = Memo(capacity)  # ids the watchdog released
+        self._states: Counter[str] = Counter()
+        self._events: Counter[str] = Counter()
+
+    # -- the three inputs -----------------------------------------------------------
+
+    def on_request(self, req: LookupRequest, now: float, deadline: float) -> tuple[str, Step]:
+        """A valid, in-time request; ``deadline`` is its monotonic deadline on this rank.
+
+        Returns the decision (``start``, ``release_then_start``, ``queued``, ``duplicate``,
+        ``aborted``, ``superseded``) and the engine step.
+        """
+        key = (req.lookup_id, req.gen)
+        with self._lock:
+            if key in self._seen:
+                return "duplicate", NOTHING
+            self._seen.add(key, now + self._memo_ttl_s)
+            if self._aborted.discard(key):
+                return "aborted", NOTHING
+            job = self._jobs.get(req.lookup_id)
+            waiting = self._waiting.get(req.lookup_id)
+            newest = max(job.gen if job else -1, waiting.req.gen if waiting else -1)
+            if req.gen <= newest:
+                return "superseded", NOTHING  # an older attempt, read after a newer one
+            if job is None:
+                return "start", self._begin(req, now, deadline)
+            if job.state == "held":
+                self._drop(job)
+                return "release_then_start", Step(True, self._begin(req, now, deadline).start)
+            job.superseded = True
+            if waiting is not None:
+                self._events["superseded"] += 1
+            self._waiting[req.lookup_id] = _Waiting(req, deadline)
+            return "queued", NOTHING
+
+    def on_report(self, lookup_id: str, now: float) -> tuple[str, Job | None, Step]:
+        """The engine reported ``lookup_id``.
+
+        ``report``: the server sends the hits for the returned job (now ``reporting``) and
+        calls :meth:`on_settled` with the answer. ``skipped``: aborted or superseded, do
+        the step. ``late`` or ``unknown``: nothing runs for that id; ignore it.
+        """
+        with self._lock:
+            job = self._jobs.get(lookup_id)
+            if job is None or job.state != "running":
+                return ("late" if self._late.discard(lookup_id) else "unknown"), None, NOTHING
+            if job.aborted or job.superseded:
+                return "skipped", job, self._finish(job, now)
+            self._move(job, "reporting")
+            self._timer(now + self._pin_ttl_s, job)  # a report that never settles
+            return "report", job, NOTHING
+
+    def on_settled(self, lookup_id: str, gen: int, keep: bool, now: float) -> Step:
+        """The report of (``lookup_id``, ``gen``) was written (``keep``: hold the pins) or not."""
+        with self._lock:
+            job = self._jobs.get(lookup_id)
+            if job is None or job.gen != gen or job.state != "reporting":
+                return NOTHING  # already released (watchdog, close) or a detached report
+            if keep and not job.aborted and lookup_id not in self._waiting:
+                self._move(job, "held")
+                self._held[lookup_id] = now + self._pin_ttl_s
+                return NOTHING
+            return self._finish(job, now)
+
+    def on_abort(self, lookup_id: str, gen: int, now: float) -> Step:
+        """Cancel (``lookup_id``, ``gen``) in whatever state it is, or before it arrives."""
+        with self._lock:
+            job = self._jobs.get(lookup_id)
+            if job is not None and job.gen == gen:
+                if job.state == "held":
+                    return self._finish(job, now)
+                job.aborted = True  # released once it reports, or its report settles
+                return NOTHING
+            waiting = self._waiting.get(lookup_id)
+            if waiting is not None and waiting.req.gen == gen:
+                del self._waiting[lookup_id]
+                return NOTHING
+            if (lookup_id, gen) not in self._seen:
+                self._aborted.add((lookup_id, gen), now + self._memo_ttl_s)
+            return NOTHING
+
+    # -- time -------------------------------------------------------------------------
+
+    def due(self, now: float) -> list[tuple[str, Job, Step]]:
+        """Generations whose time ran out, now released: ``watchdog`` (never reported by
+        deadline + grace: the server reports 0) or ``unsettled`` (a report that never
+        settled within the pin TTL)."""
+        out: list[tuple[str, Job, Step]] = []
+        with self._lock:
+            while self._timers and self._timers[0][0] <= now:
+                _, _, lookup_id, gen, state = heapq.heappop(self._timers)
+                job = self._jobs.get(lookup_id)
+                if job is None or job.gen != gen or job.state != state:
+                    continue  # it moved on before its time: a stale timer
+                kind = "watchdog" if state == "running" else "unsettled"
+                self._events[kind] += 1
+                if state == "running":
+                    self._late.add(lookup_id, now + self._pin_ttl_s)
+                out.append((kind, job, self._finish(job, now)))
+        return out
+
+    def expired_holds(self, now: float) -> list[str]:
+        """Held ids past the pin TTL or beyond ``capacity``, now released; also ages memos."""
+        out: list[str] = []
+        with self._lock:
+            while self._held:
+                lookup_id, until = next(iter(self._held.items()))
+                if until > now and len(self._held) <= self._capacity:
+                    break
+                self._finish(self._jobs[lookup_id], now)  # held: nothing waits
+                out.append(lookup_id)
+            for memo in (self._seen, self._aborted, self._late):
+                memo.expire(now)
+        return out
+
+    def release_all(self) -> list[str]:
+        """Every id whose generation the engine holds (shutdown); forgets everything."""
+        with self._lock:
+            ids = list(self._jobs)
+            for store in (self._jobs, self._waiting, self._held, self._states):
+                store.clear()
+            self._timers.clear()
+        return ids
+
+    def events(self) -> dict[str, int]:
+        """Counts of what was decided here: superseded, expired_waiting, watchdog, unsettled."""
+        with self._lock:
+            return dict(self._events)
+
+    def sizes(self) -> dict[str, int]:
+        """Size of every map, for heartbeats, metrics and the bounded-memory tests."""
+        with self._lock:
+            return {
+                **{s: self._states[s] for s in _STATES},
+                "waiting": len(self._waiting),
+                "seen": len(self._seen),
+                "aborted": len(self._aborted),
+                "late": len(self._late),
+                "timers": len(self._timers),
+            }
+
+    # -- transitions (lock held) --------------------------------------------------------
+
+    def _begin(self, req: LookupRequest, now: float, deadline: float) -> Step:
+        job = Job(req.lookup_id, req.gen, req.tokens, now, deadline)
+        self._jobs[req.lookup_id] = job
+        self._states["running"] += 1
+        self._timer(deadline + self._grace_s, job)
+        return Step(start=req)
+
+    def _finish(self, job: Job, now: float) -> Step:
+        """Release the engine's generation of ``job``'s id; start the waiting one in time."""
+        self._drop(job)
+        waiting = self._waiting.pop(job.lookup_id, None)
+        if waiting is None:
+            return Step(release=True)
+        if waiting.deadline <= now:
+            self._events["expired_waiting"] += 1
+            return Step(release=True)
+        return Step(True, self._begin(waiting.req, now, waiting.deadline).start)
+
+    def _drop(self, job: Job) -> None:
+        del self._jobs[job.lookup_id]
+        self._states[job.state] -= 1
+        if job.state == "held":
+            del self._held[job.lookup_id]
+
+    def _move(self, job: Job, state: State) -> None:
+        self._states[job.state] -= 1
+        self._states[state] += 1
+        job.state = state
+
+    def _timer(self, when: float, job: Job) -> None:
+        heapq.heappush(self._timers, (when, next(self._seq), job.lookup_id, job.gen, job.state))

@@ -1,0 +1,1 @@
+"""The reference engine and its tiered chunk store."""
