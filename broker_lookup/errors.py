@@ -8,6 +8,7 @@
     ├── MalformedMessage              a wire entry could not be decoded; keeps ``.payload``
     ├── BrokerUnavailable             Redis unreachable or timed out (translated here)
     ├── BrokerResponseError           Redis answered with an error we do not handle
+    │   └── NoGroup                   a consumer group is gone (NOGROUP): re-create it
     └── UnknownScheme (ValueError)    an external lookup URI names a scheme nobody registered
 
 Redis exceptions never escape the package: :func:`translate_redis_errors` maps them
@@ -28,6 +29,7 @@ __all__ = [
     "ConfigError",
     "InvalidRequest",
     "MalformedMessage",
+    "NoGroup",
     "UnknownScheme",
     "translate_redis_errors",
 ]
@@ -62,6 +64,10 @@ class BrokerResponseError(BrokerLookupError):
     """The Redis server answered with an error this package does not handle itself."""
 
 
+class NoGroup(BrokerResponseError):
+    """A stream command named a consumer group the server does not have (Redis's NOGROUP)."""
+
+
 class UnknownScheme(BrokerLookupError, ValueError):
     """An external lookup URI uses a scheme that no plugin registered."""
 
@@ -83,4 +89,6 @@ def translate_redis_errors(what: str) -> Iterator[None]:
         # ClusterError no ConnectionError: untranslated, they would end a loop thread.
         raise BrokerUnavailable(f"Redis Cluster unavailable while {what}: {exc}") from exc
     except rexc.ResponseError as exc:
+        if str(exc).startswith("NOGROUP"):
+            raise NoGroup(f"consumer group missing while {what}: {exc}") from exc
         raise BrokerResponseError(f"Redis error while {what}: {exc}") from exc

@@ -7,6 +7,7 @@ time, then SIGKILLs what is left and always reaps.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import shutil
@@ -19,9 +20,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-__all__ = ["child_env", "python_module", "spawn", "terminate"]
+__all__ = ["ExitCode", "child_env", "python_module", "spawn", "terminate"]
 
 logger = logging.getLogger(__name__)
+
+
+class ExitCode(enum.IntEnum):
+    """The exit codes of every process we ship: ``broker-lookup``, ranks, tools."""
+
+    OK = 0  #: done, or stopped by a signal, cleanly
+    FAILED = 1  #: the work failed: a loop died, a child failed, a target was missed
+    USAGE = 2  #: bad arguments, environment or config
+    UNREACHABLE = 3  #: Redis did not answer in time at startup
+    INTERRUPTED = 130  #: Ctrl-C
+
 
 #: The directory holding the ``broker_lookup`` and ``workers`` packages.
 _SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)

@@ -19,9 +19,9 @@ import threading
 import time
 from typing import Any
 
-from broker_lookup.client.table import LATENCY_BUCKETS
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.engine import LookupEngine
+from broker_lookup.ops.histogram import LATENCY_BUCKETS
 from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace

@@ -18,7 +18,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Literal
 
-__all__ = ["LATENCY_BUCKETS", "Entry", "LookupTable", "Outcome"]
+from broker_lookup.ops.histogram import LATENCY_BUCKETS
+
+__all__ = ["Entry", "LookupTable", "Outcome"]
 
 Outcome = Literal[
     "hit", "miss", "timeout", "cancelled", "dead_rank", "error", "unavailable", "rejected"
@@ -37,7 +39,6 @@ OUTCOMES: tuple[Outcome, ...] = (
 )
 
 #: Upper bounds (seconds) of the end-to-end latency histogram.
-LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class Entry:

@@ -26,7 +26,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from broker_lookup.client.table import LATENCY_BUCKETS, OUTCOMES
+from broker_lookup.client.table import OUTCOMES
+from broker_lookup.ops.histogram import LATENCY_BUCKETS
 
 __all__ = [
     "CLIENT_METRICS",

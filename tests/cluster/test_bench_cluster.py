@@ -15,7 +15,8 @@ def test_cluster_bench_measures_one_node_and_a_cluster(tmp_path) -> None:
     out = tmp_path / "bench.json"
     args = ["--engines", "1", "--duration", "0.3", "--out", str(out)]
     code = (
-        "import sys; from broker_lookup.tools.bench import cluster as b; sys.exit(b.main(sys.argv[1:]))"
+        "import sys; from broker_lookup.tools.bench import cluster as b\n"
+        "sys.exit(b.main(sys.argv[1:]))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
