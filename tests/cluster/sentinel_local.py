@@ -9,6 +9,7 @@ start.
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
 import subprocess
@@ -20,12 +21,8 @@ from typing import Any
 import redis
 
 from broker_lookup.errors import BrokerUnavailable
-from broker_lookup.tools.embedded import (
-    EmbeddedServer,
-    _default_binary,
-    _free_port,
-    _parent_death_wrapper,
-)
+from broker_lookup.processes import spawn
+from broker_lookup.tools.embedded import EmbeddedServer, _default_binary, _free_port
 
 HOST = "127.0.0.1"
 _ATTEMPTS = 3
@@ -73,10 +70,8 @@ class _SentinelProcess:
         lines = [f"port {self.port}", f"bind {HOST}", f"dir {self.dir}", *self._conf_lines]
         conf.write_text("\n".join(lines) + "\n")
         with open(self.dir / "sentinel.log", "wb") as log:
-            self.proc = subprocess.Popen(
-                [*_parent_death_wrapper(), self._binary, str(conf), "--sentinel"],
-                cwd=self.dir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+            argv = [self._binary, str(conf), "--sentinel"]
+            self.proc = spawn(argv, os.environ, output=log, cwd=self.dir)
 
     def _answers(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:

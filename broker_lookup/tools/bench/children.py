@@ -3,15 +3,15 @@
 A child speaks to the bench in lines on its stdout that start with ``@bench`` (``@bench
 ready <rank> <pid>``, ``@bench result <json>``); everything else it prints is kept as a
 short log tail for error messages. A reader thread drains the pipe all the time, so a
-chatty child never blocks on a full pipe. Children die with us: ``setpriv --pdeathsig``
-(from the main thread), SIGTERM then SIGKILL on :meth:`Child.stop`, always reaped.
+chatty child never blocks on a full pipe. Children die with us: they are started with
+:func:`broker_lookup.processes.spawn` (the kernel SIGTERMs them if we die), and
+:meth:`Child.stop` sends SIGTERM, then SIGKILL, and always reaps.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import shutil
 import subprocess
 import sys
 import threading
@@ -19,10 +19,10 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from broker_lookup.processes import child_env, terminate
+from broker_lookup.processes import child_env, spawn, terminate
 from broker_lookup.tools.bench.measure import BenchError
 
-__all__ = ["TAG", "Child", "emit", "python_m", "start_rank_host", "stop_all"]
+__all__ = ["TAG", "Child", "emit", "start_rank_host", "stop_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,19 +37,6 @@ def emit(kind: str, payload: str) -> None:
     sys.stdout.flush()
 
 
-def python_m(module: str, *args: str) -> list[str]:
-    """argv of ``python -m module args`` with this interpreter."""
-    return [sys.executable, "-m", module, *args]
-
-
-def _pdeathsig() -> list[str]:
-    # The kernel ties PDEATHSIG to the forking *thread*: only the main thread may use it.
-    setpriv = shutil.which("setpriv")
-    if setpriv is None or threading.current_thread() is not threading.main_thread():
-        return []
-    return [setpriv, "--pdeathsig", "TERM", "--"]
-
-
 class Child:
     """One child process and the ``@bench`` lines it sent."""
 
@@ -57,13 +44,7 @@ class Child:
         self.name = name
         self._lines: queue.Queue[tuple[str, str]] = queue.Queue()
         self._tail: deque[str] = deque(maxlen=_TAIL_LINES)
-        self.proc = subprocess.Popen(
-            [*_pdeathsig(), *argv],
-            env=child_env(env),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
+        self.proc = spawn(argv, child_env(env), output=subprocess.PIPE, stdin=subprocess.PIPE)
         self._reader = threading.Thread(target=self._read, name=f"bench-child-{name}", daemon=True)
         self._reader.start()
 

@@ -18,6 +18,7 @@ slots fall on the masters round-robin. See ``docs/scaling.md``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
@@ -35,9 +36,11 @@ import redis
 from redis.crc import key_slot
 
 from broker_lookup.errors import BrokerLookupError, BrokerUnavailable
+from broker_lookup.processes import ExitCode, die_with_parent
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
 from broker_lookup.tools.local_cluster import LocalCluster, slot_ranges
+from broker_lookup.tools.stub_engine import StubEngine
 
 __all__ = ["add_cluster_args", "cmd_cluster_bench", "render_cluster_table", "run_cluster_bench"]
 
@@ -46,30 +49,14 @@ _WARM_SHARE = 0.2  # completions of the first 20% of a run are not counted
 _READY_TIMEOUT_S = 60.0
 
 
-class _InstantEngine:
-    """Answers every lookup with a full hit at once, on the rank's consumer thread."""
-
-    server: Any = None
-
-    def post_init(self, async_lookup_server: Any = None) -> None:
-        self.server = async_lookup_server
-
-    def async_lookup_and_prefetch(
-        self, lookup_id: str, hashes: list[int], offsets: list[int], **_: Any
-    ) -> None:
-        self.server.send_response_to_scheduler(lookup_id, sum(offsets))
-
-    def cleanup_memory_objs(self, lookup_id: str) -> None:  # nothing is pinned
-        pass
-
-
 def engine_ids(run_id: str, count: int, masters: int) -> list[str]:
     """``count`` engine ids whose slots fall on the ``masters`` slot ranges round-robin."""
-    ranges, ids, n = slot_ranges(masters), list[str](), 0
+    ranges = slot_ranges(masters)
+    candidates = (f"bench-{run_id}-{n}" for n in itertools.count())
+    ids: list[str] = []
     while len(ids) < count:
         first, last = ranges[len(ids) % masters]
-        candidate = f"bench-{run_id}-{n}"
-        n += 1
+        candidate = next(candidates)
         if first <= key_slot(KeySpace(candidate).requests.encode()) <= last:
             ids.append(candidate)
     return ids
@@ -77,7 +64,9 @@ def engine_ids(run_id: str, count: int, masters: int) -> list[str]:
 
 def _closed_loop(client: Any, window: int, duration_s: float) -> tuple[int, float]:
     """Keep ``window`` lookups in flight; (completions counted, seconds they span)."""
-    prompt, issued, inflight = list(range(_TOKENS)), 0, set[str]()
+    prompt = list(range(_TOKENS))
+    issued = 0
+    inflight: set[str] = set()
     done_at: list[float] = []
     end = time.monotonic() + duration_s
     while time.monotonic() < end:
@@ -102,9 +91,11 @@ def _engine_main(url: str, engine_id: str, window: int, duration_s: float, pipe:
     from broker_lookup.client.factory import LookupClientFactory
     from broker_lookup.config import LookupConfig, LookupMetadata
 
+    die_with_parent()  # forked without exec: an engine must not outlive the bench
     config = LookupConfig(redis_url=url, lookup_timeout_ms=30_000)
     meta = LookupMetadata(engine_id=engine_id, world_size=1)
-    server = LookupClientFactory.create_lookup_server(_InstantEngine(), meta, config)
+    engine = StubEngine("instant", record=False)  # a full hit at once, on the consumer thread
+    server = LookupClientFactory.create_lookup_server(engine, meta, config)
     deadline = time.monotonic() + _READY_TIMEOUT_S
     while not server.stats()["last_heartbeat"] and time.monotonic() < deadline:
         time.sleep(0.02)  # the client would log the rank dead if it started first
@@ -136,7 +127,8 @@ def _run_engines(
     """Fork one process per engine id; (their results, each server's CPU share meanwhile)."""
     # fork: the engine processes start in milliseconds instead of re-importing torch.
     ctx = multiprocessing.get_context("fork")
-    pipes, procs = [], []
+    pipes: list[Connection] = []
+    procs: list[multiprocessing.process.BaseProcess] = []
     for eid in ids:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_engine_main, args=(url, eid, window, duration_s, child))
@@ -145,22 +137,24 @@ def _run_engines(
         procs.append(proc)
     try:
         _expect_all(pipes, "ready", _READY_TIMEOUT_S)
-        before, t0 = _busy(nodes), time.monotonic()
+        before = _busy(nodes)
+        t0 = time.monotonic()
         for p in pipes:
             p.send("go")
         results = _expect_all(pipes, None, duration_s + _READY_TIMEOUT_S)
         wall = time.monotonic() - t0
         return results, [(b - a) / wall for a, b in zip(before, _busy(nodes), strict=True)]
     finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        for process in procs:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join()
 
 
 def _expect_all(pipes: list[Connection], want: str | None, timeout_s: float) -> list[Any]:
-    deadline, got = time.monotonic() + timeout_s, []
+    deadline = time.monotonic() + timeout_s
+    got = []
     for p in pipes:
         if not p.poll(max(0.0, deadline - time.monotonic())):
             raise BrokerLookupError(f"an engine process did not answer within {timeout_s:g}s")
@@ -208,27 +202,34 @@ def run_cluster_bench(
     if threading.active_count() > 1:
         raise BrokerLookupError("run the cluster bench from a process without threads (fork)")
     run_id = uuid.uuid4().hex[:8]
-    out: dict[str, Any] = {
-        "meta": {"duration_s": duration_s, "window_per_engine": window, "masters": masters,
-                 "tokens": _TOKENS, "engine_processes": True, "run_id": run_id,
-                 "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
-    }  # fmt: skip
+    meta = {
+        "duration_s": duration_s,
+        "window_per_engine": window,
+        "masters": masters,
+        "tokens": _TOKENS,
+        "engine_processes": True,
+        "run_id": run_id,
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+    }
+    out: dict[str, Any] = {"meta": meta}
     for kind in ("single", "cluster"):
         with _topology(kind, masters, binary) as (url, nodes):
-            out[kind] = {
-                str(n): _measure(url, nodes, engine_ids(f"{run_id}{kind[0]}{n}", n, masters),
-                                 window, duration_s)
-                for n in engines
-            }  # fmt: skip
-            out["meta"].setdefault("server", _server_name(nodes[0]))
-    out["meta"]["loadavg_end"] = os.getloadavg()
+            cells = {}
+            for n in engines:
+                ids = engine_ids(f"{run_id}{kind[0]}{n}", n, masters)
+                cells[str(n)] = _measure(url, nodes, ids, window, duration_s)
+            out[kind] = cells
+            meta.setdefault("server", _server_name(nodes[0]))
+    meta["loadavg_end"] = os.getloadavg()
     return out
 
 
 def _server_name(node: redis.Redis) -> str:
     info: Any = node.info("server")
-    return f"valkey {info['valkey_version']}" if "valkey_version" in info else (
-        f"redis {info.get('redis_version')}")  # fmt: skip
+    if "valkey_version" in info:
+        return f"valkey {info['valkey_version']}"
+    return f"redis {info.get('redis_version')}"
 
 
 def render_cluster_table(results: dict[str, Any]) -> str:
@@ -269,11 +270,12 @@ def add_cluster_args(p: argparse.ArgumentParser, standalone: bool = False) -> No
 def cmd_cluster_bench(args: argparse.Namespace) -> int:
     """Run from parsed ``bench`` arguments (``--engines``, ``--duration``, ``--out`` reused).
 
-    Exit codes as ``bench``: 0 ok, 1 failed, 2 usage, 3 a server did not start.
+    Exit codes as ``bench`` (:class:`~broker_lookup.processes.ExitCode`): UNREACHABLE when
+    a server did not start.
     """
     if getattr(args, "redis_url", None):
         print("broker-lookup bench --cluster starts its own servers: drop --redis-url")
-        return 2
+        return ExitCode.USAGE
     try:
         results = run_cluster_bench(
             tuple(getattr(args, "engines", None) or (1, 4, 8)),
@@ -282,11 +284,11 @@ def cmd_cluster_bench(args: argparse.Namespace) -> int:
         )
     except BrokerLookupError as exc:
         print(f"broker-lookup bench --cluster: {exc}", file=sys.stderr)
-        return 3 if isinstance(exc, BrokerUnavailable) else 1
+        return ExitCode.UNREACHABLE if isinstance(exc, BrokerUnavailable) else ExitCode.FAILED
     if getattr(args, "out", None):
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(render_cluster_table(results))
-    return 0
+    return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> int:

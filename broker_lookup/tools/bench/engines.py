@@ -17,7 +17,8 @@ from typing import Any
 
 import redis
 
-from broker_lookup.tools.bench.children import Child, emit, python_m, stop_all
+from broker_lookup.processes import python_module
+from broker_lookup.tools.bench.children import Child, emit, stop_all
 from broker_lookup.tools.bench.measure import BenchOptions, Prompts, closed_loop, cpu_seconds_of
 from broker_lookup.tools.bench.ours import client_for, engine_id, rank_host
 
@@ -32,11 +33,13 @@ def ranks_per_engine(opts: BenchOptions, engines: int) -> int:
 
 
 def _driver_argv(opts: BenchOptions, url: str, eid: str, world: int, window: int) -> list[str]:
-    return python_m(
+    return python_module(
         "broker_lookup.tools.bench.engines",
-        *("--redis-url", url, "--engine-id", eid, "--world-size", str(world)),
-        *("--window", str(window), "--duration", str(opts.duration_s)),
-        *("--tokens", str(opts.tokens), "--poll-us", str(opts.poll_us)),
+        [
+            *("--redis-url", url, "--engine-id", eid, "--world-size", str(world)),
+            *("--window", str(window), "--duration", str(opts.duration_s)),
+            *("--tokens", str(opts.tokens), "--poll-us", str(opts.poll_us)),
+        ],
     )
 
 

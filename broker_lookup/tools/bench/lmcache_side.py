@@ -2,9 +2,10 @@
 
 LMCache's ``LMCacheAsyncLookupClient`` runs in this process; its
 ``LMCacheAsyncLookupServer`` ranks run as processes (``python -m
-broker_lookup.tools.bench.lmcache_side --engine ID:WORLD``, forked from one host), each with an
-instant fake engine whose ``async_lookup_and_prefetch`` calls
-``server.send_response_to_scheduler`` at once, as LMCache's own tests do. Two client
+broker_lookup.tools.bench.lmcache_side --engine ID:WORLD``, forked from one host), each with the
+same instant :class:`~broker_lookup.tools.stub_engine.StubEngine` as our ranks, whose
+``async_lookup_and_prefetch`` calls ``server.send_response_to_scheduler`` at once, as
+LMCache's own tests do. Two client
 configurations share the ranks: LMCache's default (``lookup_backoff_time`` 10 ms, slept
 in ``lookup()`` and in every ``lookup_cache()`` of a pending id) and backoff 0
 (``extra_config={"lookup_backoff_time": 0}``). lmcache is imported lazily.
@@ -21,7 +22,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from broker_lookup.tools.bench.children import python_m, start_rank_host, stop_all
+from broker_lookup.processes import ExitCode, python_module
+from broker_lookup.tools.bench.children import start_rank_host, stop_all
 from broker_lookup.tools.bench.measure import (
     BenchError,
     BenchOptions,
@@ -31,6 +33,7 @@ from broker_lookup.tools.bench.measure import (
     sequential_latency,
 )
 from broker_lookup.tools.bench.rank_host import RankSpec, host_parser, ready, run_host
+from broker_lookup.tools.stub_engine import StubEngine
 
 __all__ = ["VARIANTS", "bench_lmcache", "lmcache_hashing", "main", "require_lmcache"]
 
@@ -103,31 +106,6 @@ def _metadata(lm: SimpleNamespace, engine_id: str, world: int, rank: int) -> Any
     )
 
 
-class FakeEngine:
-    """Instant engine: reports ``fraction`` of the chunks at once through the server."""
-
-    def __init__(self, fraction: float, mute: bool) -> None:
-        self.fraction = fraction
-        self.mute = mute
-        self.server: Any = None
-
-    def async_lookup_and_prefetch(
-        self,
-        lookup_id: str,
-        hashes: list[int],
-        offsets: list[int],
-        pin: bool = True,
-        request_configs: dict[str, Any] | None = None,
-    ) -> None:
-        """Report the hit prefix now (unless muted)."""
-        if not self.mute:
-            chunks = int(len(offsets) * self.fraction)
-            self.server.send_response_to_scheduler(lookup_id, sum(offsets[:chunks]))
-
-    def cleanup_memory_objs(self, lookup_id: str) -> None:
-        """Nothing is pinned."""
-
-
 def _close_safely(lm: SimpleNamespace, owner: Any, path: str, wake: Any) -> None:
     """Stop a LMCache client or server whose thread is blocked in ``recv``, then close it.
 
@@ -154,9 +132,12 @@ def _close_safely(lm: SimpleNamespace, owner: Any, path: str, wake: Any) -> None
 
 
 def _serve(lm: SimpleNamespace, fraction: float, spec: RankSpec, stop: threading.Event) -> int:
-    engine = FakeEngine(fraction, spec.mute)
+    engine = StubEngine("mute" if spec.mute else "instant", fraction=fraction, record=False)
     metadata = _metadata(lm, spec.engine_id, spec.world_size, spec.rank)
-    engine.server = server = lm.Server(engine, metadata)
+    server = lm.Server(engine, metadata)
+    # LMCache's server does not wire itself into its engine: its manager calls the engine's
+    # post_init(async_lookup_server=...) right after building the server, so we do the same.
+    engine.post_init(async_lookup_server=server)
     try:
         ready(spec)
         while not stop.wait(0.5):
@@ -218,7 +199,7 @@ def bench_lmcache(opts: BenchOptions, run_id: str) -> dict[str, Any]:
     """Latency per world size and throughput, for each client variant in :data:`VARIANTS`."""
     lm = require_lmcache()
     ids = {w: f"bench-{run_id}-lm{w}" for w in opts.worlds}
-    argv = python_m("broker_lookup.tools.bench.lmcache_side")
+    argv = python_module("broker_lookup.tools.bench.lmcache_side")
     for w, eid in ids.items():
         argv += ["--engine", f"{eid}:{w}"]
     out: dict[str, Any] = {name: {"latency": {}} for name in VARIANTS}
@@ -270,6 +251,6 @@ def _remove_sockets(engine_ids: Any) -> None:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except BenchError as exc:
+    except BenchError as exc:  # lmcache missing or of another version
         print(f"bench_lmcache: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(ExitCode.USAGE)

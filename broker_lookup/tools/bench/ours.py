@@ -17,8 +17,9 @@ import redis
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
+from broker_lookup.processes import python_module
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.tools.bench.children import python_m, start_rank_host, stop_all
+from broker_lookup.tools.bench.children import start_rank_host, stop_all
 from broker_lookup.tools.bench.measure import (
     BenchError,
     BenchOptions,
@@ -88,7 +89,7 @@ def rank_host(
     opts: BenchOptions, url: str, engines: dict[str, int], mute: frozenset[str] = frozenset()
 ) -> Iterator[dict[str, dict[int, int]]]:
     """Serve ``engines`` (id -> world size) from one rank host; yield the rank pids."""
-    argv = python_m("broker_lookup.tools.bench.our_ranks", "--redis-url", url)
+    argv = python_module("broker_lookup.tools.bench.our_ranks", ["--redis-url", url])
     for eid, world in engines.items():
         argv += ["--engine", f"{eid}:{world}" + (":mute" if eid in mute else "")]
     host, pids = start_rank_host(

@@ -5,7 +5,8 @@ repeatable). It forks after its imports, so N ranks cost one interpreter start (
 worker side imports torch: ~1.5 s and ~300 MB each otherwise). Each rank process runs
 ``serve(spec, stop)``, which builds its server, calls :func:`ready`, and returns after
 ``stop`` is set (SIGTERM). The host forwards SIGTERM to its ranks and reaps them; a rank
-dies with its host (``PR_SET_PDEATHSIG``), and a rank that dies takes the others down.
+dies with its host (:func:`broker_lookup.processes.die_with_parent`), and a rank that dies
+takes the others down.
 Used by ``broker_lookup.tools.bench.our_ranks`` (our server) and
 ``broker_lookup.tools.bench.lmcache_side`` (LMCache's).
 """
@@ -13,7 +14,6 @@ Used by ``broker_lookup.tools.bench.our_ranks`` (our server) and
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -22,13 +22,13 @@ import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
+from broker_lookup.processes import ExitCode, die_with_parent
 from broker_lookup.tools.bench.children import emit
 
 __all__ = ["RankSpec", "Serve", "host_parser", "ready", "run_host"]
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _KILL_AFTER_S = 10.0
 
 
@@ -73,21 +73,13 @@ def ready(spec: RankSpec) -> None:
     emit("ready", f"{spec.engine_id} {spec.rank} {os.getpid()}")
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: the host still stops us on SIGTERM
-        pass
-
-
 def _fork_rank(spec: RankSpec, serve: Serve) -> int:
     pid = os.fork()
     if pid:
         return pid
-    code = 1
+    code: int = ExitCode.FAILED
     try:
-        _die_with_parent()
+        die_with_parent()
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -101,7 +93,7 @@ def _fork_rank(spec: RankSpec, serve: Serve) -> int:
 
 
 def run_host(engines: list[list[RankSpec]], serve: Serve) -> int:
-    """Fork a process per rank, wait for all; 0 if every rank exited 0."""
+    """Fork a process per rank, wait for all; OK (0) if every rank exited 0, else FAILED."""
     children = [_fork_rank(spec, serve) for specs in engines for spec in specs]
     stopping = threading.Event()
 
@@ -124,11 +116,11 @@ def run_host(engines: list[list[RankSpec]], serve: Serve) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    worst = 0
+    worst = ExitCode.OK
     for pid in children:
         _, status = os.waitpid(pid, 0)
         if os.waitstatus_to_exitcode(status) != 0:
-            worst = 1
+            worst = ExitCode.FAILED
         if not stopping.is_set():  # a rank died on its own: take the rest down too
             forward(signal.SIGTERM, None)
     return worst
