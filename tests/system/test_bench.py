@@ -22,7 +22,7 @@ from broker_lookup.tools.bench.command import BenchOptions, add_bench_parser, cm
 from broker_lookup.tools.bench.lmcache_side import VARIANTS, require_lmcache
 from broker_lookup.tools.bench.measure import BenchError
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _descendants_and_strays(run_id: str | None) -> set[int]:

@@ -19,7 +19,7 @@ from helpers import wait_until
 from broker_lookup.processes import child_env, python_module, spawn, terminate
 from broker_lookup.protocol.keys import KeySpace
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(300)]
 
 STARTUP_S = 90.0
 FAST = {

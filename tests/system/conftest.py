@@ -1,4 +1,4 @@
-"""Fixtures of the fault-injection suite: rank processes and clients, always cleaned up.
+"""Fixtures of the system tests: rank processes, clients and fault proxies, always cleaned up.
 
 Rank processes are real ``python -m workers`` children (the shipped runner), so a
 SIGKILL, SIGSTOP or SIGTERM lands on the same code a pod runs. Every child is killed
@@ -15,14 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faultkit import FAST, RankProcess, config
-from helpers import Backend
+from faultkit import FAST, RankProcess
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
 from broker_lookup.processes import child_env
 from broker_lookup.tools.faultproxy.proxy import FaultProxy
-from workers.server import RedisAsyncLookupServer
 
 
 @pytest.fixture
@@ -74,48 +72,6 @@ def clients() -> Iterator[Callable[..., RedisAsyncLookupClient]]:
         cfg: LookupConfig, engine_id: str, world_size: int = 1, cls: type = RedisAsyncLookupClient
     ) -> RedisAsyncLookupClient:
         client = cls(cfg, LookupMetadata(engine_id=engine_id, world_size=world_size))
-        made.append(client)
-        return client
-
-    try:
-        yield make
-    finally:
-        for client in made:
-            client.close()
-
-
-@pytest.fixture
-def make_server(
-    backend: Backend, engine_id: str
-) -> Iterator[Callable[..., RedisAsyncLookupServer]]:
-    """``make(engine, rank=0, world_size=1, **config)``: an in-process rank on ``backend``."""
-    made: list[RedisAsyncLookupServer] = []
-
-    def make(engine: Any, rank: int = 0, world_size: int = 1, **overrides: Any):
-        meta = LookupMetadata(engine_id=engine_id, world_size=world_size, worker_id=rank)
-        server = RedisAsyncLookupServer(
-            engine, meta, config(**overrides), connection_factory=backend.factory
-        )
-        made.append(server)
-        return server
-
-    try:
-        yield make
-    finally:
-        for server in made:
-            server.close()
-
-
-@pytest.fixture
-def make_client(
-    backend: Backend, engine_id: str
-) -> Iterator[Callable[..., RedisAsyncLookupClient]]:
-    """``make(world_size=1, cls=RedisAsyncLookupClient, **config)`` on ``backend``."""
-    made: list[RedisAsyncLookupClient] = []
-
-    def make(world_size: int = 1, cls: type = RedisAsyncLookupClient, **overrides: Any):
-        meta = LookupMetadata(engine_id=engine_id, world_size=world_size)
-        client = cls(config(**overrides), meta, connection_factory=backend.factory)
         made.append(client)
         return client
 

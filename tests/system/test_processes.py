@@ -22,7 +22,7 @@ from broker_lookup.ops.metrics import ClientCollector
 from broker_lookup.processes import child_env, python_module, spawn, terminate
 from broker_lookup.protocol.keys import KeySpace
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(300)]
 
 CHUNK = 16
 FULL = list(range(100, 100 + 8 * CHUNK))  # on every rank

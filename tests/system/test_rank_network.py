@@ -89,7 +89,7 @@ def test_stalled_rank_connection_answers_zero_fast_then_recovers(
     setup, fault_proxy: FaultProxy, engine_id
 ):
     ks = KeySpace(engine_id)
-    _, client, conn = setup()  # FAST: a 1 s heartbeat TTL, a 1.5 s lookup timeout
+    _, client, conn = setup()  # FAST: a 1.5 s heartbeat TTL and lookup timeout
     fault_proxy.hold()  # the rank's connections stall, no RST
     wait_until(lambda: client.stats()["dead_ranks"] == [0], timeout=10)
     for i in range(3):

@@ -19,7 +19,7 @@ from broker_lookup.ops.metrics import METRIC_NAMES
 from broker_lookup.processes import child_env, python_module, spawn, terminate
 from broker_lookup.tools.embedded import EmbeddedServer
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(300)]
 
 STARTUP_S = 90.0
 WORKER_NAMES = {n for n in METRIC_NAMES if n.startswith("broker_lookup_worker_")}
