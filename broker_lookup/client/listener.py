@@ -23,6 +23,7 @@ from broker_lookup.client.breaker import Breaker
 from broker_lookup.client.table import LookupTable
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, MalformedMessage, translate_redis_errors
+from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import decode_done
 from broker_lookup.threads import LoopThread
@@ -172,16 +173,18 @@ class Listener(LoopThread):
         with translate_redis_errors("reconciling lookups"):
             pipe = client.pipeline(transaction=False)
             for lookup_id, _ in due:
-                pipe.hmget(self._keys.lookup(lookup_id), "state", "gen", "result")
+                pipe.hmget(self._keys.lookup(lookup_id), *lookup_hash.STATUS_FIELDS)
             rows = pipe.execute()
-        for (lookup_id, entry), (state, gen, result) in zip(due, rows, strict=True):
-            if state is None:
+        for (lookup_id, entry), row in zip(due, rows, strict=True):
+            status = lookup_hash.decode(dict(zip(lookup_hash.STATUS_FIELDS, row, strict=True)))
+            if not status.exists:
                 # Redis confirmed the submit, so the key existed: it was flushed, the
                 # server restarted empty, or the key was evicted.
                 logger.warning(
                     "lookup %.200r gen %d vanished from Redis; answering 0", lookup_id, entry.gen
                 )
                 self._table.expire(lookup_id, entry, "error")
-            elif state == b"done" and gen is not None and int(gen) == entry.gen:
-                value = int(result)
+                continue
+            value = status.done_for(entry.gen)
+            if value is not None:
                 self._table.finish(lookup_id, entry.gen, value, "hit" if value > 0 else "miss")

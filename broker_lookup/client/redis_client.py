@@ -200,7 +200,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             tokens=tokens,
             budget_ms=self.config.lookup_timeout_ms,
         )
-        if not self._sender.submit(lookup_id, entry, request):
+        if not self._sender.submit(entry, request):
             self._table.expire(lookup_id, entry, "unavailable")
             return 0
         return entry

@@ -5,6 +5,12 @@ thread drains everything queued per wake-up into one pipeline, so a burst of N
 lookups costs one round trip, not N. The queue is bounded (``max_pending``), every
 round trip is tracked by the circuit breaker, and every script is idempotent per
 (lookup id, generation), so re-sending a batch whose reply was lost changes nothing.
+
+A lookup's way out, in order: :meth:`Sender.submit` queues it (the caller's thread);
+the :class:`~broker_lookup.transport.batcher.Batcher` loop hands a batch to
+:meth:`Sender._send_batch`, which builds each script call next to its Lua
+(:func:`~broker_lookup.protocol.scripts.submit_call`, ``cancel_call``), runs them in
+one retried round trip, and settles each lookup in the table.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -21,8 +28,8 @@ from broker_lookup.client.table import Entry, LookupTable
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, BrokerUnavailable, translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import Abort, LookupRequest, request_fields
-from broker_lookup.protocol.scripts import CANCEL, SUBMIT, Call, ScriptSet, submit_args
+from broker_lookup.protocol.messages import Abort, LookupRequest
+from broker_lookup.protocol.scripts import Call, ScriptSet, cancel_call, submit_call
 from broker_lookup.transport.batcher import Batcher
 
 __all__ = ["Sender"]
@@ -32,15 +39,21 @@ logger = logging.getLogger(__name__)
 _MAX_BATCH = 512
 
 
-def _flat(fields: dict[str, bytes | str | int]) -> list[bytes | str | int]:
-    out: list[bytes | str | int] = []
-    for k, v in fields.items():
-        out.append(k)
-        out.append(v)
-    return out
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """A lookup to register in Redis: the table's entry and the request to broadcast."""
+
+    entry: Entry
+    request: LookupRequest
+
+    @property
+    def lookup_id(self) -> str:
+        """The caller's id."""
+        return self.request.lookup_id
 
 
-Item = tuple[str, Entry | None, LookupRequest | Abort]
+#: What the sender's queue holds: a lookup to submit or a generation to cancel.
+Item = Submit | Abort
 
 
 class Sender(Batcher[Item]):
@@ -78,16 +91,16 @@ class Sender(Batcher[Item]):
         self._expected = expected
         super().start()
 
-    def submit(self, lookup_id: str, entry: Entry, request: LookupRequest) -> bool:
+    def submit(self, entry: Entry, request: LookupRequest) -> bool:
         """Queue a lookup (hot path: an append and an event set); False if the queue is full."""
-        if self._put((lookup_id, entry, request)):
+        if self._put(Submit(entry, request)):
             return True
         self.dropped += 1
         return False
 
     def cancel(self, lookup_id: str, gen: int) -> None:
         """Queue a cancel of one generation that was sent (dropped, counted, if full)."""
-        if not self._put((lookup_id, None, Abort(lookup_id=lookup_id, gen=gen))):
+        if not self._put(Abort(lookup_id=lookup_id, gen=gen)):
             self._lost_cancel(lookup_id, gen, "the send queue is full")
 
     def _idle(self, client: redis.Redis) -> None:
@@ -106,66 +119,55 @@ class Sender(Batcher[Item]):
         except BrokerLookupError:
             pass  # still down: the breaker stays open; probes are not counted as errors
 
-    def _call_for(self, item: Item) -> Call | None:
-        lookup_id, entry, msg = item
-        key = self._keys.lookup(lookup_id)
-        cfg = self._config
-        if isinstance(msg, Abort):
-            return Call(
-                CANCEL,
-                (key, self._keys.requests),
-                [msg.gen, cfg.stream_maxlen, *_flat(request_fields(msg))],
-            )
-        if entry is None:
-            return None
-        entry.sent = True  # before reading result: see Entry.sent
-        if entry.result is not None:
-            return None  # finished before it was sent (timeout, cancel, superseded)
-        return Call(
-            SUBMIT,
-            (key, self._keys.requests),
-            submit_args(
-                gen=msg.gen,
-                expected=self._expected,
-                created_ms=int(time.time() * 1000),
-                deadline_ms=msg.deadline_ms,
-                tokens=msg.tokens,
-                ttl_ms=cfg.key_ttl_ms,
-                maxlen=cfg.stream_maxlen,
-                lookup_id=lookup_id,
-                fields=request_fields(msg),
-            ),
-        )
-
     def _send_batch(self, client: redis.Redis, batch: list[Item]) -> None:
+        """One round trip for ``batch``: build the calls, run them, settle each item."""
         pairs = [(item, call) for item in batch if (call := self._call_for(item)) is not None]
         if not pairs:
             return
-        results: list[Any]
-        try:
-            with self._breaker.track("sender"):
-                sent = self._run_with_retries(client, [c for _, c in pairs])
-                if sent is None:
-                    raise BrokerUnavailable("Redis unavailable after retries")
-                results = sent
-        except BrokerUnavailable as exc:
-            results = [exc] * len(pairs)
+        results = self._round_trip(client, [call for _, call in pairs])
         self.batches += 1
         now = time.monotonic()
         for (item, _), res in zip(pairs, results, strict=True):
-            lookup_id, entry, _ = item
             if isinstance(res, Exception):
                 self._failed(item, res)
-            elif entry is not None:
-                self._table.confirmed(lookup_id, entry, now)
+            elif isinstance(item, Submit):
+                self._table.confirmed(item.lookup_id, item.entry, now)
+
+    def _call_for(self, item: Item) -> Call | None:
+        """The script call for ``item``; None for a lookup that finished before it was sent."""
+        cfg = self._config
+        if isinstance(item, Abort):
+            return cancel_call(self._keys, item, maxlen=cfg.stream_maxlen)
+        entry = item.entry
+        entry.sent = True  # before reading result: see Entry.sent
+        if entry.result is not None:
+            return None  # finished before it was sent (timeout, cancel, superseded)
+        return submit_call(
+            self._keys,
+            item.request,
+            expected=self._expected,
+            created_ms=int(time.time() * 1000),
+            ttl_ms=cfg.key_ttl_ms,
+            maxlen=cfg.stream_maxlen,
+        )
+
+    def _round_trip(self, client: redis.Redis, calls: list[Call]) -> list[Any]:
+        """Each call's result, or for all of them the error that made Redis unavailable."""
+        try:
+            with self._breaker.track("sender"):
+                results = self._run_with_retries(client, calls)
+                if results is None:
+                    raise BrokerUnavailable("Redis unavailable after retries")
+                return results
+        except BrokerUnavailable as exc:
+            return [exc] * len(calls)
 
     def _failed(self, item: Item, exc: Exception) -> None:
-        lookup_id, entry, msg = item
-        if entry is not None:
+        if isinstance(item, Submit):
             # Redis is unreachable or refused: answer 0 now instead of at the timeout.
-            self._table.expire(lookup_id, entry, "error")
+            self._table.expire(item.lookup_id, item.entry, "error")
         else:
-            self._lost_cancel(lookup_id, msg.gen, str(exc))
+            self._lost_cancel(item.lookup_id, item.gen, str(exc))
 
     def _lost_cancel(self, lookup_id: str, gen: int, why: str) -> None:
         self.lost_cancels += 1

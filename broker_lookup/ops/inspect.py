@@ -18,6 +18,7 @@ import redis
 
 from broker_lookup.config import LookupConfig, redact_url
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
+from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.transport.connection import make_factory
 
@@ -47,21 +48,19 @@ def _lookups(client: redis.Redis, keys: KeySpace, now_ms: int, limit: int) -> Sn
     replies = pipe.execute()
     items = []
     for i, key in enumerate(shown):
-        fields = {_s(k): _s(v) for k, v in replies[2 * i].items()}
-        expected = [int(r) for r in fields.get("expected", "").split(",") if r.isdigit()]
-        hits = {r: _int(fields[f"r{r}"]) for r in expected if f"r{r}" in fields}
-        created = _int(fields.get("created_ms", ""))
+        fields = lookup_hash.decode(replies[2 * i])
+        created = fields.created_ms
         items.append(
             {
                 # The caller's id: the key holds a digest of ids a key should not hold.
-                "id": fields.get("id") or keys.lookup_id_of(key),
-                "state": fields.get("state"),
-                "gen": _int(fields.get("gen", "")),
+                "id": fields.lookup_id or keys.lookup_id_of(key),
+                "state": fields.state,
+                "gen": fields.gen,
                 "age_ms": now_ms - created if created is not None else None,
-                "tokens": _int(fields.get("tokens", "")),
-                "hits": hits,
-                "missing": [r for r in expected if r not in hits],
-                "result": _int(fields.get("result", "")),
+                "tokens": fields.tokens,
+                "hits": fields.hits,
+                "missing": fields.missing,
+                "result": fields.result,
                 "ttl_ms": replies[2 * i + 1],
             }
         )
@@ -167,7 +166,8 @@ def _render_lookups(snap: Snapshot, lines: list[str]) -> None:
     if lk["shown"]:
         lines.append(f"  {'id':<28}{'state':<9}{'age':<9}{'ttl':<9}{'hits':<24}missing")
     for item in lk["shown"]:
-        hits = " ".join(f"r{r}={v}" for r, v in item["hits"].items()) or "-"
+        shown = item["hits"].items()
+        hits = " ".join(f"{lookup_hash.rank_field(r)}={v}" for r, v in shown) or "-"
         ttl = item["ttl_ms"] / 1000 if item["ttl_ms"] and item["ttl_ms"] > 0 else None
         age = item["age_ms"] / 1000 if item["age_ms"] is not None else None
         missing = ",".join(map(str, item["missing"])) or "-"

@@ -7,9 +7,9 @@ Cluster, all of them live in one slot and every Lua script is legal.
 key                         type     content
 ==========================  =======  ====================================================
 ``bl:{E}:requests``         stream   lookup and abort entries; one group ``rank-<r>`` per rank
-``bl:{E}:lookup:<id>``      hash     id, state, gen, expected, r<rank>, result, created_ms,
-                                     deadline_ms, tokens; PEXPIRE always set (``<id>`` is
-                                     ``~<sha256>`` for ids a key should not hold)
+``bl:{E}:lookup:<id>``      hash     one lookup's state (fields: ``lookup_hash``); PEXPIRE
+                                     always set (``<id>`` is ``~<sha256>`` for ids a key
+                                     should not hold)
 ``bl:{E}:done``             stream   completion events for the scheduler's listener
 ``bl:{E}:hb:<r>``           string   rank heartbeat (JSON), PX TTL
 ``bl:{E}:dead``             stream   dead-lettered entries with the reason
@@ -23,6 +23,7 @@ import hashlib
 import re
 
 from broker_lookup.errors import ConfigError
+from broker_lookup.protocol import lookup_hash
 
 __all__ = ["DIGEST_MARK", "PREFIX", "KeySpace", "validate_engine_id"]
 
@@ -114,5 +115,5 @@ class KeySpace:
 
     @staticmethod
     def rank_field(rank: int) -> str:
-        """Field of the lookup hash holding one rank's hit count."""
-        return f"r{rank}"
+        """Field of the lookup hash holding one rank's hit count (see ``lookup_hash``)."""
+        return lookup_hash.rank_field(rank)

@@ -19,8 +19,22 @@ import redis
 from redis.exceptions import NoScriptError, ResponseError
 
 from broker_lookup.errors import translate_redis_errors
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import Abort, LookupRequest, request_fields
 
-__all__ = ["CANCEL", "REPORT", "SUBMIT", "Call", "ScriptSet", "is_noscript", "submit_args"]
+__all__ = [
+    "CANCEL",
+    "REPORT",
+    "SUBMIT",
+    "Call",
+    "ScriptSet",
+    "cancel_args",
+    "cancel_call",
+    "is_noscript",
+    "report_args",
+    "submit_args",
+    "submit_call",
+]
 
 SUBMIT = "submit"
 REPORT = "report"
@@ -54,10 +68,63 @@ def submit_args(
 ) -> list[Arg]:
     """ARGV of ``submit.lua``, in the order its header documents."""
     args: list[Arg] = [gen, expected, created_ms, deadline_ms, tokens, ttl_ms, maxlen, lookup_id]
+    return args + _pairs(fields)
+
+
+def submit_call(
+    keys: KeySpace,
+    request: LookupRequest,
+    *,
+    expected: str,
+    created_ms: int,
+    ttl_ms: int,
+    maxlen: int,
+) -> Call:
+    """The ``submit.lua`` call registering ``request`` and broadcasting it to every rank.
+
+    ``expected`` is the comma-separated rank list, ``ttl_ms`` the hash's PEXPIRE and
+    ``maxlen`` the request stream's approximate cap.
+    """
+    args = submit_args(
+        gen=request.gen,
+        expected=expected,
+        created_ms=created_ms,
+        deadline_ms=request.deadline_ms,
+        tokens=request.tokens,
+        ttl_ms=ttl_ms,
+        maxlen=maxlen,
+        lookup_id=request.lookup_id,
+        fields=request_fields(request),
+    )
+    return Call(SUBMIT, (keys.lookup(request.lookup_id), keys.requests), args)
+
+
+def cancel_args(*, gen: int, maxlen: int, fields: dict[str, Arg]) -> list[Arg]:
+    """ARGV of ``cancel.lua``, in the order its header documents."""
+    args: list[Arg] = [gen, maxlen]
+    return args + _pairs(fields)
+
+
+def cancel_call(keys: KeySpace, abort: Abort, *, maxlen: int) -> Call:
+    """The ``cancel.lua`` call forgetting ``abort``'s generation and telling every rank."""
+    args = cancel_args(gen=abort.gen, maxlen=maxlen, fields=request_fields(abort))
+    return Call(CANCEL, (keys.lookup(abort.lookup_id), keys.requests), args)
+
+
+def _pairs(fields: dict[str, Arg]) -> list[Arg]:
+    """A stream entry's fields as the flat name, value, ... list XADD takes."""
+    out: list[Arg] = []
     for name, value in fields.items():
-        args.append(name)
-        args.append(value)
-    return args
+        out.append(name)
+        out.append(value)
+    return out
+
+
+def report_args(
+    *, rank: int, gen: int, hits: int, done_maxlen: int, lookup_id: str, done_ttl_ms: int
+) -> list[Arg]:
+    """ARGV of ``report.lua``, in the order its header documents."""
+    return [rank, gen, hits, done_maxlen, lookup_id, done_ttl_ms]
 
 
 def is_noscript(result: object) -> bool:

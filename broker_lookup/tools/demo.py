@@ -27,6 +27,7 @@ import redis
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name, redact_url
 from broker_lookup.processes import child_env, python_module, spawn, terminate
+from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
 from broker_lookup.transport.connection import make_factory, redis_cli_args
@@ -151,9 +152,12 @@ class Demo:
     def per_rank(self, lookup_id: str) -> str:
         """The lookup hash as ``redis-cli HGETALL`` shows it, condensed."""
         raw: Any = self.redis.hgetall(self.keys.lookup(lookup_id))
-        fields = {k.decode(): v.decode() for k, v in raw.items()}
-        hits = " ".join(f"r{r}={fields.get(KeySpace.rank_field(r), '-')}" for r in range(self.n))
-        return f"{hits}  state={fields.get('state', '-')} result={fields.get('result', '-')}"
+        found = lookup_hash.decode(raw)
+        hits = " ".join(
+            f"{lookup_hash.rank_field(r)}={found.hits.get(r, '-')}" for r in range(self.n)
+        )
+        result = "-" if found.result is None else found.result
+        return f"{hits}  state={found.state or '-'} result={result}"
 
     def lookup(self, case: Case) -> bool:
         """One scheduler-style lookup: submit, poll lookup_cache, read the hash back."""

@@ -1,5 +1,6 @@
 -- report.lua: record one rank's hit count; the last expected rank completes the lookup.
 -- KEYS[1] lookup hash   KEYS[2] done stream
+-- The hash's fields are named in protocol/lookup_hash.py.
 -- ARGV: rank, gen, hits, done maxlen, lookup id, ttl ms once done
 -- Returns: complete | recorded | dropped (no key: cancelled, timed out, expired)
 --          | stale (another generation) | duplicate (rank already reported)

@@ -3,6 +3,8 @@
 -- ARGV: gen, expected ("0,1,2"), created_ms, deadline_ms, tokens, key ttl ms,
 --       stream maxlen, lookup id (the caller's, kept readable: the key may hold a digest),
 --       then the stream entry's field/value pairs.
+-- ARGV is built by submit_args (protocol/scripts.py); the hash's fields are named in
+-- protocol/lookup_hash.py, the stream entry's in protocol/messages.py.
 -- Idempotent per generation: a batch re-sent after its reply was lost finds its own
 -- generation and changes nothing (no second entry, and the reports fast ranks already
 -- recorded stay). The DEL drops an older generation's hash: its late reports then find
