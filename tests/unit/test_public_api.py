@@ -153,6 +153,34 @@ def test_importing_broker_lookup_does_not_import_workers() -> None:
     assert done.returncode == 0, done.stderr
 
 
+# What a scheduler or a rank imports. The tools (bench, soak, demo, local cluster, fault
+# proxy, embedded server, stub engine) are for operators and tests: the library never
+# pays for them, and ``python -m workers`` keeps its fast start.
+_RUNTIME_IMPORTS = """
+import importlib, pkgutil, sys
+import broker_lookup, broker_lookup.client, broker_lookup.config
+import broker_lookup.ops.metrics, broker_lookup.ops.inspect, broker_lookup.integrations.lmcache
+import broker_lookup.protocol, broker_lookup.transport
+for package in (broker_lookup.protocol, broker_lookup.transport):
+    for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+        importlib.import_module(info.name)
+import workers, workers.server, workers.runtime.runner
+bad = sorted(m for m in sys.modules if m.startswith("broker_lookup.tools"))
+assert not bad, bad
+"""
+
+
+def test_the_library_and_the_workers_import_no_tool() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _RUNTIME_IMPORTS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+
+
 _IMPORTS_WORKERS = re.compile(r"^\s*(import\s+workers\b|from\s+workers\b)", re.MULTILINE)
 
 
