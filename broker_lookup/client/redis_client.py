@@ -258,8 +258,8 @@ class RedisAsyncLookupClient(LookupClientInterface):
             "redis_errors": self._sender.errors + self._listener.errors,
             "unexpected_errors": self._sender.guard.count + self._listener.guard.count,
             "dead_ranks": sorted(self._listener.dead),
-            "latency_counts": list(t.latency_counts),
-            "latency_sum": t.latency_sum,
+            "latency_counts": list(t.latency.counts),
+            "latency_sum": t.latency.total,
         }
 
     def close(self) -> None:

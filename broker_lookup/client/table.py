@@ -10,7 +10,6 @@ from their own time-ordered queue and stop at the first item not yet due.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import threading
 import time
@@ -18,7 +17,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Literal
 
-from broker_lookup.ops.histogram import LATENCY_BUCKETS
+from broker_lookup.ops.histogram import Histogram
 
 __all__ = ["Entry", "LookupTable", "Outcome"]
 
@@ -37,8 +36,6 @@ OUTCOMES: tuple[Outcome, ...] = (
     "unavailable",
     "rejected",
 )
-
-#: Upper bounds (seconds) of the end-to-end latency histogram.
 
 
 class Entry:
@@ -116,8 +113,8 @@ class LookupTable:
         self.counts: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self.hit_tokens = 0
         self.stale_events = 0
-        self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
-        self.latency_sum = 0.0
+        #: End-to-end latency, lookup() to the answer (observed under the lock).
+        self.latency = Histogram()
 
     def add(self, lookup_id: str, entry: Entry, finished: Outcome | None = None) -> bool:
         """Register a new generation; False if the table is full (caller answers 0).
@@ -171,9 +168,7 @@ class LookupTable:
             del self.inflight[lookup_id]
         self.counts[outcome] += 1
         self.hit_tokens += result
-        latency = now - entry.started
-        self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
-        self.latency_sum += latency
+        self.latency.observe(now - entry.started)
         self._finished[lookup_id] = (now, entry)
         self._finished.move_to_end(lookup_id)
         if entry.event is not None:

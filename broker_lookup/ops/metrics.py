@@ -27,7 +27,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from broker_lookup.client.table import OUTCOMES
-from broker_lookup.ops.histogram import LATENCY_BUCKETS
+from broker_lookup.ops.histogram import Histogram
 
 __all__ = [
     "CLIENT_METRICS",
@@ -161,17 +161,14 @@ def _gauge(name: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, _help(name), labels=list(labels))
 
 
-def _histogram(
-    name: str, counts: Sequence[int], total: float, labels: Mapping[str, str]
-) -> HistogramMetricFamily:
-    """A histogram from per-bucket counts over LATENCY_BUCKETS (+ overflow), made cumulative."""
+def _histogram(name: str, hist: Histogram, labels: Mapping[str, str]) -> HistogramMetricFamily:
+    """The family of one in-memory histogram, with Prometheus's bucket labels."""
     family = HistogramMetricFamily(name, _help(name), labels=list(labels))
-    buckets: list[tuple[str, float]] = []
-    running = 0
-    for bound, count in zip((*LATENCY_BUCKETS, math.inf), counts, strict=False):
-        running += count
-        buckets.append(("+Inf" if bound == math.inf else repr(bound), float(running)))
-    family.add_metric(list(labels.values()), buckets, float(total))
+    buckets = [
+        ("+Inf" if bound == math.inf else repr(bound), float(count))
+        for bound, count in hist.cumulative()
+    ]
+    family.add_metric(list(labels.values()), buckets, hist.total)
     return family
 
 
@@ -193,12 +190,8 @@ class ClientCollector(Collector):
         for outcome in sorted({*OUTCOMES, *outcomes}):
             lookups.add_metric([outcome], float(outcomes.get(outcome, 0)))
         yield lookups
-        yield _histogram(
-            "broker_lookup_client_latency_seconds",
-            st.get("latency_counts", ()),
-            st.get("latency_sum", 0.0),
-            {},
-        )
+        latency = Histogram.of(st.get("latency_counts", ()), st.get("latency_sum", 0.0))
+        yield _histogram("broker_lookup_client_latency_seconds", latency, {})
         rejected = _counter("broker_lookup_client_rejected_total", ["reason"])
         for kind, count in sorted(st.get("rejected", {}).items()):
             rejected.add_metric([kind], float(count))
@@ -240,12 +233,8 @@ class ServerCollector(Collector):
         counts: Mapping[str, int] = st.get("counts", {})
         consumer: Mapping[str, Any] = st.get("consumer", {})
         yield from self._simple(rank, counts, st, consumer)
-        yield _histogram(
-            "broker_lookup_worker_engine_seconds",
-            list(self._server.engine_seconds),
-            self._server.engine_seconds_sum,
-            {"rank": rank},
-        )
+        engine = Histogram.of(self._server.engine_seconds, self._server.engine_seconds_sum)
+        yield _histogram("broker_lookup_worker_engine_seconds", engine, {"rank": rank})
         yield self._by_label(
             "broker_lookup_worker_reports_total",
             "result",
