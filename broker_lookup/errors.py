@@ -9,7 +9,12 @@
     ├── BrokerUnavailable             Redis unreachable or timed out (translated here)
     ├── BrokerResponseError           Redis answered with an error we do not handle
     │   └── NoGroup                   a consumer group is gone (NOGROUP): re-create it
-    └── UnknownScheme (ValueError)    an external lookup URI names a scheme nobody registered
+    ├── UnknownScheme (ValueError)    an external lookup URI names a scheme nobody registered
+    ├── UsageError                    a bad flag, env var or preload file of ``python -m workers``
+    └── BenchError (RuntimeError)     ``broker-lookup bench`` could not run
+
+``UsageError`` lives in ``workers.runtime.rank`` and ``BenchError`` in
+``broker_lookup.tools.bench.measure``, next to the code that raises them.
 
 Redis exceptions never escape the package: :func:`translate_redis_errors` maps them
 at the boundary, always ``from`` the original so the cause stays in the traceback.

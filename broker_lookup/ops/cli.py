@@ -20,12 +20,9 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from broker_lookup.processes import child_env, python_module
+from broker_lookup.processes import ExitCode, child_env, python_module
 
 __all__ = ["COMMANDS", "Subcommand", "build_parser", "main"]
-
-#: Exit codes shared by every subcommand.
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -62,7 +59,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     if args.ranks < 1 or args.chunk_size < 1:
         print("broker-lookup demo: --ranks and --chunk-size must be >= 1", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     return run_demo(
         redis_url=args.redis_url,
         ranks=args.ranks,
@@ -107,7 +104,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
         )
     except ConfigError as exc:
         print(f"broker-lookup inspect: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
 
 
 # -- worker -------------------------------------------------------------------------
@@ -124,7 +121,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, argv, child_env(os.environ))
-    return EXIT_FAILED  # pragma: no cover (execve does not return)
+    return ExitCode.FAILED  # pragma: no cover (execve does not return)
 
 
 # -- soak (broker_lookup/tools/soak/command.py) ----------------------------------------------------
@@ -207,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``broker-lookup``; returns the exit code (0 ok, 1 failed, 2 usage, 3 unreachable)."""
+    """Run ``broker-lookup``; returns the exit code (:class:`~broker_lookup.processes.ExitCode`)."""
     parser = build_parser()
     try:
         args, rest = parser.parse_known_args(argv)
@@ -215,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rest and not command.passthrough:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
     except SystemExit as exc:  # --help (0) or a usage error (2)
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        return exc.code if isinstance(exc.code, int) else ExitCode.USAGE
     args.rest = rest
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -223,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return command.run(args)
     except KeyboardInterrupt:
-        return 130
+        return ExitCode.INTERRUPTED
 
 
 if __name__ == "__main__":

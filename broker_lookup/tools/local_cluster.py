@@ -129,13 +129,14 @@ class LocalCluster:
         src = self.owner(slot)
         if src == dest:
             return 0
-        s, d = self._admins[src], self._admins[dest]
-        _cmd(d, "CLUSTER", "SETSLOT", slot, "IMPORTING", self.ids[src])
-        _cmd(s, "CLUSTER", "SETSLOT", slot, "MIGRATING", self.ids[dest])
+        source = self._admins[src]
+        target = self._admins[dest]
+        _cmd(target, "CLUSTER", "SETSLOT", slot, "IMPORTING", self.ids[src])
+        _cmd(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", self.ids[dest])
         moved = 0
-        while keys := _cmd(s, "CLUSTER", "GETKEYSINSLOT", slot, batch):
+        while keys := _cmd(source, "CLUSTER", "GETKEYSINSLOT", slot, batch):
             port = self.nodes[dest].port
-            _cmd(s, "MIGRATE", self.host, port, "", 0, 5000, "REPLACE", "KEYS", *keys)
+            _cmd(source, "MIGRATE", self.host, port, "", 0, 5000, "REPLACE", "KEYS", *keys)
             moved += len(keys)
             time.sleep(pause_s)
         order = [dest, src, *(i for i in range(len(self.nodes)) if i not in (src, dest))]
@@ -151,17 +152,15 @@ class LocalCluster:
         """
         for attempt in range(1, _BUS_PORT_ATTEMPTS + 1):
             bus = _free_port(self.host)
+            # The config file name is relative, so it lands in the node's own private --dir.
+            conf = f"nodes-{uuid.uuid4().hex[:12]}.conf"
+            cluster_args = ["--cluster-enabled", "yes", "--cluster-port", str(bus)]
+            cluster_args += ["--cluster-config-file", conf]
             node = EmbeddedServer(
                 binary=self._binary,
                 host=self.host,
-                extra_args=(
-                    "--cluster-enabled", "yes",
-                    "--cluster-port", str(bus),
-                    # Relative, so it lands in the node's own private --dir.
-                    "--cluster-config-file", f"nodes-{uuid.uuid4().hex[:12]}.conf",
-                    *self._node_args,
-                ),
-            )  # fmt: skip
+                extra_args=(*cluster_args, *self._node_args),
+            )
             try:
                 node.start()
                 self._bus_ports.append(bus)

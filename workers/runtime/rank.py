@@ -20,24 +20,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
 from broker_lookup.ops.metrics import ServerCollector
+from broker_lookup.processes import ExitCode
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.transport.connection import make_factory
 from workers.reference.engine import ReferenceEngine
 from workers.runtime.health import HealthServer, Pinger
 from workers.server import RedisAsyncLookupServer
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "RankSpec", "UsageError"]
+__all__ = ["RankSpec", "UsageError"]
 
 logger = logging.getLogger(__name__)
 
-EXIT_OK = 0  #: stopped by a signal, cleanly
-EXIT_FAILED = 1  #: the rank's loop died, or a child rank failed
-EXIT_USAGE = 2  #: bad arguments, environment or config
-EXIT_UNREACHABLE = 3  #: Redis did not answer within --connect-timeout at startup
 
-
-class UsageError(Exception):
-    """A bad flag, environment variable, config or preload file: exit code 2."""
+class UsageError(BrokerLookupError):
+    """A bad flag, environment variable, config or preload file: exit code USAGE (2)."""
 
 
 class _Prompt(msgspec.Struct, forbid_unknown_fields=True):
@@ -132,13 +128,13 @@ class RankRunner:
         error = wait_for_redis(spec.config, spec.connect_timeout_s, self._stop)
         if error is not None:
             if self._stop.is_set():
-                return EXIT_OK
+                return ExitCode.OK
             logger.error(
                 "Redis unreachable after %.0fs (--connect-timeout): %s",
                 spec.connect_timeout_s,
                 error,
             )
-            return EXIT_UNREACHABLE
+            return ExitCode.UNREACHABLE
         engine = self._engine()
         try:
             if spec.preload:
@@ -164,7 +160,7 @@ class RankRunner:
     def _serve(self, engine: ReferenceEngine, server: RedisAsyncLookupServer) -> int:
         http: HealthServer | None = None
         pinger = Pinger(make_factory(self.spec.config, "bl-worker-probe"))
-        code = EXIT_OK
+        code: int = ExitCode.OK
         try:
             http = self._http(server, pinger)
             logger.info(
@@ -176,7 +172,7 @@ class RankRunner:
             code = self._watch(server)
         except OSError as exc:
             logger.error("cannot serve --metrics-port %d: %s", self.spec.metrics_port, exc)
-            code = EXIT_USAGE
+            code = ExitCode.USAGE
         finally:
             self._shutdown(engine, server, http, pinger)
         return code
@@ -206,8 +202,8 @@ class RankRunner:
         while not self._stop.wait(1.0):
             if not server.stats()["alive"]:
                 logger.error("rank %d: the read loop died; exiting", server.rank)
-                return EXIT_FAILED
-        return EXIT_OK
+                return ExitCode.FAILED
+        return ExitCode.OK
 
     def _shutdown(
         self,

@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
 from broker_lookup.errors import ConfigError
-from broker_lookup.processes import child_env
-from workers.runtime.rank import EXIT_USAGE, RankRunner, RankSpec, UsageError
+from broker_lookup.processes import ExitCode, child_env
+from workers.runtime.rank import RankRunner, RankSpec, UsageError
 from workers.runtime.supervisor import supervise
 
 __all__ = ["build_parser", "main"]
@@ -225,13 +225,13 @@ def main(
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help (0) or an argparse usage error (2)
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        return exc.code if isinstance(exc.code, int) else ExitCode.USAGE
     try:
         plan = resolve(args, env)
     except (UsageError, ConfigError) as exc:
         _setup_logging("INFO", "[workers]")
         logger.error("%s", exc)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     label = f"[rank {plan.ranks[0]}]" if len(plan.ranks) == 1 else "[supervisor]"
     _setup_logging(plan.log_level, label)
     stop = stop or threading.Event()
@@ -244,4 +244,4 @@ def main(
         return supervise(commands, child, stop)
     except UsageError as exc:
         logger.error("%s", exc)
-        return EXIT_USAGE
+        return ExitCode.USAGE

@@ -13,7 +13,7 @@ import subprocess
 import threading
 from collections.abc import Mapping, Sequence
 
-from broker_lookup.processes import python_module, spawn, terminate
+from broker_lookup.processes import ExitCode, python_module, spawn, terminate
 
 __all__ = ["supervise"]
 
@@ -52,12 +52,12 @@ def supervise(
     if failed is not None:
         return _exit_code(codes[failed])
     bad = [code for code in codes.values() if code != 0]
-    return _exit_code(bad[0]) if bad else 0
+    return _exit_code(bad[0]) if bad else ExitCode.OK
 
 
 def _exit_code(code: int) -> int:
-    # A child killed by a signal has a negative code; the supervisor reports 1 for it.
-    return code if code > 0 else 1
+    # A child killed by a signal has a negative code; the supervisor reports FAILED for it.
+    return code if code > 0 else ExitCode.FAILED
 
 
 def _wait(

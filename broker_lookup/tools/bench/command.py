@@ -2,8 +2,7 @@
 
 Runs against an embedded Valkey (default) or ``--redis-url``, with worker ranks as real
 processes (``python -m broker_lookup.tools.bench.our_ranks``) that answer at once, so what is
-measured
-is the lookup path itself: client, Redis, server, and the hand-offs between them.
+measured is the lookup path itself: client, Redis, server, and the hand-offs between them.
 ``--vs-lmcache`` runs the same loops on LMCache 0.5.6's ZMQ client and server and adds
 the ratios. ``--quick`` is the CI smoke mode (world sizes 1 and 2, a few hundred
 lookups, small hashing sizes, well under a minute). The polling model is described in
@@ -32,6 +31,7 @@ from typing import Any
 import redis
 
 from broker_lookup.errors import BrokerUnavailable
+from broker_lookup.processes import ExitCode
 from broker_lookup.protocol.hashing import measure_ns_per_token
 from broker_lookup.tools.bench.cluster import add_cluster_args, cmd_cluster_bench
 from broker_lookup.tools.bench.measure import BenchError, BenchOptions
@@ -46,8 +46,6 @@ __all__ = [
 ]
 
 HELP = "measure lookup latency, caller cost, throughput, hashing, memory and CPU"
-#: Exit codes, as the rest of the CLI: ok, failed, usage, Redis unreachable.
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
 @contextmanager
@@ -229,14 +227,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         results = run_bench(opts)
     except BrokerUnavailable as exc:
         print(f"broker-lookup bench: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        return ExitCode.UNREACHABLE
     except BenchError as exc:
         print(f"broker-lookup bench: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return ExitCode.FAILED
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(render(results))
     print(f"\nresults written to {args.out}")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> int:

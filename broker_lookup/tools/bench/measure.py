@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from broker_lookup.errors import BrokerLookupError
+
 __all__ = [
     "BenchError",
     "BenchOptions",
@@ -38,7 +40,7 @@ STUCK_S = 30.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-class BenchError(RuntimeError):
+class BenchError(BrokerLookupError, RuntimeError):
     """The benchmark could not run (a child failed to start, a lookup never finished)."""
 
 
@@ -182,7 +184,8 @@ def sequential_latency(
     polls: list[int] = []
     results: dict[int, int] = {}
     for i in range(warmup + n):
-        lookup_id, prompt = f"{prefix}-{i}", prompts.get(i)
+        lookup_id = f"{prefix}-{i}"
+        prompt = prompts.get(i)
         client.lookup_cache(lookup_id)  # -1, as vLLM's adapter asks first
         t0 = clock()
         result = client.lookup(prompt, lookup_id)

@@ -86,7 +86,8 @@ def pending_probe(
     stream_before = _key_bytes(server, [client.keys.requests])
     calls: list[int] = []
     for i in range(n):
-        lookup_id, prompt = f"pending-{i}", prompts.get(i)
+        lookup_id = f"pending-{i}"
+        prompt = prompts.get(i)
         t0 = time.perf_counter_ns()
         client.lookup(prompt, lookup_id)
         calls.append(time.perf_counter_ns() - t0)

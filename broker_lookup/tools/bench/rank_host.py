@@ -49,8 +49,10 @@ def _parse_engine(text: str) -> list[RankSpec]:
     parts = text.split(":")
     if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "mute"):
         raise argparse.ArgumentTypeError(f"{text!r}: use ENGINE_ID:WORLD_SIZE[:mute]")
-    engine_id, world = parts[0], int(parts[1])
-    return [RankSpec(engine_id, world, r, len(parts) == 3) for r in range(world)]
+    engine_id = parts[0]
+    world = int(parts[1])
+    mute = len(parts) == 3
+    return [RankSpec(engine_id, world, r, mute) for r in range(world)]
 
 
 def host_parser(prog: str, description: str | None) -> argparse.ArgumentParser:

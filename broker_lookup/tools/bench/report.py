@@ -25,8 +25,10 @@ def _hash_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _growth_targets(pending: dict[str, Any]) -> list[dict[str, Any]]:
-    one, many = pending["lookup_cache_pending_1_us"], pending["lookup_cache_pending_n_us"]
-    first, last = pending["lookup_call_first_100_us"], pending["lookup_call_last_100_us"]
+    one = pending["lookup_cache_pending_1_us"]
+    many = pending["lookup_cache_pending_n_us"]
+    first = pending["lookup_call_first_100_us"]
+    last = pending["lookup_call_last_100_us"]
     n = pending["pending"]
     return [
         _target(f"lookup_cache at {n} pending / at 1 (x)", many / one, _GROWTH_SLACK),
@@ -72,7 +74,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def ratios(results: dict[str, Any]) -> dict[str, Any]:
     """ours / LMCache for every shared measurement, per LMCache client variant (<1: we win,
     except throughput, where >1 is a win)."""
-    ours, theirs = results["ours"], results["lmcache"]
+    ours = results["ours"]
+    theirs = results["lmcache"]
     out: dict[str, Any] = {}
     for variant in ("default", "backoff0"):
         lm = theirs[variant]
@@ -172,7 +175,8 @@ def _hash_rows(results: dict[str, Any]) -> list[str]:
 
 def render(results: dict[str, Any]) -> str:
     """The human-readable table of a results dict."""
-    meta, p = results["meta"], results["ours"]["pending"]
+    meta = results["meta"]
+    p = results["ours"]["pending"]
     opts = meta["options"]
     lines = [
         f"broker-lookup bench ({'quick' if opts['quick'] else 'full'}; {meta['redis']['server']}"

@@ -95,8 +95,10 @@ class Link:
     """
 
     def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
-        self.client, self.upstream = client, upstream
-        self.up, self.down = Pipe(capture=2), Pipe(capture=0)
+        self.client = client
+        self.upstream = upstream
+        self.up = Pipe(capture=2)
+        self.down = Pipe(capture=0)
         self.fifo: deque[tuple[str, str | None]] = deque()
         self.connected = False  # the upstream connect has completed
         self.client_open = self.upstream_open = True

@@ -209,7 +209,8 @@ class Chaos:
         name = self._free(list(self.proxies.by_name))
         if name is None:
             return None
-        proxy, until = self.proxies.by_name[name], now + self.rng.uniform(*lasts_s)
+        proxy = self.proxies.by_name[name]
+        until = now + self.rng.uniform(*lasts_s)
         begin(proxy)
         fault = self.log.begin(kind, name, now, f"{detail} for {until - now:.1f}s".strip())
 

@@ -1,19 +1,34 @@
 """``broker-lookup soak``: mixed traffic against real rank processes while things break.
 
-A client drives hits, misses, partial hits, cancels and id reuse
-(:mod:`broker_lookup.tools.soak.traffic`) against N rank processes. Each process reaches the
-server through its own TCP fault proxy, and at random a rank is SIGKILLed and
-restarted, the embedded server restarts, or one process's network fails: a hold, a
-reset, a lost reply, latency (:mod:`broker_lookup.tools.soak.chaos`). It counts:
+What runs: a client in this process sends what a scheduler sends (hits, misses, partial
+hits, cancels, and lookup ids used again; :mod:`broker_lookup.tools.soak.traffic`) to N
+worker rank processes (``python -m workers``). Every process, the client included, reaches
+the server through its own TCP fault proxy (:mod:`broker_lookup.tools.soak.rig`), so a
+network fault hits one process while the others run on.
 
-* ``wrong``: a result that is neither 0 nor the right answer (must be 0);
-* ``hangs``: a lookup still unanswered ``lookup_timeout_ms`` + 2 s after it started (must be 0);
-* ``leaked_keys``: keys of the engine without a TTL, streams excepted (must be 0);
-* ``lost_hits``: 0 for a hit although no fault was in effect in the lookup's life
-  (:mod:`broker_lookup.tools.soak.faults`; must be 0);
-plus the faults of each kind, p99 latency, the RSS of every process at start and at the
-end, the client's breaker openings and rejected lookups. The command exits 1 if any
-count that must be 0 is not.
+What breaks: every few seconds (``--chaos-every``), one fault drawn at random
+(:mod:`broker_lookup.tools.soak.chaos`):
+
+* a rank is SIGKILLed, then restarted;
+* the embedded server restarts, losing its data (it runs without persistence);
+* one process's network fails: a hold, a reset, a lost reply, or added latency.
+
+No fault starts in the last ``--calm`` seconds, so the lookups there show that everything
+recovered.
+
+What it counts (:mod:`broker_lookup.tools.soak.report`). These must be 0, and the
+command exits 1 if one is not:
+
+* ``wrong``: a result that is neither 0 nor the right answer;
+* ``hangs``: a lookup still unanswered ``lookup_timeout_ms`` + 2 s after it started;
+* ``leaked_keys``: keys of the engine without a TTL (streams are trimmed instead);
+* ``lost_hits``: a 0 for a hit although no fault was in effect during the lookup's life
+  (:mod:`broker_lookup.tools.soak.faults` says which fault was in effect when).
+
+The rest is there to be read: the faults of each kind, p99 latency, the RSS of every process
+at the start and at the end, the client's breaker openings and rejected lookups, and the
+slowest recovery after each kind of fault. The summary goes to stdout as JSON and to stderr
+for a person.
 """
 
 from __future__ import annotations
@@ -34,19 +49,20 @@ import redis
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
+from broker_lookup.processes import ExitCode
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
 from broker_lookup.tools.soak.chaos import Chaos, ChaosTiming
 from broker_lookup.tools.soak.faults import FaultLog
+from broker_lookup.tools.soak.report import format_summary, passed, summarize
 from broker_lookup.tools.soak.rig import Beats, Proxies, Ranks, rss_kb
 from broker_lookup.tools.soak.traffic import CHUNK, Prompt, Traffic, make_prompts
 from broker_lookup.transport.connection import make_factory
 
 __all__ = ["add_soak_parser", "cmd_soak", "run_soak", "setup_soak_parser"]
 
-_TIMEOUT_MS, _CONCURRENCY = 2000, 32
-_MUST_BE_ZERO = ("wrong", "hangs", "leaked_keys", "lost_hits")
-_COUNTS = ("lookups", "right", "zero", "cancels", "reused_ids", "quiet_hits", *_MUST_BE_ZERO)
+_TIMEOUT_MS = 2000  #: lookup_timeout_ms of the client and the ranks
+_CONCURRENCY = 32  #: lookups the client keeps in flight
 
 
 def _config(url: str) -> LookupConfig:
@@ -55,7 +71,8 @@ def _config(url: str) -> LookupConfig:
 
 def leaked_keys(client: redis.Redis, keys: KeySpace) -> tuple[list[str], dict[str, int]]:
     """Keys of the engine without a TTL (streams excepted), and the stream lengths."""
-    leaked, streams = [], {}
+    leaked: list[str] = []
+    streams: dict[str, int] = {}
     for key in client.scan_iter(match=keys.pattern, count=500):
         name = key.decode() if isinstance(key, bytes) else str(key)
         if client.type(key) in (b"stream", "stream"):
@@ -124,7 +141,8 @@ def run_soak(
             redis_url = server.url
         work = Path(workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bl-soak-")))
         work.mkdir(parents=True, exist_ok=True)
-        keys, config = KeySpace(f"soak-{uuid.uuid4().hex[:8]}"), _config(redis_url)
+        keys = KeySpace(f"soak-{uuid.uuid4().hex[:8]}")
+        config = _config(redis_url)
         proxies, procs, client, prompts = _rig(stack, rng, redis_url, keys, ranks, work)
         monitor = stack.enter_context(make_factory(config, "bl-soak", socket_timeout_s=1.0)())
         summary: dict[str, Any] = {"rss_kb_start": _rss(procs, server)}
@@ -140,7 +158,7 @@ def run_soak(
         summary["rank_exit_codes"] = procs.stop()
         leaked, summary["stream_lengths"] = leaked_keys(monitor, keys)
         summary["proxy_stats"] = proxies.stats()
-        return summary | _summary(traffic, log, client.stats(), leaked)
+        return summary | summarize(traffic, log, client.stats(), leaked)
 
 
 def _rig(
@@ -168,52 +186,6 @@ def _rss(ranks: Ranks, server: EmbeddedServer | None) -> dict[str, int | None]:
     pids.update({f"rank{r}": p.pid for r, p in enumerate(ranks.procs)})
     pids["server"] = server.pid if server is not None else None
     return {name: rss_kb(pid) for name, pid in pids.items()}
-
-
-def _summary(
-    traffic: Traffic, log: FaultLog, stats: dict[str, Any], leaked: list[str]
-) -> dict[str, Any]:
-    out: dict[str, Any] = {k: traffic.counts[k] for k in _COUNTS}
-    out.update(
-        faults=log.counts(),
-        faults_unfired=log.unfired(),
-        leaked_keys=len(leaked),
-        leaked_examples=leaked[:5],
-        p99_latency_ms=traffic.p99_ms(),
-        breaker_openings=stats["breaker_openings"],
-        rejected=stats["rejected"],
-        client_outcomes=stats["outcomes"],
-        client_redis_errors=stats["redis_errors"],
-        slowest_recovery=traffic.slowest_recovery,
-        quiet_s=log.quiet_s,
-        diagnosis=log.examples,
-        fault_log=[f.describe(log.origin) for f in log.faults],
-    )
-    return out
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    """The summary for a person: what ran, what broke, and the counts that must be 0."""
-    faults = ", ".join(f"{k} {v}" for k, v in s["faults"].items()) or "none"
-    rss = ", ".join(
-        f"{name} {s['rss_kb_start'].get(name)} -> {kb}" for name, kb in s["rss_kb_end"].items()
-    )
-    recovery = ", ".join(f"{k} {v['lag_s']}" for k, v in sorted(s["slowest_recovery"].items()))
-    lines = [
-        f"soak: {s['duration_s']} s, {s['lookups']} lookups ({s['right']} right, "
-        f"{s['zero']} zero, {s['cancels']} cancelled, {s['reused_ids']} reused ids)",
-        f"faults: {faults}; lost replies armed but not triggered: {s['faults_unfired']}",
-        f"wrong {s['wrong']}, hangs {s['hangs']}, leaked keys {s['leaked_keys']}, "
-        f"lost hits {s['lost_hits']} (of {s['quiet_hits']} hits looked up with no fault)",
-        f"slowest recovery (a 0 for a hit, s after the fault ended; quiet time {s['quiet_s']} s):"
-        f" {recovery or 'none'}",
-        f"p99 {s['p99_latency_ms']} ms; breaker openings {s['breaker_openings']}; "
-        f"rejected {s['rejected']}",
-        f"RSS KiB start -> end: {rss}",
-    ]
-    for verdict, examples in s["diagnosis"].items():
-        lines += [f"{verdict}: {json.dumps(e, sort_keys=True)}" for e in examples]
-    return "\n".join(lines)
 
 
 def _interval(text: str) -> tuple[float, float]:
@@ -261,12 +233,12 @@ def add_soak_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_soak(args: argparse.Namespace) -> int:
     """Run the soak; print the summary as JSON on stdout and for a person on stderr.
 
-    0 iff no wrong result, hang, leaked key or lost hit.
+    OK (0) iff no wrong result, hang, leaked key or lost hit; else FAILED.
     """
     if args.duration <= 0 or args.ranks < 1 or not 0 <= args.calm < args.duration:
         msg = "--duration must be > 0, --ranks >= 1 and 0 <= --calm < --duration"
         print(f"broker-lookup soak: {msg}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     summary = run_soak(
         args.duration,
         args.ranks,
@@ -281,4 +253,4 @@ def cmd_soak(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(text + "\n")
     print(format_summary(summary), file=sys.stderr)
-    return 0 if all(summary[k] == 0 for k in _MUST_BE_ZERO) else 1
+    return ExitCode.OK if passed(summary) else ExitCode.FAILED
