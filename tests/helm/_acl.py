@@ -18,22 +18,26 @@ OPERATOR_EXTRA = {"client|setname"}
 #: command (and so an ACL rule naming it) exists only from Redis 7.2, and the file must
 #: load on Redis 6.2+, so it is not granted; its refusals are expected in ACL LOG.
 HANDSHAKE_NOT_GRANTED = "client|setinfo"
+#: Per role, the commands its ACL user must be granted (lower case; subcommands as cmd|sub).
 EXPECTED_COMMANDS = {
-    "scheduler": {
-        "evalsha", "eval", "script|load", "xread", "xadd", "xtrim", "hmget", "hgetall",
-        "get", "pttl", "mget", "scan", "ping", "hset", "expire", "pexpire",
-        "client|setname", "info", "xinfo",
-    } | SCRIPT_COMMANDS | SCHEDULER_EXTRA,
-    "worker": {
-        "xgroup|create", "xreadgroup", "xack", "xadd", "xpending", "xinfo", "evalsha",
-        "eval", "script|load", "set", "del", "get", "hset", "pexpire", "ping",
-        "client|setname", "info", "time",
-    } | SCRIPT_COMMANDS | WORKER_EXTRA,
-    "operator": {
-        "scan", "hgetall", "hget", "get", "pttl", "ttl", "xinfo", "xlen", "xrange",
-        "xrevrange", "xpending", "ping", "info", "type",
-    } | OPERATOR_EXTRA,
-}  # fmt: skip
+    "scheduler": set(
+        """evalsha eval script|load xread xadd xtrim hmget hgetall get pttl mget scan ping
+        hset expire pexpire client|setname info xinfo""".split()
+    )
+    | SCRIPT_COMMANDS
+    | SCHEDULER_EXTRA,
+    "worker": set(
+        """xgroup|create xreadgroup xack xadd xpending xinfo evalsha eval script|load set del
+        get hset pexpire ping client|setname info time""".split()
+    )
+    | SCRIPT_COMMANDS
+    | WORKER_EXTRA,
+    "operator": set(
+        """scan hgetall hget get pttl ttl xinfo xlen xrange xrevrange xpending ping info
+        type""".split()
+    )
+    | OPERATOR_EXTRA,
+}
 
 
 @dataclass

@@ -62,11 +62,9 @@ EXAMPLES: dict[str, list[str]] = {
     "xrevrange": ["XREVRANGE", f"{K}:dead", "+", "-", "COUNT", "10"],
     "xpending": ["XPENDING", f"{K}:requests", "rank-0"],
     "xgroup|create": ["XGROUP", "CREATE", f"{K}:requests", "rank-0", "$", "MKSTREAM"],
-    "xreadgroup": [
-        "XREADGROUP", "GROUP", "rank-0", "c0", "COUNT", "1", "STREAMS", f"{K}:requests", ">",
-    ],
+    "xreadgroup": [*"XREADGROUP GROUP rank-0 c0 COUNT 1 STREAMS".split(), f"{K}:requests", ">"],
     "xack": ["XACK", f"{K}:requests", "rank-0", "0-1"],
-}  # fmt: skip
+}
 #: Things no role may do.
 FORBIDDEN = [
     ["FLUSHALL"],
