@@ -22,7 +22,11 @@ import msgspec
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import InvalidRequest
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
-from broker_lookup.protocol.messages import check_lookup_id, wire_id_problem
+from broker_lookup.protocol.messages import (
+    check_lookup_id,
+    request_configs_problem,
+    wire_id_problem,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -30,8 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["Admission", "Rejected"]
 
 logger = logging.getLogger(__name__)
-
-_JSON = msgspec.json.Encoder()
 
 
 class Rejected(msgspec.Struct, frozen=True):
@@ -124,23 +126,8 @@ class Admission:
         reason = wire_id_problem(lookup_id, cfg.max_lookup_id_length)
         if reason is not None:
             return Rejected("bad_id", reason)
-        if request_configs is None:
-            return None
-        if not isinstance(request_configs, dict) or not all(
-            isinstance(k, str) for k in request_configs
-        ):
-            return Rejected("bad_configs", "request_configs must be a dict with str keys")
-        try:
-            size = len(_JSON.encode(request_configs))
-        except (TypeError, ValueError, msgspec.EncodeError) as exc:
-            return Rejected("bad_configs", f"request_configs must be JSON-serialisable: {exc}")
-        if size > cfg.max_request_configs_bytes:
-            return Rejected(
-                "configs_too_large",
-                f"request_configs is {size} bytes, over "
-                f"max_request_configs_bytes={cfg.max_request_configs_bytes}",
-            )
-        return None
+        configs = request_configs_problem(request_configs, cfg.max_request_configs_bytes)
+        return None if configs is None else Rejected(configs.kind, configs.reason)
 
 
 def _worth_logging(count: int) -> bool:

@@ -18,7 +18,7 @@ are ignored, so old and new processes can share one stream during an upgrade.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -26,6 +26,7 @@ from broker_lookup.errors import MalformedMessage
 
 __all__ = [
     "Abort",
+    "ConfigsProblem",
     "DoneEvent",
     "LookupRequest",
     "Request",
@@ -33,6 +34,7 @@ __all__ = [
     "decode_done",
     "decode_request",
     "encode_request",
+    "request_configs_problem",
     "request_fields",
     "validate_request",
     "wire_id_problem",
@@ -152,6 +154,39 @@ def check_lookup_id(lookup_id: object, max_length: int) -> str | None:
         return f"lookup_id length {len(lookup_id)} is outside 1..{max_length}"
     if not (lookup_id.isascii() and lookup_id.isprintable()) or " " in lookup_id:
         return f"lookup_id {lookup_id[:64]!r} must be printable ASCII without spaces"
+    return None
+
+
+class ConfigsProblem(NamedTuple):
+    """Why a ``request_configs`` value can't be sent or served."""
+
+    kind: str  #: ``bad_configs`` (not a JSON-able dict with str keys) or ``configs_too_large``
+    reason: str  #: the rule and the value, for a log line or a dead letter
+
+
+_JSON = msgspec.json.Encoder()
+
+
+def request_configs_problem(configs: object, max_bytes: int) -> ConfigsProblem | None:
+    """Why ``configs`` breaks the wire's rule for ``request_configs`` (None if it does not):
+    None, or a dict with ``str`` keys whose JSON encoding is at most ``max_bytes`` long.
+
+    The client applies it before sending and every rank again after decoding, so an
+    entry from an older or foreign producer is held to the same rule.
+    """
+    if configs is None:
+        return None
+    if not isinstance(configs, dict) or not all(isinstance(k, str) for k in configs):
+        return ConfigsProblem("bad_configs", "request_configs must be a dict with str keys")
+    try:
+        size = len(_JSON.encode(configs))
+    except (TypeError, ValueError, msgspec.EncodeError) as exc:
+        return ConfigsProblem("bad_configs", f"request_configs must be JSON-serialisable: {exc}")
+    if size > max_bytes:
+        return ConfigsProblem(
+            "configs_too_large",
+            f"request_configs is {size} bytes, over max_request_configs_bytes={max_bytes}",
+        )
     return None
 
 

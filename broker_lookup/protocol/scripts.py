@@ -32,6 +32,7 @@ __all__ = [
     "cancel_call",
     "is_noscript",
     "report_args",
+    "report_call",
     "submit_args",
     "submit_call",
 ]
@@ -125,6 +126,32 @@ def report_args(
 ) -> list[Arg]:
     """ARGV of ``report.lua``, in the order its header documents."""
     return [rank, gen, hits, done_maxlen, lookup_id, done_ttl_ms]
+
+
+def report_call(
+    keys: KeySpace,
+    lookup_id: str,
+    *,
+    rank: int,
+    gen: int,
+    hits: int,
+    done_maxlen: int,
+    done_ttl_ms: int,
+) -> Call:
+    """The ``report.lua`` call recording ``rank``'s ``hits`` for (``lookup_id``, ``gen``).
+
+    ``done_maxlen`` is the done stream's approximate cap, ``done_ttl_ms`` the hash's
+    PEXPIRE once the last expected rank completed it.
+    """
+    args = report_args(
+        rank=rank,
+        gen=gen,
+        hits=hits,
+        done_maxlen=done_maxlen,
+        lookup_id=lookup_id,
+        done_ttl_ms=done_ttl_ms,
+    )
+    return Call(REPORT, (keys.lookup(lookup_id), keys.done), args)
 
 
 def is_noscript(result: object) -> bool:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import msgspec
-
 from broker_lookup.config import LookupConfig
-from broker_lookup.protocol.messages import Abort, LookupRequest, validate_request, wire_id_problem
+from broker_lookup.protocol.messages import (
+    Abort,
+    LookupRequest,
+    request_configs_problem,
+    validate_request,
+    wire_id_problem,
+)
 
 __all__ = ["entry_problem"]
-
-_JSON = msgspec.json.Encoder()
 
 
 def entry_problem(
@@ -31,17 +31,5 @@ def entry_problem(
         return reason
     if world_size is not None and max(msg.expected) >= world_size:
         return f"expected ranks {msg.expected[:8]} go beyond world_size={world_size}"
-    return _configs_problem(msg.request_configs, config.max_request_configs_bytes)
-
-
-def _configs_problem(configs: dict[str, Any] | None, limit: int) -> str | None:
-    """Why ``request_configs`` breaks the client's own rule (None if it does not)."""
-    if configs is None:
-        return None
-    try:
-        size = len(_JSON.encode(configs))
-    except (TypeError, msgspec.EncodeError) as exc:
-        return f"request_configs is not JSON-serialisable: {exc}"
-    if size > limit:
-        return f"request_configs is {size} bytes, over max_request_configs_bytes={limit}"
-    return None
+    configs = request_configs_problem(msg.request_configs, config.max_request_configs_bytes)
+    return None if configs is None else configs.reason

@@ -1,41 +1,57 @@
-"""The rank's reporter thread: runs ``report.lua`` for finished prefetches, pipelined.
+"""How a rank's reports reach Redis: ``report.lua``, with a batch's XACK or from a queue.
 
-``send_response_to_scheduler`` is called on the engine's own thread (LMCache calls
-it from its storage event loop), so it only queues: a slow or unreachable Redis
-never stalls the engine (LMCache D14). The queue is bounded: a report that does not
-fit is answered ``overflow`` at once, so its lookup is released instead of queued
-without limit while Redis is away.
+A report made while the read loop serves a batch (an engine that answers inside
+``async_lookup_and_prefetch``: a miss, a memory hit) rides with that batch's XACK in
+one round trip on the loop's connection: no hand-off to another thread. A report made
+at any other time (LMCache's engine calls ``send_response_to_scheduler`` from its
+storage event loop; the watchdog) is queued for this module's thread, which pipelines
+whatever waits, so a slow or unreachable Redis never stalls the engine (LMCache D14).
+The queue is bounded: a report that does not fit is answered ``overflow`` at once, so
+its lookup is released instead of queued without limit while Redis is away.
+
+Every report's answer (the script's, or ``error`` or ``overflow``) goes to ``settle``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import redis
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.scripts import REPORT, Call, ScriptSet
+from broker_lookup.protocol.scripts import Call, ScriptSet, report_call
 from broker_lookup.transport.batcher import Batcher
 
-__all__ = ["Report", "Reporter"]
+__all__ = ["Report", "Reporter", "Settle"]
 
 logger = logging.getLogger(__name__)
 
 #: Reports that may wait for Redis at once; beyond, a report is answered ``overflow``.
 MAX_QUEUED = 10_000
+#: Most reports the reporter's thread sends in one round trip.
+MAX_BATCH = 256
 
-#: (lookup_id, gen, hits) -> called with the script's answer (or "error", "overflow").
-Report = tuple[str, int, int]
-OnResult = Callable[[str, int, str], None]
+
+class Report(NamedTuple):
+    """One rank's answer for one generation of a lookup."""
+
+    lookup_id: str
+    gen: int
+    hits: int
+
+
+#: Called with each report and its answer: the script's, or ``error`` or ``overflow``.
+Settle = Callable[[Report, str], None]
 
 
 class Reporter(Batcher[Report]):
-    """Drains queued reports into one pipeline per wake-up."""
+    """Sends reports: with the serving batch's XACK, or pipelined from its own thread."""
 
     def __init__(
         self,
@@ -43,47 +59,64 @@ class Reporter(Batcher[Report]):
         keys: KeySpace,
         rank: int,
         factory: Callable[[], redis.Redis],
-        scripts: ScriptSet,
-        on_result: OnResult,
+        settle: Settle,
     ) -> None:
         super().__init__(
-            f"rank {rank} reporter", factory, scripts, config.redis_retries, 256, MAX_QUEUED
+            f"rank {rank} reporter",
+            factory,
+            ScriptSet(),
+            config.redis_retries,
+            MAX_BATCH,
+            MAX_QUEUED,
         )
         self._config = config
         self._keys = keys
         self._rank = rank
-        self._on_result = on_result
-        self._inline: list[Report] = []
-        self._inline_thread: int | None = None
+        self._settle = settle
+        self._lock = threading.Lock()
+        self._riding: list[Report] | None = None  # open while the read loop serves a batch
         #: Reports that did not fit in the queue.
         self.overflows = 0
 
-    def bind_thread(self) -> None:
-        """Mark the calling thread (the rank's consumer) as the one that flushes inline."""
-        self._inline_thread = threading.get_ident()
+    def put(self, report: Report) -> None:
+        """Send ``report`` (any thread): with the batch being served, else queued."""
+        with self._lock:
+            if self._riding is not None:
+                self._riding.append(report)
+                return
+        self._enqueue(report)
 
-    def put(self, lookup_id: str, gen: int, hits: int) -> None:
-        """Queue one report (called from engine threads).
+    @contextmanager
+    def riding(self) -> Iterator[list[Report]]:
+        """On the read loop, around serving one batch: collects the reports made meanwhile.
 
-        An engine that answers on the consumer thread itself (a miss, an instant hit)
-        has its report sent with the consumer's XACK: no hand-off to this thread.
+        The list is complete once the block ends; pass it to :meth:`send_with_ack`. If
+        the block raises, the batch is not acked, so its reports are queued instead.
         """
-        if threading.get_ident() == self._inline_thread:
-            self._inline.append((lookup_id, gen, hits))
+        riding: list[Report] = []
+        with self._lock:
+            self._riding = riding
+        try:
+            yield riding
+        except BaseException:
+            self._close_window()
+            for report in riding:
+                self._enqueue(report)
+            riding.clear()
+            raise
+        self._close_window()
+
+    def send_with_ack(
+        self, client: redis.Redis, reports: list[Report], ack_ids: list[bytes]
+    ) -> None:
+        """Run ``reports`` and XACK ``ack_ids`` in one round trip on ``client``.
+
+        If Redis fails, the reports go to the queue (this reporter's thread retries
+        them) and the error propagates: the entries stay pending and are read again,
+        then deduped.
+        """
+        if not reports and not ack_ids:
             return
-        self._queue_or_refuse((lookup_id, gen, hits))
-
-    def _queue_or_refuse(self, report: Report) -> None:
-        if not self._put(report):
-            self.overflows += 1
-            self._on_result(report[0], report[1], "overflow")
-
-    def flush(self, client: redis.Redis, ack_ids: list[bytes]) -> None:
-        """On the consumer thread: XACK ``ack_ids`` and send its inline reports, one round trip.
-
-        If Redis fails, the reports go to this reporter's own retrying queue and the
-        error propagates (the entries stay pending and are replayed, then deduped).
-        """
         stream, group = self._keys.requests, self._keys.group(self._rank)
 
         def ack(pipe: Any) -> int:
@@ -91,33 +124,44 @@ class Reporter(Batcher[Report]):
                 pipe.xack(stream, group, *ack_ids)
             return 1 if ack_ids else 0
 
-        while ack_ids or self._inline:
-            reports, self._inline = self._inline, []
-            try:
-                results = self._scripts.run(client, [self._call(r) for r in reports], ack)
-            except BrokerLookupError:
-                for report in reports:
-                    self._queue_or_refuse(report)
-                raise
-            for (lookup_id, gen, _), res in zip(reports, results, strict=True):
-                # May start a queued generation whose engine answers inline: loop again.
-                self._on_result(lookup_id, gen, self._answer(res))
-            ack_ids = []
+        try:
+            results = self._scripts.run(client, [self._call(r) for r in reports], ack)
+        except BrokerLookupError:
+            for report in reports:
+                self._enqueue(report)
+            raise
+        for report, result in zip(reports, results, strict=True):
+            self._settle(report, self._answer(result))
 
-    def _call(self, report: Report) -> Call:
-        lookup_id, gen, hits = report
-        cfg = self._config
-        return Call(
-            REPORT,
-            (self._keys.lookup(lookup_id), self._keys.done),
-            [self._rank, gen, hits, cfg.done_maxlen, lookup_id, cfg.key_grace_ms or 1],
-        )
+    # -- the queued path (this reporter's thread) -----------------------------------
+
+    def _enqueue(self, report: Report) -> None:
+        if not self._put(report):
+            self.overflows += 1
+            self._settle(report, "overflow")
+
+    def _close_window(self) -> None:
+        with self._lock:
+            self._riding = None
 
     def _send_batch(self, client: redis.Redis, batch: list[Report]) -> None:
         results = self._run_with_retries(client, [self._call(r) for r in batch])
         answers = ["error"] * len(batch) if results is None else [self._answer(r) for r in results]
-        for (lookup_id, gen, _), answer in zip(batch, answers, strict=True):
-            self._on_result(lookup_id, gen, answer)
+        for report, answer in zip(batch, answers, strict=True):
+            self._settle(report, answer)
+
+    # -- the script -------------------------------------------------------------------
+
+    def _call(self, report: Report) -> Call:
+        return report_call(
+            self._keys,
+            report.lookup_id,
+            rank=self._rank,
+            gen=report.gen,
+            hits=report.hits,
+            done_maxlen=self._config.done_maxlen,
+            done_ttl_ms=self._config.key_grace_ms or 1,
+        )
 
     def _answer(self, result: object) -> str:
         if isinstance(result, bytes):

@@ -1,0 +1,234 @@
+"""What a rank does with each message, report and timer: the lifecycle's steps, carried out.
+
+:class:`~workers.pipeline.lifecycle.Lifecycle` decides, per lookup id, what happens
+next (start, queue, drop, release); the :class:`Dispatcher` carries that out on the
+engine and hands reports to its :class:`~workers.pipeline.reporter.Reporter`:
+
+* a request or abort from the read loop -> the lifecycle's decision -> release the
+  engine's old generation and/or start the new one (``async_lookup_and_prefetch``);
+* the engine's report (any thread) -> checked -> the reporter;
+* the report's answer from Redis -> held (pins kept) or released;
+* the sweeper's clock -> the watchdog's 0 for an engine that never reported, and
+  releases of pins past their TTL.
+
+A worker always answers (DESIGN rule 4): an engine that raises or reports nonsense
+reports 0, and one that never reports is answered 0 at its deadline plus
+``worker_watchdog_grace_ms`` and released.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from broker_lookup.config import LookupConfig
+from broker_lookup.engine import LookupEngine
+from broker_lookup.ops.histogram import LATENCY_BUCKETS
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import Abort, LookupRequest
+from workers.pipeline.lifecycle import Job, Lifecycle, Step
+from workers.pipeline.reporter import Report, Reporter
+from workers.pipeline.watchdog import RateLimitedLog
+
+__all__ = ["Dispatcher"]
+
+logger = logging.getLogger(__name__)
+
+#: Report answers after which the rank holds the generation's pins.
+_KEEP = ("complete", "recorded", "duplicate")
+
+
+class Dispatcher:
+    """Carries out one rank's lifecycle steps on its engine, and sends its reports.
+
+    Args:
+        engine: the rank's engine.
+        tracker: the one owner of every lookup id's lifecycle on this rank.
+        config: the rank's config (pin TTL, watchdog grace, report limits).
+        keys: the engine's key space.
+        rank: this rank.
+        factory: connections for the reporter's own thread.
+    """
+
+    def __init__(
+        self,
+        engine: LookupEngine,
+        tracker: Lifecycle,
+        config: LookupConfig,
+        keys: KeySpace,
+        rank: int,
+        factory: Callable[[], redis.Redis],
+    ) -> None:
+        self._engine = engine
+        self._tracker = tracker
+        self._rank = rank
+        self._pin_ttl_s = config.worker_pin_ttl_ms / 1000
+        self._grace_ms = config.worker_watchdog_grace_ms
+        #: Sends the reports (its thread is started and stopped by the server).
+        self.reporter = Reporter(config, keys, rank, factory, self.settle)
+        self._lock = threading.Lock()  # counts and the engine histogram: every thread
+        self._counts: dict[str, int] = {}
+        #: Engine time from start to report, per LATENCY_BUCKETS bucket (+ overflow).
+        self.engine_seconds = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.engine_seconds_sum = 0.0
+        self._warn = RateLimitedLog(logger)
+        self._watchdog_log = RateLimitedLog(logger)
+
+    # -- from the read loop ---------------------------------------------------------
+
+    def handle(self, msg: LookupRequest | Abort, remaining_ms: float) -> None:
+        """Serve one entry; ``remaining_ms`` is how long it stays worth answering."""
+        now = time.monotonic()
+        if isinstance(msg, Abort):
+            self.count("aborts")
+            self._apply(msg.lookup_id, self._tracker.on_abort(msg.lookup_id, msg.gen, now))
+            return
+        if self._rank not in msg.expected:
+            self.count("not_expected")
+            return
+        if remaining_ms <= 0:
+            self.count("expired")
+            return
+        # Local and monotonic from here on; capped so no wire value outlives the pin TTL.
+        deadline = now + min(remaining_ms / 1000, self._pin_ttl_s)
+        decision, step = self._tracker.on_request(msg, now, deadline)
+        self.count(decision)
+        self._apply(msg.lookup_id, step)
+
+    # -- from the engine (any thread) -------------------------------------------------
+
+    def report(self, lookup_id: str, hits: object) -> None:
+        """The engine finished ``lookup_id`` with ``hits`` tokens loaded: send it, if wanted."""
+        now = time.monotonic()
+        outcome, job, step = self._tracker.on_report(lookup_id, now)
+        if job is None:
+            self.count("report_" + outcome)
+            if outcome == "unknown":
+                self._warn(
+                    logging.WARNING,
+                    "rank %d: report for %s which is not running; ignored",
+                    self._rank,
+                    lookup_id,
+                )
+            return
+        self._observe(now - job.started)
+        if outcome == "skipped":  # aborted or superseded: nobody wants the answer
+            self.count("report_skipped_aborted")
+            self._apply(lookup_id, step)
+            return
+        self.reporter.put(Report(lookup_id, job.gen, self._valid_hits(job, hits)))
+
+    # -- from the reporter -----------------------------------------------------------
+
+    def settle(self, report: Report, answer: str) -> None:
+        """Redis answered ``report``: hold its generation's pins, or release them."""
+        self.count("report_" + answer)
+        step = self._tracker.on_settled(
+            report.lookup_id, report.gen, answer in _KEEP, time.monotonic()
+        )
+        self._apply(report.lookup_id, step)
+
+    # -- from the sweeper's clock ----------------------------------------------------
+
+    def sweep(self, now: float) -> None:
+        """The watchdog, then pins past their TTL (monotonic ``now``)."""
+        for kind, job, step in self._tracker.due(now):
+            if kind == "watchdog":
+                self._on_watchdog(job)
+            self._apply(job.lookup_id, step)
+        for lookup_id in self._tracker.expired_holds(now):
+            self._release(lookup_id)
+
+    def _on_watchdog(self, job: Job) -> None:
+        """The engine never reported ``job`` (LMCache D9): answer 0 for it ourselves."""
+        self._watchdog_log(
+            logging.ERROR,
+            "rank %d: engine did not report %s (gen %d) by its deadline + %d ms; "
+            "reporting 0 and releasing its memory",
+            self._rank,
+            job.lookup_id,
+            job.gen,
+            self._grace_ms,
+        )
+        if not (job.aborted or job.superseded):  # else nobody waits for the answer
+            self.reporter.put(Report(job.lookup_id, job.gen, 0))
+
+    # -- at shutdown -----------------------------------------------------------------
+
+    def release_all(self) -> None:
+        """Release every generation the engine holds (the threads are stopped)."""
+        for lookup_id in self._tracker.release_all():
+            self._release(lookup_id)
+
+    # -- the engine --------------------------------------------------------------------
+
+    def _apply(self, lookup_id: str, step: Step) -> None:
+        """Carry out a lifecycle step: release the engine's generation, then start the next."""
+        if step.release:
+            self._release(lookup_id)
+        if step.start is not None:
+            self._start(step.start)
+
+    def _start(self, req: LookupRequest) -> None:
+        self.count("requests")
+        try:
+            self._engine.async_lookup_and_prefetch(
+                req.lookup_id,
+                req.hashes,
+                req.offsets,
+                pin=True,
+                request_configs=req.request_configs,
+            )
+        except Exception:  # any engine failure: the rule is that a worker always answers
+            self.count("engine_errors")
+            logger.exception(
+                "rank %d: engine failed to start %s; reporting 0", self._rank, req.lookup_id
+            )
+            self.report(req.lookup_id, 0)
+
+    def _release(self, lookup_id: str) -> None:
+        self.count("released")
+        try:
+            self._engine.cleanup_memory_objs(lookup_id)
+        except Exception:  # engine bug: count and log, the loop must go on
+            self.count("engine_errors")
+            logger.exception("rank %d: engine failed to release %s", self._rank, lookup_id)
+
+    def _valid_hits(self, job: Job, hits: object) -> int:
+        if type(hits) is int and 0 <= hits <= job.tokens:
+            return hits
+        self.count("engine_invalid_hits")
+        logger.error(
+            "rank %d: engine reported %r hits for %s (%d tokens); reporting 0",
+            self._rank,
+            hits,
+            job.lookup_id,
+            job.tokens,
+        )
+        return 0
+
+    # -- observability -----------------------------------------------------------------
+
+    def count(self, what: str, n: int = 1) -> None:
+        """Add ``n`` to the counter ``what`` (any thread)."""
+        with self._lock:
+            self._counts[what] = self._counts.get(what, 0) + n
+
+    def counts(self) -> dict[str, int]:
+        """A copy of the counters."""
+        with self._lock:
+            return dict(self._counts)
+
+    def sizes(self) -> dict[str, int]:
+        """Size of every map of the lifecycle (running, held, waiting, memos, timers)."""
+        return self._tracker.sizes()
+
+    def _observe(self, seconds: float) -> None:
+        with self._lock:
+            self.engine_seconds[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            self.engine_seconds_sum += seconds

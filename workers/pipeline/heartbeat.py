@@ -1,0 +1,69 @@
+"""The rank's heartbeat key: how clients know it is alive, and what it is doing.
+
+``bl:{E}:hb:<r>`` is a JSON string with a PX TTL, rewritten every
+``heartbeat_interval_ms`` by the read loop itself, so a rank whose loop is stuck or
+dead stops beating and its lookups fail fast (DESIGN rule 7). It is deleted at
+shutdown, so clients see the rank gone at once instead of after the TTL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import redis
+
+from broker_lookup.config import LookupConfig
+from broker_lookup.errors import BrokerLookupError, translate_redis_errors
+from broker_lookup.protocol.keys import KeySpace
+
+__all__ = ["Heartbeat"]
+
+logger = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Writes one rank's heartbeat when due; owns no thread or connection."""
+
+    def __init__(self, config: LookupConfig, keys: KeySpace, rank: int) -> None:
+        self._key = keys.heartbeat(rank)
+        self._rank = rank
+        self._interval_s = config.heartbeat_interval_ms / 1000
+        self._ttl_ms = config.heartbeat_ttl_ms
+        self._started_ms = int(time.time() * 1000)
+        self._next = 0.0
+        #: Wall-clock seconds of the last heartbeat written (0.0: none yet).
+        self.last_beat = 0.0
+
+    def due(self, now: float) -> bool:
+        """Whether a heartbeat is due at monotonic ``now``; if so, the next is scheduled."""
+        if now < self._next:
+            return False
+        self._next = now + self._interval_s
+        return True
+
+    def beat(self, client: redis.Redis, info: dict[str, Any]) -> None:
+        """Write the heartbeat: who this rank is, plus ``info`` (its map sizes, counters)."""
+        body = {
+            "rank": self._rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started_ms": self._started_ms,
+            "ts_ms": int(time.time() * 1000),
+            **info,
+        }
+        with translate_redis_errors("writing the heartbeat"):
+            client.set(self._key, json.dumps(body), px=self._ttl_ms)
+        self.last_beat = time.time()
+
+    def clear(self, client: redis.Redis) -> None:
+        """Delete the heartbeat (shutdown); a failure is logged, not raised."""
+        try:
+            with translate_redis_errors("deleting the heartbeat"):
+                client.delete(self._key)
+        except BrokerLookupError as exc:
+            logger.warning("rank %d: heartbeat not deleted at shutdown: %s", self._rank, exc)

@@ -1,0 +1,149 @@
+"""The rank's read loop, one thread: read -> decide -> engine -> report -> ack.
+
+Each turn keeps the consumer group and the heartbeat, reads one batch
+(:class:`~workers.pipeline.reader.Reader`), hands each entry to the
+:class:`~workers.pipeline.dispatch.Dispatcher` (the lifecycle decides, the engine
+starts), and sends the reports made meanwhile together with the batch's XACK in one
+round trip. Reports the engine makes later, on its own threads, go through the
+reporter's thread instead.
+
+Errors: a missing group (NOGROUP) is re-created at once; any other Redis error is
+counted and backed off; after either, the own pending entries are read again, so
+nothing read stays unserved. Anything else is a bug, counted and logged by the
+loop's guard, and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from broker_lookup.config import LookupConfig
+from broker_lookup.errors import BrokerLookupError, NoGroup
+from broker_lookup.protocol.fingerprint import Publisher
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.threads import LoopThread
+from workers.pipeline.clock import ServerClock
+from workers.pipeline.dispatch import Dispatcher
+from workers.pipeline.heartbeat import Heartbeat
+from workers.pipeline.reader import Batch, Reader
+from workers.pipeline.reporter import Reporter
+
+__all__ = ["RankLoop"]
+
+#: How long the loop waits after a Redis error before it tries again.
+ERROR_BACKOFF_S = 0.2
+#: How often the group's pending count and lag are read (for stats and metrics).
+GROUP_INFO_EVERY_S = 5.0
+
+
+class RankLoop(LoopThread):
+    """Owns the rank's blocking connection and the thread that serves its deliveries.
+
+    Args:
+        config: the rank's config.
+        keys: the engine's key space.
+        rank: this rank.
+        factory: connections; the loop's own (it blocks in XREADGROUP).
+        dispatcher: serves each entry read.
+        reporter: sends the reports made while a batch is served, with its XACK.
+        fingerprint: this rank's hashing fingerprint, published and checked each turn.
+        world_size: ranks beyond it in an entry's ``expected`` make it invalid.
+        redis_retries: keep redis-py's own retries on the loop's connection.
+    """
+
+    def __init__(
+        self,
+        config: LookupConfig,
+        keys: KeySpace,
+        rank: int,
+        factory: Callable[[], redis.Redis],
+        dispatcher: Dispatcher,
+        reporter: Reporter,
+        fingerprint: Publisher,
+        *,
+        world_size: int | None = None,
+        redis_retries: bool = True,
+    ) -> None:
+        super().__init__(f"rank {rank} consumer", f"rank-{rank}")
+        self._factory = factory
+        self._dispatcher = dispatcher
+        self._reporter = reporter
+        self._fingerprint = fingerprint
+        self._redis_retries = redis_retries
+        #: The server's clock, sampled with the heartbeat; judges request budgets.
+        self.clock = ServerClock()
+        self.reader = Reader(config, keys, rank, self.clock, world_size)
+        self.heartbeat = Heartbeat(config, keys, rank)
+        #: Set while the group exists and the loop is reading.
+        self.ready = threading.Event()
+        self._next_group_info = 0.0
+
+    def _run(self) -> None:
+        client = self._factory()
+        if not self._redis_retries:
+            # A timed-out read surfaces at once (and is followed by a re-read of the
+            # pending entries) instead of being retried blind, which would multiply the
+            # socket timeout and could swallow a delivery.
+            client.set_retry(Retry(NoBackoff(), 0))
+        try:
+            while not self._stop.is_set():
+                self._turn(client)
+        finally:
+            self.heartbeat.clear(client)
+            client.close()
+
+    def _turn(self, client: redis.Redis) -> None:
+        try:
+            if not self.ready.is_set():  # first turn, or after an error: the group may be gone
+                self.reader.ensure_group(client)
+                self.ready.set()
+            self._keep_alive(client)
+            self._serve(client, self.reader.read(client))
+            self._fingerprint.tick()
+        except NoGroup as exc:
+            self.ready.clear()
+            self.reader.on_nogroup(exc)
+        except BrokerLookupError as exc:
+            self.ready.clear()
+            self.reader.on_error(exc)
+            self._stop.wait(ERROR_BACKOFF_S)
+        except Exception:  # a bug: counted and logged, never a silent dead thread
+            self.reader.replay()
+            self.guard()
+
+    def _serve(self, client: redis.Redis, batch: Batch) -> None:
+        """Hand each entry to the dispatcher; then its reports and the XACK, one round trip."""
+        if not batch.ack_ids:
+            return
+        with self._reporter.riding() as reports:
+            for msg, remaining_ms in batch.messages:
+                self._dispatcher.handle(msg, remaining_ms)
+        self._reporter.send_with_ack(client, reports, batch.ack_ids)
+
+    def _keep_alive(self, client: redis.Redis) -> None:
+        """The heartbeat when due, with a fresh sample of the server's clock and group info."""
+        now = time.monotonic()
+        if not self.heartbeat.due(now):
+            return
+        if self.clock.due(now):
+            self.clock.sample(client)
+        self.heartbeat.beat(client, self._beat_info())
+        if now >= self._next_group_info:
+            self._next_group_info = now + GROUP_INFO_EVERY_S
+            self.reader.group_info(client)
+
+    def _beat_info(self) -> dict[str, Any]:
+        stats = self.reader.stats
+        return {
+            **self._dispatcher.sizes(),
+            "requests": self._dispatcher.counts().get("requests", 0),
+            "replayed": stats["replayed"],  # deliveries read again: lost ones among them
+            "redis_errors": stats["redis_errors"],
+        }
