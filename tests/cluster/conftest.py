@@ -18,11 +18,12 @@ from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 import pytest
-from cluster_stack import Stack
-from sentinel_local import LocalSentinel
 
 from broker_lookup.errors import BrokerUnavailable
 from broker_lookup.tools.local_cluster import LocalCluster
+
+from .cluster_stack import Stack
+from .sentinel_local import LocalSentinel
 
 BINARY_ENV = "BROKER_LOOKUP_TEST_SERVER_BINARY"
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-from cluster_ids import slot_of, spread_engine_ids
-from cluster_stack import Traffic, run_batch, verdicts
 from helpers import wait_until
 
 from broker_lookup.protocol.keys import KeySpace
+
+from .cluster_ids import slot_of, spread_engine_ids
+from .cluster_stack import Traffic, run_batch, verdicts
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real]
 

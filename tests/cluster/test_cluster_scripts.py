@@ -12,13 +12,14 @@ import time
 
 import pytest
 import redis
-from cluster_ids import slot_of, spread_engine_ids
 from redis.crc import key_slot
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import CANCEL, REPORT, SUBMIT, Call, ScriptSet, submit_args
 from broker_lookup.transport.connection import make_factory
+
+from .cluster_ids import slot_of, spread_engine_ids
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real]
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from cluster_stack import Traffic, run_batch, verdicts
 from helpers import wait_until
+
+from .cluster_stack import Traffic, run_batch, verdicts
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real]
 

@@ -1,7 +1,7 @@
 """Helpers shared by every test suite: waiting without sleeping, and the backend handle.
 
-Importable from any test as ``from helpers import Backend, wait_until`` (pytest puts
-``tests/`` on ``sys.path`` because that is where the root ``conftest.py`` lives).
+Importable from any test as ``from helpers import Backend, wait_until``: pytest puts
+``tests/support`` on ``sys.path`` (``pythonpath`` in pyproject.toml).
 """
 
 from __future__ import annotations
