@@ -1,0 +1,76 @@
+"""The rank's reporter routes each report by the read loop's window, not by thread."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from broker_lookup.config import LookupConfig
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import request_configs_problem
+from workers.pipeline.reporter import Report, Reporter
+
+
+def _reporter(settled: list[tuple[Report, str]]) -> Reporter:
+    def no_connection() -> Any:  # the thread is never started here
+        raise AssertionError("no connection expected")
+
+    return Reporter(
+        LookupConfig(), KeySpace("e"), 0, no_connection, lambda r, a: settled.append((r, a))
+    )
+
+
+def test_a_report_made_while_a_batch_is_served_rides_with_it_from_any_thread() -> None:
+    reporter = _reporter([])
+    with reporter.riding() as reports:
+        reporter.put(Report("a", 1, 4))
+        other = threading.Thread(target=reporter.put, args=(Report("b", 1, 0),))
+        other.start()
+        other.join(5)
+    assert reports == [Report("a", 1, 4), Report("b", 1, 0)]
+    assert reporter.queued == 0
+
+
+def test_a_report_made_outside_a_batch_is_queued() -> None:
+    reporter = _reporter([])
+    with reporter.riding():
+        pass
+    reporter.put(Report("late", 2, 8))
+    assert reporter.queued == 1
+
+
+def test_reports_of_a_batch_that_failed_to_serve_are_queued() -> None:
+    reporter = _reporter([])
+    with pytest.raises(RuntimeError), reporter.riding() as reports:
+        reporter.put(Report("a", 1, 4))
+        raise RuntimeError("bug while serving")
+    assert reports == [] and reporter.queued == 1
+
+
+def test_a_report_beyond_the_bounded_queue_is_answered_overflow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settled: list[tuple[Report, str]] = []
+    reporter = _reporter(settled)
+    monkeypatch.setattr(reporter, "_max_queue", 1)
+    reporter.put(Report("a", 1, 4))
+    reporter.put(Report("b", 1, 4))
+    assert settled == [(Report("b", 1, 4), "overflow")] and reporter.overflows == 1
+
+
+@pytest.mark.parametrize(
+    ("configs", "kind"),
+    [
+        (None, None),
+        ({"lmcache.tag.user": "x"}, None),
+        ({"k": "x" * 100}, "configs_too_large"),
+        ({1: "int key"}, "bad_configs"),
+        (["not", "a", "dict"], "bad_configs"),
+        ({"k": object()}, "bad_configs"),
+    ],
+)
+def test_one_request_configs_rule_for_client_and_ranks(configs: object, kind: str | None) -> None:
+    problem = request_configs_problem(configs, 64)
+    assert (problem.kind if problem else None) == kind
