@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from broker_lookup.processes import python_module
+from broker_lookup.processes import ExitCode, python_module
 from broker_lookup.tools.bench.children import Child, emit, stop_all
 from broker_lookup.tools.bench.measure import BenchOptions, Prompts, closed_loop, cpu_seconds_of
 from broker_lookup.tools.bench.ours import client_for, engine_id, rank_host
@@ -112,14 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         emit("ready", args.engine_id)
         if sys.stdin.readline().strip() != "go":
-            return 1
+            return ExitCode.FAILED
         cpu0 = time.process_time()
         run = closed_loop(
             client, Prompts(args.tokens), args.window, args.duration, args.poll_us / 1e6, "c"
         )
         run["cpu_s"] = time.process_time() - cpu0
         emit("result", json.dumps(run))
-        return 0
+        return ExitCode.OK
     finally:
         client.close()
 

@@ -142,7 +142,7 @@ def _serve(lm: SimpleNamespace, fraction: float, spec: RankSpec, stop: threading
         ready(spec)
         while not stop.wait(0.5):
             pass
-        return 0
+        return ExitCode.OK
     finally:
         path = lm.path(spec.engine_id, "lookup_worker", 0, spec.rank)
         _close_safely(lm, server, path, lm.Cleanup(lookup_id="bench-stop"))

@@ -220,7 +220,8 @@ class _ClosedLoop:
         self.issued = 0
 
     def issue(self) -> None:
-        lookup_id, prompt = f"{self.prefix}-{self.issued}", self.prompts.get(self.issued)
+        lookup_id = f"{self.prefix}-{self.issued}"
+        prompt = self.prompts.get(self.issued)
         self.issued += 1
         self.client.lookup_cache(lookup_id)
         self.inflight[lookup_id] = time.perf_counter_ns()

@@ -158,7 +158,8 @@ class Link:
     def _expect_reply(self, name: str, then: str | None) -> None:
         """Append a command to the FIFO; inside MULTI a lost reply moves to EXEC's."""
         if name == "MULTI":
-            self.in_multi, self.multi_then = True, None
+            self.in_multi = True
+            self.multi_then = None
         elif self.in_multi:
             if name in ("EXEC", "DISCARD"):
                 self.in_multi = False
@@ -167,7 +168,8 @@ class Link:
             elif then is not None:
                 # A queued command runs at EXEC and its result is in EXEC's reply: losing
                 # "+QUEUED" would lose nothing the command did.
-                self.multi_then, then = then, None
+                self.multi_then = then
+                then = None
         self.fifo.append((name, then))
 
     def from_server(self, data: bytes, due: float) -> tuple[int, bool]:

@@ -51,7 +51,8 @@ class ProxyLoop:
     ) -> None:
         self._state = state
         info = socket.getaddrinfo(*upstream, type=socket.SOCK_STREAM)[0]
-        self._upstream_family, self._upstream_addr = info[0], info[4]
+        self._upstream_family = info[0]
+        self._upstream_addr = info[4]
         self._listener = socket.create_server(listen, backlog=128)
         self._listener.setblocking(False)
         self.port: int = self._listener.getsockname()[1]

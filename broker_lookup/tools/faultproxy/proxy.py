@@ -117,14 +117,17 @@ class FaultProxy:
         loop = ProxyLoop(self._state, self.upstream, (self.listen_host, self.port))
         self.port = loop.port
         thread = threading.Thread(target=loop.run, name=f"faultproxy-{self.port}", daemon=True)
-        self._loop, self._thread = loop, thread
+        self._loop = loop
+        self._thread = thread
         thread.start()
         return self
 
     def stop(self) -> None:
         """Close every socket and stop the thread (within about 2 s). Idempotent."""
-        loop, thread = self._loop, self._thread
-        self._loop = self._thread = None
+        loop = self._loop
+        thread = self._thread
+        self._loop = None
+        self._thread = None
         if loop is None or thread is None:
             return
         loop.stop()

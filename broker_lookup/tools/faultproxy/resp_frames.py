@@ -123,7 +123,8 @@ class FrameParser:
                     return None
                 if self._capturing():
                     self._args.append(bytes(buf[self._pos : end]))
-                self._pos, self._blob = end + 2, -1
+                self._pos = end + 2  # past the blob's CRLF
+                self._blob = -1
                 done = self._value_done()
             else:
                 eol = buf.find(_CRLF, self._pos)
