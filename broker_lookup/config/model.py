@@ -1,15 +1,16 @@
-"""Typed, validated configuration: :class:`LookupConfig` and :class:`LookupMetadata`.
+"""What a valid configuration is: :class:`LookupConfig` and :class:`LookupMetadata`.
 
 Field names follow LMCache's ``LMCacheEngineConfig`` where LMCache has them, so a
 deployment can move its settings over unchanged. Every value is checked when the
 object is built; a bad one raises :class:`~broker_lookup.errors.ConfigError`
-naming the field, its environment variable and the value. This module is the
-only one that reads ``os.environ``.
+naming the field, its environment variable and the value (secrets redacted). Where
+values come from (environment variables, YAML/TOML files) is
+:mod:`broker_lookup.config.sources`; the ``from_*`` constructors here only validate
+what it read.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,11 +18,18 @@ from typing import Any
 
 import msgspec
 
-from broker_lookup.config.sources import ENV_PREFIX, env_name, parse_env, parse_file
+from broker_lookup.config.sources import (
+    config_file,
+    env_name,
+    env_settings,
+    environment,
+    parse_env,
+    read_file,
+)
 from broker_lookup.errors import ConfigError
 from broker_lookup.protocol.keys import validate_engine_id
 
-__all__ = ["ENV_PREFIX", "LookupConfig", "LookupMetadata", "env_name", "expected_ranks"]
+__all__ = ["LookupConfig", "LookupMetadata", "expected_ranks", "redact_url"]
 
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "redis+cluster://")
@@ -213,14 +221,12 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         cls, environ: Mapping[str, str] | None = None, *, base: LookupConfig | None = None
     ) -> LookupConfig:
         """``base`` (or the defaults) overridden by every ``BROKER_LOOKUP_<FIELD>`` set."""
-        env = os.environ if environ is None else environ
+        fields = msgspec.structs.fields(cls)
+        types = {info.name: info.type for info in fields}
         values = msgspec.structs.asdict(base) if base is not None else {}
-        given: dict[str, str] = {}
-        for info in msgspec.structs.fields(cls):
-            raw = env.get(env_name(info.name))
-            if raw is not None:
-                values[info.name] = parse_env(info.name, raw, info.type)
-                given[info.name] = raw
+        given = env_settings(fields, environ)
+        for name, raw in given.items():
+            values[name] = parse_env(name, raw, types[name])
         try:
             return msgspec.convert(values, cls, strict=False)
         except msgspec.ValidationError as exc:
@@ -230,30 +236,27 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     def from_file(cls, path: str | Path) -> LookupConfig:
         """Load a YAML (``.yaml``/``.yml``) or TOML (``.toml``) file of config fields."""
         p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {p}: {exc}") from None
-        data = parse_file(p, text)
-        return cls.from_mapping(data, source=str(p))
+        return cls.from_mapping(read_file(p), source=str(p))
 
     @classmethod
     def load(
         cls, path: str | Path | None = None, environ: Mapping[str, str] | None = None
     ) -> LookupConfig:
         """File (if given, or ``BROKER_LOOKUP_CONFIG_FILE``) then environment overrides."""
-        env = os.environ if environ is None else environ
-        path = path or env.get(ENV_PREFIX + "CONFIG_FILE") or None
+        env = environment(environ)
+        path = path or config_file(env)
         base = cls.from_file(path) if path else None
         return cls.from_env(env, base=base)
 
 
 def _explain(exc: msgspec.ValidationError, given: Mapping[str, object], source: str) -> str:
     """``exc`` rephrased to name the field, its env var and the (redacted) value given."""
-    text, found = str(exc), _AT_FIELD.search(str(exc))
+    text = str(exc)
+    found = _AT_FIELD.search(text)
     if found is None or found.group(1) not in given:  # e.g. a _check message: names all three
         return f"invalid config in {source}: {text}"
-    field, why = found.group(1), _AT_FIELD.sub("", text)
+    field = found.group(1)
+    why = _AT_FIELD.sub("", text)
     return f"invalid config in {source}: {field}={_shown(field, given[field])} " + (
         f"(env {env_name(field)}) has the wrong type: {why}"
     )

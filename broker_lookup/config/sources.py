@@ -1,25 +1,70 @@
-"""Parsing config sources: environment variable values and YAML/TOML files."""
+"""Where config values come from: ``BROKER_LOOKUP_*`` environment variables and files.
+
+This is the one module that reads settings from the process environment:
+``LookupConfig.from_env``/``load`` and the LMCache integration's switch go through
+:func:`environment`. (Other modules look at ``os.environ`` for other reasons: the
+hasher checks ``PYTHONHASHSEED``, process helpers build a child's environment.) What a
+valid config is lives in :mod:`broker_lookup.config.model`.
+"""
 
 from __future__ import annotations
 
+import os
 import tomllib
 import typing
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import yaml
 
 from broker_lookup.errors import ConfigError
 
-__all__ = ["ENV_PREFIX", "env_name", "parse_env", "parse_file"]
+__all__ = [
+    "CONFIG_FILE_ENV",
+    "ENV_PREFIX",
+    "config_file",
+    "env_name",
+    "env_settings",
+    "environment",
+    "parse_env",
+    "parse_file",
+    "read_file",
+]
 
 #: Environment variables are ``BROKER_LOOKUP_<FIELD>``.
 ENV_PREFIX = "BROKER_LOOKUP_"
+#: Names a YAML or TOML file that ``LookupConfig.load`` reads before the variables.
+CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG_FILE"
 
 
 def env_name(field: str) -> str:
     """Environment variable that sets ``field``."""
     return ENV_PREFIX + field.upper()
+
+
+def environment(environ: Mapping[str, str] | None = None) -> Mapping[str, str]:
+    """``environ`` if given (tests, a child's planned environment), else ``os.environ``."""
+    return os.environ if environ is None else environ
+
+
+def env_settings(
+    fields: Iterable[msgspec.structs.FieldInfo], environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The raw text of every ``BROKER_LOOKUP_<FIELD>`` set, by field name."""
+    env = environment(environ)
+    found: dict[str, str] = {}
+    for info in fields:
+        raw = env.get(env_name(info.name))
+        if raw is not None:
+            found[info.name] = raw
+    return found
+
+
+def config_file(environ: Mapping[str, str] | None = None) -> str | None:
+    """The file ``BROKER_LOOKUP_CONFIG_FILE`` names, or None if it is unset or empty."""
+    return environment(environ).get(CONFIG_FILE_ENV) or None
 
 
 def parse_env(field: str, raw: str, kind: object) -> object:
@@ -40,6 +85,15 @@ def parse_env(field: str, raw: str, kind: object) -> object:
     if kind is bool and text.lower() in ("false", "no", "off"):
         return False
     return text
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """The mapping in a YAML (``.yaml``/``.yml``) or TOML (``.toml``) config file."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    return parse_file(path, text)
 
 
 def parse_file(path: Path, text: str) -> dict[str, Any]:

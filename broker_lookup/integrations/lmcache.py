@@ -27,6 +27,7 @@ import msgspec
 
 from broker_lookup.client.factory import LookupClientFactory
 from broker_lookup.config import ENV_PREFIX, LookupConfig, LookupMetadata
+from broker_lookup.config.sources import environment
 from broker_lookup.errors import ConfigError
 from broker_lookup.integrations.import_hook import hook_fired, when_imported
 from broker_lookup.integrations.lmcache_adapter import LMCacheEngineAdapter
@@ -92,7 +93,8 @@ def broker_requested(lmc_config: Any) -> bool:
     """Whether this LMCache config asks for the broker instead of LMCache's ZMQ lookup."""
     if _extra(lmc_config).get(EXTRA_PREFIX + "url"):
         return True
-    return _truthy(os.environ.get(ENV_SWITCH)) and bool(os.environ.get(ENV_URL))
+    env = environment()
+    return _truthy(env.get(ENV_SWITCH)) and bool(env.get(ENV_URL))
 
 
 def _lmcache_values(lmc_config: Any, broker: bool) -> dict[str, Any]:
@@ -288,7 +290,7 @@ def vllm_plugin() -> None:
     factory or vLLM service factory is first imported in this process. vLLM calls
     plugins in every process it starts, so each arms its own hook.
     """
-    if not _truthy(os.environ.get(ENV_SWITCH)):
+    if not _truthy(environment().get(ENV_SWITCH)):
         return
     _ensure_log_handler()
     if not when_imported(HOOK_MODULES, _install_on_import, key=HOOK_KEY):
@@ -300,7 +302,7 @@ def vllm_plugin() -> None:
         os.getpid(),
         " or ".join(HOOK_MODULES),
     )
-    if not os.environ.get(ENV_URL):
+    if not environment().get(ENV_URL):
         logger.info(
             "%s is unset: only LMCache configs with extra_config.%surl use the broker",
             ENV_URL,

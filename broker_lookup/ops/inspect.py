@@ -72,7 +72,8 @@ def _ranks(client: redis.Redis, keys: KeySpace, now_ms: int) -> dict[int, Snapsh
     for raw in client.scan_iter(match=keys.heartbeat_pattern, count=500):
         key = _s(raw)
         rank = _int(key.rsplit(":", 1)[-1])
-        value, ttl = client.get(key), client.pttl(key)
+        value = client.get(key)
+        ttl = client.pttl(key)
         if rank is None or value is None:
             continue  # expired between SCAN and GET
         try:

@@ -97,7 +97,8 @@ def check(client: redis.Redis, keys: KeySpace, own: Fingerprint) -> list[str]:
     stale: list[str] = []
     bad: list[str] = []
     for raw_name, raw_value in members.items():
-        name, theirs = _text(raw_name), _decode(raw_value)
+        name = _text(raw_name)
+        theirs = _decode(raw_value)
         ts = theirs.pop("ts_ms", None) if theirs is not None else None
         if isinstance(ts, int) and ts < cutoff:
             stale.append(name)
@@ -139,7 +140,10 @@ class Publisher:
         hasher: Hasher,
         factory: Callable[[], redis.Redis] | None = None,
     ) -> None:
-        self._keys, self._role, self._hasher, self._factory = keys, role, hasher, factory
+        self._keys = keys
+        self._role = role
+        self._hasher = hasher
+        self._factory = factory
         self._own: redis.Redis | None = None
         self._next = 0.0
         #: Members whose hashing differs from ours, as of the last check.
@@ -167,6 +171,7 @@ class Publisher:
 
     def close(self) -> None:
         """Close the client this publisher made itself, if any."""
-        own, self._own = self._own, None
+        own = self._own
+        self._own = None
         if own is not None:
             own.close()

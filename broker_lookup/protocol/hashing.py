@@ -176,7 +176,9 @@ class ChunkedTokenHasher:
 
     def __init__(self, config: HashingConfig | None = None) -> None:
         c = _NO_CONFIG if config is None else config
-        size, unfull, algorithm = c.chunk_size, c.save_unfull_chunk, c.pre_caching_hash_algorithm
+        size = c.chunk_size
+        unfull = c.save_unfull_chunk
+        algorithm = c.pre_caching_hash_algorithm
         if type(size) is not int or size <= 0:
             raise ConfigError(f"chunk_size={size!r} is invalid: use a positive int")
         if not isinstance(unfull, bool):
@@ -231,7 +233,8 @@ class ChunkedTokenHasher:
         if make_key:  # a key embeds model, rank and dtype: only the worker's engine knows them
             raise NotImplementedError("make_key=True: the worker's engine builds the keys")
         seq = _as_sequence(tokens)
-        size, total = self.chunk_size, len(seq)
+        size = self.chunk_size
+        total = len(seq)
         skip = 0 if mask is None else _count_false(mask, total)
         if skip % size:
             raise InvalidRequest(f"mask has {skip} False: not a multiple of chunk_size={size}")
@@ -240,10 +243,13 @@ class ChunkedTokenHasher:
         return ((start, min(start + size, total), h) for start, h in chunks if start >= skip)
 
     def _chain(self, seq: Sequence[int]) -> list[int]:
-        size, total, chain = self.chunk_size, len(seq), self.none_hash
+        size = self.chunk_size
+        total = len(seq)
+        chain = self.none_hash
         end = total if self.save_unfull_chunk else total - total % size
         out: list[int] = []
-        append, empty = out.append, ()
+        append = out.append  # bound once: this loop runs per chunk of every prompt
+        empty = ()  # LMCache's extra_keys: none
         fn = self._hash_fn
         if fn is not hash or total < _ZIP_MIN_CHUNKS * size:
             for start in range(0, end, size):

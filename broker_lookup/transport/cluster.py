@@ -14,29 +14,30 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-from redis._parsers import CommandsParser
 from redis.exceptions import ConnectionError, RedisClusterException
 
 __all__ = ["SharedCluster"]
 
 
-class _LocalKeys(CommandsParser):
+class _LocalKeys:
     """Finds the keys of EVALSHA, EVAL, XREAD and XREADGROUP without asking the server.
 
     redis-py routes these "movablekeys" commands with a ``COMMAND GETKEYS`` round trip
     to the default node before each one (every EVALSHA of a ``ClusterPipeline``, every
     blocking read): a second round trip per command, all on one node. Their key
-    positions are fixed by the protocol, so we read them here; any other command is
-    left to redis-py.
+    positions are fixed by the protocol, so we read them here; any other command, and
+    every other attribute, is left to the parser redis-py made (wrapped, not subclassed:
+    its class lives in a private module of redis-py).
     """
 
-    @classmethod
-    def wrap(cls, parser: CommandsParser) -> _LocalKeys:
-        local = cls.__new__(cls)
-        local.__dict__.update(vars(parser))  # the COMMAND table redis-py already loaded
-        return local
+    def __init__(self, parser: Any) -> None:
+        self._parser = parser
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parser, name)
 
     def get_keys(self, redis_conn: Any, *args: Any) -> Any:
+        """The keys of one command: read from its arguments where the protocol fixes them."""
         name = str(args[0]).upper() if args else ""
         if name in ("EVALSHA", "EVAL") and len(args) > 2:
             return list(args[3 : 3 + int(args[2])]) or None
@@ -47,7 +48,7 @@ class _LocalKeys(CommandsParser):
             if "STREAMS" in words[start:]:
                 streams = args[words.index("STREAMS", start) + 1 :]
                 return list(streams[: len(streams) // 2])
-        return super().get_keys(redis_conn, *args)  # type: ignore[no-untyped-call]
+        return self._parser.get_keys(redis_conn, *args)
 
 
 class SharedCluster:
@@ -75,8 +76,8 @@ class SharedCluster:
                 except RedisClusterException as exc:  # no node reachable, or no full coverage
                     raise ConnectionError(f"Redis Cluster unreachable: {exc}") from exc
                 parser = getattr(client, "commands_parser", None)
-                if isinstance(parser, CommandsParser):
-                    client.commands_parser = _LocalKeys.wrap(parser)
+                if parser is not None and not isinstance(parser, _LocalKeys):
+                    client.commands_parser = _LocalKeys(parser)
                 self._client = client
             return self._client
 
@@ -84,7 +85,8 @@ class SharedCluster:
         """One handle is closed; the last one closes the client."""
         with self._lock:
             self._refs -= 1
-            client, last = self._client, self._refs == 0
+            client = self._client
+            last = self._refs == 0
             if last:
                 self._client = None
         if last and client is not None:

@@ -91,7 +91,8 @@ class _MultiHostUrl:
         parts = urlsplit(url)
         creds, _, hostpart = parts.netloc.rpartition("@")
         user, _, password = creds.partition(":") if creds else ("", "", "")
-        self.user, self.password = unquote(user) or None, unquote(password) or None
+        self.user = unquote(user) or None
+        self.password = unquote(password) or None
         self.hosts: list[tuple[str, int]] = []
         for item in hostpart.split(","):
             host, _, port = item.rpartition(":")
