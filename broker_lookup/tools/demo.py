@@ -26,10 +26,11 @@ import redis
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name, redact_url
-from broker_lookup.processes import child_env, python_module, spawn, terminate
+from broker_lookup.processes import ExitCode, child_env
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
+from broker_lookup.tools.local_ranks import LocalRanks, write_preload
 from broker_lookup.transport.connection import make_factory, redis_cli_args
 
 __all__ = ["run_demo"]
@@ -50,6 +51,14 @@ class Case:
 
 def _prompt(base: int, chunk_size: int) -> list[int]:
     return list(range(base, base + _CHUNKS * chunk_size))
+
+
+def _beat_fields(beats: dict[int, dict[str, Any]], *fields: str) -> str:
+    """``r0 running=1 held=2 r1 ...``: the given fields of each rank's heartbeat."""
+    return " ".join(
+        f"r{rank} " + " ".join(f"{name}={beat.get(name)}" for name in fields)
+        for rank, beat in beats.items()
+    )
 
 
 def _wait(predicate: Any, timeout_s: float, interval_s: float = 0.1) -> Any:
@@ -76,7 +85,7 @@ class Demo:
         self.keys = KeySpace(f"demo-{uuid.uuid4().hex[:8]}")
         self.config = LookupConfig(redis_url=url, chunk_size=chunk_size, lookup_timeout_ms=15_000)
         self.redis = make_factory(self.config, "bl-demo")()
-        self.procs: list[Any] = []
+        self.ranks: LocalRanks | None = None
         self.client: RedisAsyncLookupClient | None = None
         self.out: TextIO = sys.stdout
         full, part, cancel = (_prompt(b, chunk_size) for b in (1000, 2000, 4000))
@@ -95,14 +104,13 @@ class Demo:
 
     def _files(self) -> tuple[Path, Path]:
         others = list(range(1, self.n)) or [0]
-        prompts = [
+        prompts: list[dict[str, Any]] = [
             {"tokens": self.cases[0].tokens, "ranks": None, "fraction": 1.0},
             {"tokens": self.cases[1].tokens, "ranks": [0] if self.n > 1 else [], "fraction": 1.0},
             {"tokens": self.cases[1].tokens, "ranks": others, "fraction": 0.5},
             {"tokens": self.cancel_tokens, "ranks": None, "fraction": 1.0, "tier": "disk"},
         ]
-        preload = self.workdir / "preload.json"
-        preload.write_text(json.dumps({"prompts": prompts}))
+        preload = write_preload(self.workdir / "preload.json", prompts)
         config = self.workdir / "config.yaml"
         config.write_text(f"chunk_size: {self.cs}\nlookup_timeout_ms: 15000\n")
         return preload, config
@@ -111,31 +119,25 @@ class Demo:
         """Start one ``python -m workers`` process per rank, logging to the work dir."""
         preload, config = self._files()
         env = child_env(self.environ, {env_name("redis_url"): self.url})
-        for rank in range(self.n):
-            args = [
-                "--engine-id", self.keys.engine_id, "--world-size", str(self.n),
-                "--rank", str(rank), "--metrics-port", "0", "--preload", str(preload),
-                "--config", str(config), "--disk-dir", str(self.workdir / f"disk-{rank}"),
-                "--load-delay-ms", str(_LOAD_DELAY_MS), "--connect-timeout", "60",
-            ]  # fmt: skip
-            with open(self.workdir / f"rank-{rank}.log", "wb") as log:
-                self.procs.append(spawn(python_module("workers", args), env, output=log))
-            self.say(f"started rank {rank}: pid {self.procs[-1].pid}")
+        args = ["--preload", str(preload), "--config", str(config)]
+        args += ["--load-delay-ms", str(_LOAD_DELAY_MS)]
+        self.ranks = LocalRanks(self.keys.engine_id, [env] * self.n, self.workdir, args)
+        for rank, proc in enumerate(self.ranks.start_all()):
+            self.say(f"started rank {rank}: pid {proc.pid}")
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Until every rank has a heartbeat and the client sees them all alive."""
         beats = [self.keys.heartbeat(r) for r in range(self.n)]
+        ranks = self._ranks()
 
         def ranks_up() -> bool:
-            dead = [p for p in self.procs if p.poll() is not None]
-            return bool(dead) or self.redis.exists(*beats) == self.n
+            return bool(ranks.exited()) or self.redis.exists(*beats) == self.n
 
         _wait(ranks_up, timeout_s)
         if self.redis.exists(*beats) != self.n:
             self.say(f"ranks did not all start within {timeout_s:.0f}s; their logs:")
             for rank in range(self.n):
-                log = (self.workdir / f"rank-{rank}.log").read_text(errors="replace")
-                self.say(f"--- rank {rank} ---\n" + "\n".join(log.splitlines()[-15:]))
+                self.say(f"--- rank {rank} ---\n{ranks.log_tail(rank)}")
             return False
         self.say(f"all {self.n} ranks alive (heartbeats {self.keys.heartbeat_pattern})")
         meta = LookupMetadata(engine_id=self.keys.engine_id, world_size=self.n)
@@ -146,6 +148,11 @@ class Demo:
         if self.client is None:
             raise RuntimeError("the demo client is not started")
         return self.client
+
+    def _ranks(self) -> LocalRanks:
+        if self.ranks is None:
+            raise RuntimeError("the demo ranks are not started")
+        return self.ranks
 
     # -- lookups --------------------------------------------------------------------
 
@@ -199,7 +206,7 @@ class Demo:
         before = _wait(lambda: self._running(1), 10.0, 0.05) or self._beats()
         self.say(
             f"CANCEL   {lookup_id}: prefetching from disk on every rank: "
-            + " ".join(f"r{r} running={b.get('running')}" for r, b in before.items())
+            + _beat_fields(before, "running")
         )
         client.cancel_lookup(lookup_id)
         gone = bool(_wait(lambda: not self.redis.exists(key), 5.0, 0.01))
@@ -212,10 +219,9 @@ class Demo:
         still_gone = not self.redis.exists(key)
         self.say(
             f"{'':<9}ranks released it: "
-            + " ".join(f"r{r} running={b.get('running')} held={b.get('held')}"
-                       for r, b in (after or self._beats()).items())
+            + _beat_fields(after or self._beats(), "running", "held")
             + f"  key still gone after their prefetch ended: {still_gone}"
-        )  # fmt: skip
+        )
         ok = gone and cache == -1 and released and still_gone
         self.say(f"{'':<9}{'OK' if ok else 'WRONG'}")
         return ok
@@ -248,9 +254,8 @@ class Demo:
 
     def stop_ranks(self) -> bool:
         """SIGTERM every rank, wait (bounded), report their exit codes."""
-        codes = terminate(self.procs, 30.0)
+        codes = self.ranks.stop() if self.ranks is not None else []
         self.say("ranks stopped: " + " ".join(f"r{r}={c}" for r, c in enumerate(codes)))
-        self.procs = []
         return all(c == 0 for c in codes)
 
     def close_client(self) -> None:
@@ -285,7 +290,8 @@ def run_demo(
         where = "given"
         if redis_url is None:
             server = stack.enter_context(EmbeddedServer(startup_timeout_s=30.0))
-            redis_url, where = server.url, f"embedded, pid {server.pid}"
+            redis_url = server.url
+            where = f"embedded, pid {server.pid}"
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bl-demo-")))
         demo = Demo(redis_url, ranks, chunk_size, workdir, environ)
         demo.out = out or sys.stdout
@@ -300,4 +306,4 @@ def run_demo(
             demo.close_client()
             stopped = demo.stop_ranks()
         demo.say(f"\ndemo {'OK' if ok and stopped else 'FAILED'}")
-        return 0 if ok and stopped else 1
+        return ExitCode.OK if ok and stopped else ExitCode.FAILED

@@ -270,7 +270,8 @@ class EmbeddedServer:
 
     def _reap(self, sig: signal.Signals, timeout_s: float) -> None:
         """Send ``sig`` and wait; escalate to SIGKILL after ``timeout_s``; always reap."""
-        proc, self._proc = self._proc, None
+        proc = self._proc
+        self._proc = None
         if proc is None:
             return
         if sig == signal.SIGKILL:

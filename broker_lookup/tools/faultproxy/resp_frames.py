@@ -192,5 +192,7 @@ class FrameParser:
 
     def _emit(self) -> Frame:
         frame = Frame(self._pos - self._start, self._push, tuple(self._args))
-        self._start, self._push, self._args = self._pos, False, []
+        self._start = self._pos  # the next frame begins where this one ended
+        self._push = False
+        self._args = []
         return frame

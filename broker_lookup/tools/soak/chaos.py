@@ -85,8 +85,13 @@ class Chaos:
         config: LookupConfig,
         timing: ChaosTiming,
     ) -> None:
-        self.rng, self.log, self.proxies, self.ranks = rng, log, proxies, ranks
-        self.server, self.beats, self.timing = server, beats, timing
+        self.rng = rng
+        self.log = log
+        self.proxies = proxies
+        self.ranks = ranks
+        self.server = server
+        self.beats = beats
+        self.timing = timing
         # How long a lost reply with then="hold" leaves its connection silent: the
         # client's writer uses the socket timeout, every loop connection (the client's
         # listener, all of a rank's) BLOCK + the breaker's threshold.

@@ -1,8 +1,8 @@
 """The chaos soak's rig: the rank processes, a fault proxy per process, heartbeat reads.
 
-:class:`Ranks` starts ``python -m workers`` per rank (each on its own proxy's URL),
-kills and restarts them, and stops them (bounded; no orphans: see
-:mod:`broker_lookup.processes`). :class:`Proxies` puts one
+:class:`Ranks` runs ``python -m workers`` per rank, each on its own proxy's URL, with
+the soak's prompts preloaded (:class:`~broker_lookup.tools.local_ranks.LocalRanks` starts,
+kills, restarts and stops them). :class:`Proxies` puts one
 :class:`~broker_lookup.tools.faultproxy.proxy.FaultProxy` in front of the server for each process
 (``"client"``, ``"rank0"``, ...), so a network fault hits one process, as a broken
 node or a flaky link does; each proxy's thread stops with a bounded join. The embedded
@@ -16,17 +16,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import redis
 
 from broker_lookup.config import env_name
-from broker_lookup.processes import child_env, python_module, spawn, terminate
+from broker_lookup.processes import child_env
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.faultproxy.proxy import FaultProxy
+from broker_lookup.tools.local_ranks import LocalRanks, write_preload
 from broker_lookup.tools.soak.traffic import CHUNK, CHUNKS, Prompt
 
 __all__ = ["Beats", "Proxies", "Ranks", "rss_kb"]
@@ -44,8 +43,8 @@ def rss_kb(pid: int | None) -> int | None:
     return int(found.group(1)) if found else None
 
 
-class Ranks:
-    """The rank processes: start, kill -9 and restart, stop, measure.
+class Ranks(LocalRanks):
+    """The soak's rank processes, started at once: each prompt's share preloaded on each rank.
 
     Rank ``r`` connects to ``urls[r]`` (its own fault proxy); ``timeout_ms`` is the
     lookup timeout, as the client's.
@@ -54,43 +53,20 @@ class Ranks:
     def __init__(
         self, urls: list[str], engine_id: str, prompts: list[Prompt], workdir: Path, timeout_ms: int
     ) -> None:
-        self.n = len(urls)
-        self.workdir = workdir
-        preload = workdir / "preload.json"
         items = [
             {"tokens": p.tokens, "ranks": [r], "fraction": p.stored[r] / CHUNKS, "tier": p.tier}
             for p in prompts
-            for r in range(self.n)
+            for r in range(len(urls))
         ]
-        preload.write_text(json.dumps({"prompts": items}))
-        self._envs = [child_env(os.environ, _settings(url, timeout_ms)) for url in urls]
-        self._args = ["--engine-id", engine_id, "--world-size", str(self.n)]
-        self._args += ["--metrics-port", "0", "--preload", str(preload)]
-        self._args += ["--connect-timeout", "60", "--load-delay-ms", str(_LOAD_DELAY_MS)]
-        self._args += ["--log-level", "WARNING"]
-        self.started: dict[int, float] = {}
-        self.procs = [self.start(r) for r in range(self.n)]
-
-    def start(self, rank: int) -> subprocess.Popen[bytes]:
-        args = [*self._args, "--rank", str(rank), "--disk-dir", str(self.workdir / f"d{rank}")]
-        self.started[rank] = time.monotonic()
-        with open(self.workdir / f"rank-{rank}.log", "ab") as log:
-            return spawn(python_module("workers", args), self._envs[rank], output=log)
+        preload = write_preload(workdir / "preload.json", items)
+        envs = [child_env(os.environ, _settings(url, timeout_ms)) for url in urls]
+        args = ["--preload", str(preload), "--load-delay-ms", str(_LOAD_DELAY_MS)]
+        super().__init__(engine_id, envs, workdir, [*args, "--log-level", "WARNING"])
+        self.start_all()
 
     def pid(self, rank: int) -> int:
         """The pid of rank ``rank``'s current process."""
         return self.procs[rank].pid
-
-    def kill_and_restart(self, rank: int) -> None:
-        """SIGKILL rank ``rank``, reap it, start it again."""
-        self.procs[rank].kill()  # SIGKILL: a crash, no ordered shutdown
-        self.procs[rank].wait()
-        self.procs[rank] = self.start(rank)
-
-    def stop(self) -> list[int]:
-        # A rank inside interpreter start-up has no handler yet: let it reach one first.
-        time.sleep(max(0.0, max(self.started.values()) + 0.5 - time.monotonic()))
-        return terminate(self.procs, 30.0)
 
 
 def _settings(url: str, timeout_ms: int) -> dict[str, str]:
