@@ -31,6 +31,7 @@ __all__ = [
     "ExitCode",
     "child_env",
     "die_with_parent",
+    "long_options",
     "parent_death_prefix",
     "python_module",
     "spawn",
@@ -66,6 +67,14 @@ def child_env(base: Mapping[str, str], extra: Mapping[str, str] | None = None) -
 def python_module(module: str, args: Sequence[str] = ()) -> list[str]:
     """argv running ``python -m module args`` with this interpreter."""
     return [sys.executable, "-m", module, *args]
+
+
+def long_options(options: Mapping[str, object]) -> list[str]:
+    """``{"port": 6379, "save": ""}`` -> ``["--port", "6379", "--save", ""]``: options as argv."""
+    args: list[str] = []
+    for name, value in options.items():
+        args += [f"--{name}", str(value)]
+    return args
 
 
 def parent_death_prefix() -> list[str]:

@@ -28,7 +28,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from broker_lookup.errors import BrokerUnavailable
-from broker_lookup.processes import spawn, terminate
+from broker_lookup.processes import long_options, spawn, terminate
 
 __all__ = ["EmbeddedServer"]
 
@@ -188,10 +188,7 @@ class EmbeddedServer:
         }
         if self._password:
             options["requirepass"] = self._password
-        args = [self._binary]
-        for name, value in options.items():
-            args += [f"--{name}", value]
-        return args + list(self._extra_args)
+        return [self._binary, *long_options(options), *self._extra_args]
 
     def _start_on_some_port(self) -> int:
         """Launch; with an automatic port, retry on a fresh one if another process won it."""

@@ -140,8 +140,11 @@ class LocalSentinel:
                 binary=self.binary, extra_args=("--replicaof", HOST, str(self.master.port))
             ).start()
             replica = redis.Redis(host=HOST, port=self.replica.port, decode_responses=True)
-            _wait(lambda: replica.info("replication").get("master_link_status") == "up",
-                  10.0, "the replica's link to the master")  # fmt: skip
+
+            def linked() -> bool:
+                return bool(replica.info("replication").get("master_link_status") == "up")
+
+            _wait(linked, 10.0, "the replica's link to the master")
             replica.close()
             self._start_sentinels()
             for s in self.sentinels:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
 from broker_lookup.errors import ConfigError
-from broker_lookup.processes import ExitCode, child_env
+from broker_lookup.processes import ExitCode, child_env, long_options
 from workers.runtime.rank import RankRunner, RankSpec, UsageError
 from workers.runtime.supervisor import supervise
 
@@ -133,18 +133,20 @@ class Plan:
     def child_args(self, rank: int) -> list[str]:
         """Arguments of ``python -m workers`` running ``rank`` alone (no secrets on argv)."""
         b = self.base
-        args = [
-            "--engine-id", b.metadata.engine_id,
-            "--world-size", str(b.metadata.world_size),
-            "--rank", str(rank),
-            "--metrics-port", str(b.metrics_port + rank if b.metrics_port else 0),
-            "--metrics-host", b.metrics_host,
-            "--connect-timeout", str(b.connect_timeout_s),
-            "--memory-chunks", str(b.memory_chunks),
-            "--disk-chunks", str(b.disk_chunks),
-            "--load-delay-ms", str(b.load_delay_ms),
-            "--log-level", self.log_level,
-        ]  # fmt: skip
+        args = long_options(
+            {
+                "engine-id": b.metadata.engine_id,
+                "world-size": b.metadata.world_size,
+                "rank": rank,
+                "metrics-port": b.metrics_port + rank if b.metrics_port else 0,
+                "metrics-host": b.metrics_host,
+                "connect-timeout": b.connect_timeout_s,
+                "memory-chunks": b.memory_chunks,
+                "disk-chunks": b.disk_chunks,
+                "load-delay-ms": b.load_delay_ms,
+                "log-level": self.log_level,
+            }
+        )
         if b.disk_dir:
             args += ["--disk-dir", os.path.join(b.disk_dir, f"rank-{rank}")]
         if b.preload:
