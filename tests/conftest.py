@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import fakeredis
 import pytest
 import redis
 from faultkit import config
-from helpers import Backend, RealServer
+from helpers import Backend, MakeClient, MakeServer, RealServer
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupMetadata
@@ -125,9 +125,7 @@ def engine_id() -> str:
 
 
 @pytest.fixture
-def make_server(
-    backend: Backend, engine_id: str
-) -> Iterator[Callable[..., RedisAsyncLookupServer]]:
+def make_server(backend: Backend, engine_id: str) -> Iterator[MakeServer]:
     """``make(engine, rank=0, world_size=1, **config)``: an in-process rank on ``backend``."""
     made: list[RedisAsyncLookupServer] = []
 
@@ -149,9 +147,7 @@ def make_server(
 
 
 @pytest.fixture
-def make_client(
-    backend: Backend, engine_id: str
-) -> Iterator[Callable[..., RedisAsyncLookupClient]]:
+def make_client(backend: Backend, engine_id: str) -> Iterator[MakeClient]:
     """``make(world_size=1, cls=RedisAsyncLookupClient, **config)`` on ``backend``."""
     made: list[RedisAsyncLookupClient] = []
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real, pytest.mark.slow]
 
 
-def test_cluster_bench_measures_one_node_and_a_cluster(tmp_path) -> None:
+def test_cluster_bench_measures_one_node_and_a_cluster(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["--engines", "1", "--duration", "0.3", "--out", str(out)]
     code = (

@@ -8,6 +8,7 @@ import pytest
 from helpers import wait_until
 
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.tools.local_cluster import LocalCluster
 
 from .cluster_ids import slot_of, spread_engine_ids
 from .cluster_stack import Traffic, run_batch, verdicts
@@ -15,7 +16,9 @@ from .cluster_stack import Traffic, run_batch, verdicts
 pytestmark = [pytest.mark.cluster, pytest.mark.real]
 
 
-def test_eight_engines_spread_over_three_masters_all_answer_right(local_cluster, stack):
+def test_eight_engines_spread_over_three_masters_all_answer_right(
+    local_cluster: LocalCluster, stack
+) -> None:
     ids = spread_engine_ids(local_cluster, 8)
     owners = [local_cluster.owner(slot_of(e)) for e in ids]
     assert sorted(set(owners)) == [0, 1, 2], owners
@@ -27,7 +30,7 @@ def test_eight_engines_spread_over_three_masters_all_answer_right(local_cluster,
     results: dict[str, list[int]] = {}
     go = threading.Barrier(len(units))
 
-    def drive(unit):
+    def drive(unit) -> None:
         go.wait()
         results[unit.engine_id] = run_batch(unit, "r", 40)
 
@@ -44,7 +47,9 @@ def test_eight_engines_spread_over_three_masters_all_answer_right(local_cluster,
         assert local_cluster.admin(owner).exists(ks.requests, ks.done, ks.heartbeat(1)) == 3
 
 
-def test_moved_slot_is_followed_without_wrong_or_lost_lookups(local_cluster, stack):
+def test_moved_slot_is_followed_without_wrong_or_lost_lookups(
+    local_cluster: LocalCluster, stack
+) -> None:
     moving, steady = spread_engine_ids(local_cluster, 2)
     deployment = stack(local_cluster.url)
     unit = deployment.unit(moving, hits=12, world_size=2)

@@ -17,6 +17,7 @@ from redis.crc import key_slot
 from broker_lookup.config import LookupConfig
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import CANCEL, REPORT, SUBMIT, Call, ScriptSet, submit_args
+from broker_lookup.tools.local_cluster import LocalCluster
 from broker_lookup.transport.connection import make_factory
 
 from .cluster_ids import slot_of, spread_engine_ids
@@ -55,15 +56,15 @@ def _protocol_calls(ks: KeySpace, lookup_id: str) -> list[list[Call]]:
 
 
 @pytest.fixture
-def cluster_client(local_cluster):
+def cluster_client(local_cluster: LocalCluster):
     client = make_factory(LookupConfig(redis_url=local_cluster.url), "bl-test-scripts")()
     yield client
     client.close()
 
 
 def test_every_script_runs_on_every_master_and_writes_only_its_engines_slot(
-    local_cluster, cluster_client
-):
+    local_cluster: LocalCluster, cluster_client
+) -> None:
     ids = spread_engine_ids(local_cluster, 3)
     assert sorted(local_cluster.owner(slot_of(e)) for e in ids) == [0, 1, 2]
     scripts = ScriptSet()
@@ -94,7 +95,7 @@ def test_every_script_runs_on_every_master_and_writes_only_its_engines_slot(
         _assert_written_only_in_its_slot(local_cluster, engine_id)
 
 
-def _assert_written_only_in_its_slot(local_cluster, engine_id: str) -> None:
+def _assert_written_only_in_its_slot(local_cluster: LocalCluster, engine_id: str) -> None:
     ks = KeySpace(engine_id)
     node = local_cluster.admin(local_cluster.owner(slot_of(engine_id)))
     assert node.xlen(ks.requests) == 2 and node.xlen(ks.done) == 1
@@ -107,7 +108,9 @@ def _assert_written_only_in_its_slot(local_cluster, engine_id: str) -> None:
     assert stray == []
 
 
-def test_a_script_touching_a_key_outside_KEYS_fails_on_the_cluster(local_cluster, cluster_client):
+def test_a_script_touching_a_key_outside_KEYS_fails_on_the_cluster(
+    local_cluster: LocalCluster, cluster_client
+) -> None:
     """Negative control: the dynamic check above would catch a script with a wrong key."""
     mine, other = spread_engine_ids(local_cluster, 2)
     assert local_cluster.owner(slot_of(mine)) != local_cluster.owner(slot_of(other))

@@ -12,6 +12,7 @@ from redis.sentinel import SentinelManagedConnection, SentinelManagedSSLConnecti
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerUnavailable, ConfigError, translate_redis_errors
+from broker_lookup.tools.local_cluster import LocalCluster
 from broker_lookup.transport.connection import make_factory
 
 
@@ -93,7 +94,9 @@ def test_cluster_factory_does_no_io_and_an_unreachable_cluster_is_unavailable() 
         client.ping()
 
 
-def test_cluster_factory_passes_credentials_tls_and_timeouts(monkeypatch) -> None:
+def test_cluster_factory_passes_credentials_tls_and_timeouts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     made: list[dict[str, object]] = []
 
     class FakeCluster:
@@ -139,7 +142,9 @@ def test_cluster_errors_are_translated() -> None:
 
 @pytest.mark.cluster
 @pytest.mark.real
-def test_handles_of_one_cluster_factory_share_one_client_until_the_last_closes(local_cluster):
+def test_handles_of_one_cluster_factory_share_one_client_until_the_last_closes(
+    local_cluster: LocalCluster,
+) -> None:
     factory = make_factory(LookupConfig(redis_url=local_cluster.url), "bl-test-share")
     first, second = factory(), factory()
     assert first.set("bl:{share}:k", "v")

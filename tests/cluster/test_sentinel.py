@@ -14,6 +14,7 @@ import pytest
 from helpers import wait_until
 
 from .cluster_stack import Traffic, run_batch, verdicts
+from .sentinel_local import LocalSentinel
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real]
 
@@ -21,7 +22,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.real]
 RECOVERY_BOUND_S = 10.0
 
 
-def test_master_killed_mid_traffic_clients_and_ranks_follow_the_new_master(local_sentinel, stack):
+def test_master_killed_mid_traffic_clients_and_ranks_follow_the_new_master(
+    local_sentinel: LocalSentinel, stack
+) -> None:
     deployment = stack(local_sentinel.url)
     unit = deployment.unit("sentinel-e", hits=24, world_size=2)
     unit.wait_ready()
@@ -52,7 +55,9 @@ def test_master_killed_mid_traffic_clients_and_ranks_follow_the_new_master(local
     )
 
 
-def _kill_master_and_wait(local_sentinel, traffic: Traffic) -> tuple[float, float, float]:
+def _kill_master_and_wait(
+    local_sentinel: LocalSentinel, traffic: Traffic
+) -> tuple[float, float, float]:
     """Kill the master; wait for a promotion and for one lookup started after it to succeed.
 
     Returns when it was killed, seconds until the sentinels named a new master, and when

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from engines import InstantEngine, ManualEngine
 from faultkit import CHUNK, answer, prompt, ready
-from helpers import wait_until
+from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.errors import ConfigError, InvalidRequest
@@ -29,7 +29,9 @@ HOSTILE_IDS = ["has space", "héllo", "日本語", "tab\tid", "new\nline", "\x00
 
 
 @pytest.mark.parametrize("lookup_id", HOSTILE_IDS)
-def test_any_str_id_is_served(make_server, make_client, backend, engine_id, lookup_id):
+def test_any_str_id_is_served(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str, lookup_id
+) -> None:
     engine = InstantEngine(hits=24)
     ready(make_server(engine))
     client = make_client()
@@ -48,7 +50,9 @@ def test_any_str_id_is_served(make_server, make_client, backend, engine_id, look
     ("lookup_id", "kind"),
     [("", "bad_id"), ("x" * 4097, "bad_id"), ("lone \udc80", "bad_id"), (42, "bad_id")],
 )
-def test_ids_the_wire_cannot_carry_answer_zero(make_client, backend, engine_id, lookup_id, kind):
+def test_ids_the_wire_cannot_carry_answer_zero(
+    make_client: MakeClient, backend: Backend, engine_id: str, lookup_id, kind
+) -> None:
     client = make_client()
     assert client.lookup(TOKENS, lookup_id) == 0
     if isinstance(lookup_id, str):
@@ -73,8 +77,14 @@ def test_ids_the_wire_cannot_carry_answer_zero(make_client, backend, engine_id, 
     ],
 )
 def test_bad_requests_answer_zero_count_and_log_once(
-    make_client, backend, engine_id, caplog, tokens, configs, kind
-):
+    make_client: MakeClient,
+    backend: Backend,
+    engine_id: str,
+    caplog: pytest.LogCaptureFixture,
+    tokens,
+    configs,
+    kind,
+) -> None:
     client = make_client(**LIMITS)
     with caplog.at_level(logging.WARNING, logger="broker_lookup"):
         for i in range(5):
@@ -87,7 +97,9 @@ def test_bad_requests_answer_zero_count_and_log_once(
     assert not backend.factory().exists(KeySpace(engine_id).requests)
 
 
-def test_a_prompt_over_the_chunk_limit_is_looked_up_by_its_prefix(make_server, make_client):
+def test_a_prompt_over_the_chunk_limit_is_looked_up_by_its_prefix(
+    make_server: MakeServer, make_client: MakeClient
+) -> None:
     engine = InstantEngine(hits=10_000)
     ready(make_server(engine, **LIMITS))
     client = make_client(**LIMITS)
@@ -99,7 +111,7 @@ def test_a_prompt_over_the_chunk_limit_is_looked_up_by_its_prefix(make_server, m
     assert client.stats()["truncated"] == 1
 
 
-def test_unhashable_ids_never_raise(make_client):
+def test_unhashable_ids_never_raise(make_client: MakeClient) -> None:
     client = make_client()
     client.lookup(TOKENS, "r0")  # a non-empty table: an empty dict does not hash its key
     assert client.lookup(TOKENS, ["a", "list"]) == 0  # type: ignore[arg-type]
@@ -109,7 +121,9 @@ def test_unhashable_ids_never_raise(make_client):
     assert client.stats()["rejected"] == {"bad_id": 1, "bad_clear": 1, "bad_cancel": 1}
 
 
-def test_an_internal_error_answers_zero(make_client, monkeypatch):
+def test_an_internal_error_answers_zero(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     client = make_client()
 
     def broken(*args: Any) -> None:
@@ -130,14 +144,16 @@ def test_an_internal_error_answers_zero(make_client, monkeypatch):
         (["a"] * 8, "r1", None, "tokens must be ints"),
     ],
 )
-def test_validate_is_the_strict_opt_in(make_client, tokens, lookup_id, configs, match):
+def test_validate_is_the_strict_opt_in(
+    make_client: MakeClient, tokens, lookup_id, configs, match
+) -> None:
     client = make_client(**LIMITS)
     with pytest.raises(InvalidRequest, match=match):
         client.validate(tokens, lookup_id, configs)
     client.validate(TOKENS, "cmpl-1", {"lmcache.tag.user": "u"})  # a valid one passes
 
 
-def test_client_refuses_unknown_ranks():
+def test_client_refuses_unknown_ranks() -> None:
     meta = LookupMetadata(engine_id="e", world_size=2)
     from broker_lookup.config import expected_ranks
 
@@ -185,7 +201,9 @@ BAD_ENTRIES: list[tuple[dict[str, Any], str]] = [
 ]
 
 
-def test_rank_dead_letters_bad_entries_and_goes_on(make_server, make_client, backend, engine_id):
+def test_rank_dead_letters_bad_entries_and_goes_on(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     engines = [InstantEngine(hits=24), InstantEngine(hits=32)]
     servers = [make_server(e, rank=r, world_size=2, **LIMITS) for r, e in enumerate(engines)]
@@ -208,7 +226,9 @@ def test_rank_dead_letters_bad_entries_and_goes_on(make_server, make_client, bac
     assert all(s.stats()["alive"] for s in servers)
 
 
-def test_request_for_other_ranks_is_not_served(make_server, backend, engine_id):
+def test_request_for_other_ranks_is_not_served(
+    make_server: MakeServer, backend: Backend, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     engine = ManualEngine()
     server = make_server(engine, rank=0, world_size=2)
@@ -220,7 +240,9 @@ def test_request_for_other_ranks_is_not_served(make_server, backend, engine_id):
 
 
 @pytest.mark.parametrize("hits", [-5, 10**9, 3.5, True, None, "12"])
-def test_engine_reporting_nonsense_reports_zero(make_server, make_client, caplog, hits):
+def test_engine_reporting_nonsense_reports_zero(
+    make_server: MakeServer, make_client: MakeClient, caplog: pytest.LogCaptureFixture, hits
+) -> None:
     caplog.set_level(logging.ERROR, logger="workers")
     engine = ManualEngine()
     server = make_server(engine)
@@ -239,7 +261,9 @@ def test_engine_reporting_nonsense_reports_zero(make_server, make_client, caplog
     assert answer(client, "r2", timeout=10) == 8
 
 
-def test_report_script_refuses_unknown_ranks_and_bad_counts(backend, engine_id):
+def test_report_script_refuses_unknown_ranks_and_bad_counts(
+    backend: Backend, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     conn = backend.factory()
     scripts = ScriptSet()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from engines import InstantEngine
 from faultkit import prompt, ready
-from helpers import wait_until
+from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisLookupClient
 
@@ -17,7 +17,9 @@ fake_only = pytest.mark.parametrize("backend", ["fake"], indirect=True)
 
 @fake_only
 @pytest.mark.parametrize("cls", ["async", "sync"])
-def test_a_failing_redis_answers_zero_at_once_then_recovers(make_server, make_client, backend, cls):
+def test_a_failing_redis_answers_zero_at_once_then_recovers(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, cls
+) -> None:
     ready(make_server(InstantEngine(hits=24)))
     kind = RedisLookupClient if cls == "sync" else None
     client = make_client(lookup_timeout_ms=30_000, **({"cls": kind} if kind else {}))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from engines import ManualEngine
 from faultkit import answer, config, prompt, ready
-from helpers import wait_until
+from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
@@ -34,7 +34,9 @@ def _started(engine: ManualEngine, lookup_id: str) -> None:
 
 
 @fake_only
-def test_connection_lost_during_a_report(make_server, make_client, backend, engine_id):
+def test_connection_lost_during_a_report(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     engine = ManualEngine()
     server = make_server(engine)
     ready(server)
@@ -63,7 +65,9 @@ def test_connection_lost_during_a_report(make_server, make_client, backend, engi
 
 
 @fake_only
-def test_connection_lost_during_a_cancel(make_server, make_client, backend, engine_id):
+def test_connection_lost_during_a_cancel(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     engine = ManualEngine()
     server = make_server(engine)
     ready(server)
@@ -94,7 +98,9 @@ def test_connection_lost_during_a_cancel(make_server, make_client, backend, engi
 
 
 @fake_only
-def test_connection_lost_during_blocking_reads(make_server, make_client, backend):
+def test_connection_lost_during_blocking_reads(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend
+) -> None:
     engine = ManualEngine()
     server = make_server(engine)
     ready(server)
@@ -115,7 +121,9 @@ def test_connection_lost_during_blocking_reads(make_server, make_client, backend
 
 
 @real_only
-def test_connections_killed_mid_read(make_server, make_client, backend):
+def test_connections_killed_mid_read(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend
+) -> None:
     engine = ManualEngine()
     server = make_server(engine)
     ready(server)
@@ -134,7 +142,9 @@ def test_connections_killed_mid_read(make_server, make_client, backend):
 
 
 @real_only
-def test_blocking_read_times_out_then_recovers(make_client, backend, engine_id):
+def test_blocking_read_times_out_then_recovers(
+    make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     engine = ManualEngine()
     # Connected by URL, so the config's socket timeout applies; the stall below outlasts
     # it and redis-py's own retries: the rank's XREADGROUP fails with TimeoutError.

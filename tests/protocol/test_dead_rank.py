@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from engines import InstantEngine, ManualEngine
 from faultkit import answer, prompt, ready
-from helpers import wait_until
+from helpers import MakeClient, MakeServer, wait_until
 
 from broker_lookup.protocol.keys import KeySpace
 
@@ -15,7 +16,7 @@ TOKENS = prompt(0, chunks=10)
 LONG = 30_000  # a timeout no assertion below ever gets near
 
 
-def _errors_about(caplog, rank: int) -> list[str]:
+def _errors_about(caplog: pytest.LogCaptureFixture, rank: int) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
@@ -23,7 +24,12 @@ def _errors_about(caplog, rank: int) -> list[str]:
     ]
 
 
-def test_rank_that_never_starts(make_server, make_client, engine_id, caplog):
+def test_rank_that_never_starts(
+    make_server: MakeServer,
+    make_client: MakeClient,
+    engine_id: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO, logger="broker_lookup")
     first = InstantEngine(hits=40)
     ready(make_server(first, rank=0, world_size=2))
@@ -48,7 +54,9 @@ def test_rank_that_never_starts(make_server, make_client, engine_id, caplog):
                for r in caplog.records if r.levelno == logging.INFO)  # fmt: skip
 
 
-def test_rank_that_stops_heartbeating_mid_lookup(make_server, make_client, caplog):
+def test_rank_that_stops_heartbeating_mid_lookup(
+    make_server: MakeServer, make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="broker_lookup")
     engines = [ManualEngine(), ManualEngine()]
     servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]

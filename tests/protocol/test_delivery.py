@@ -8,7 +8,7 @@ import time
 import pytest
 from engines import ManualEngine
 from faultkit import answer, config, prompt, ready
-from helpers import wait_until
+from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.errors import BrokerResponseError, ConfigError
 from broker_lookup.protocol.keys import KeySpace
@@ -35,7 +35,9 @@ def _request(lookup_id: str, gen: int = 1) -> LookupRequest:
     )
 
 
-def test_busygroup_on_restart_and_other_errors_surface(make_server, backend, engine_id):
+def test_busygroup_on_restart_and_other_errors_surface(
+    make_server: MakeServer, backend: Backend, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     first = make_server(ManualEngine())
     ready(first)
@@ -51,8 +53,8 @@ def test_busygroup_on_restart_and_other_errors_surface(make_server, backend, eng
 
 
 def test_entries_trimmed_while_pending_are_acked_and_dead_lettered(
-    make_server, make_client, backend, engine_id
-):
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     conn = backend.factory()
     conn.xgroup_create(ks.requests, ks.group(0), id="$", mkstream=True)
@@ -79,7 +81,9 @@ def test_entries_trimmed_while_pending_are_acked_and_dead_lettered(
     assert server.stats()["alive"]
 
 
-def test_duplicate_delivery_does_not_prefetch_twice(make_server, make_client, backend, engine_id):
+def test_duplicate_delivery_does_not_prefetch_twice(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     engine = ManualEngine()
     server = make_server(engine)
@@ -101,7 +105,9 @@ def test_duplicate_delivery_does_not_prefetch_twice(make_server, make_client, ba
     assert client.lookup_cache("r1") == 20
 
 
-def test_script_cache_flushed_mid_traffic(make_server, make_client, backend, engine_id):
+def test_script_cache_flushed_mid_traffic(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     engine = ManualEngine()
     server = make_server(engine)
     ready(server)
@@ -127,7 +133,7 @@ def test_script_cache_flushed_mid_traffic(make_server, make_client, backend, eng
     assert server.stats()["reporter_errors"] == 0 and client.stats()["redis_errors"] == 0
 
 
-def test_noscript_reload_in_one_pipeline(backend, engine_id):
+def test_noscript_reload_in_one_pipeline(backend: Backend, engine_id: str) -> None:
     ks = KeySpace(engine_id)
     conn = backend.factory()
     scripts = ScriptSet()
@@ -155,7 +161,7 @@ def test_noscript_reload_in_one_pipeline(backend, engine_id):
     assert conn.hget(ks.lookup("p1"), "result") == b"8"
 
 
-def test_shutdown_while_idle_is_bounded_by_block(make_server):
+def test_shutdown_while_idle_is_bounded_by_block(make_server: MakeServer) -> None:
     server = make_server(ManualEngine(), block_ms=1000)
     ready(server)
     started = time.monotonic()
@@ -165,7 +171,7 @@ def test_shutdown_while_idle_is_bounded_by_block(make_server):
     assert not server.stats()["alive"]
 
 
-def test_block_not_under_socket_timeout_is_refused():
+def test_block_not_under_socket_timeout_is_refused() -> None:
     with pytest.raises(ConfigError, match="block_ms"):
         config(block_ms=5000, socket_timeout_ms=5000)
     with pytest.raises(ConfigError, match="block_ms"):

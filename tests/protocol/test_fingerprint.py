@@ -8,7 +8,8 @@ import time
 
 import pytest
 from engines import ManualEngine
-from helpers import wait_until
+from faultkit import CHUNK
+from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.protocol import fingerprint
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
@@ -23,7 +24,13 @@ def published(redis, engine_id: str, *members: str) -> bool:
     return set(members) <= names
 
 
-def test_same_hashing_no_mismatch(make_server, make_client, backend, engine_id, caplog):
+def test_same_hashing_no_mismatch(
+    make_server: MakeServer,
+    make_client: MakeClient,
+    backend: Backend,
+    engine_id: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     redis = backend.factory()
     server = make_server(ManualEngine())
     wait_until(lambda: published(redis, engine_id, RANK0), message="server fingerprint")
@@ -40,11 +47,15 @@ def test_same_hashing_no_mismatch(make_server, make_client, backend, engine_id, 
 
 
 def test_other_chunk_size_is_a_loud_mismatch(
-    make_server, make_client, backend, engine_id, config, caplog
-):
+    make_server: MakeServer,
+    make_client: MakeClient,
+    backend: Backend,
+    engine_id: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.ERROR)
     redis = backend.factory()
-    assert config.chunk_size == 4
+    assert CHUNK == 4  # the client's; the rank below hashes in chunks of 8
     server = make_server(ManualEngine(), chunk_size=8)
     wait_until(lambda: published(redis, engine_id, RANK0), message="server fingerprint")
     client = make_client()
@@ -56,7 +67,9 @@ def test_other_chunk_size_is_a_loud_mismatch(
     assert server.fingerprint.run() == [CLIENT]
 
 
-def test_stale_members_are_dropped_and_garbage_is_a_mismatch(backend, engine_id):
+def test_stale_members_are_dropped_and_garbage_is_a_mismatch(
+    backend: Backend, engine_id: str
+) -> None:
     redis = backend.factory()
     keys = KeySpace(engine_id)
     own = ChunkedTokenHasher().fingerprint()
@@ -72,7 +85,9 @@ def test_stale_members_are_dropped_and_garbage_is_a_mismatch(backend, engine_id)
 
 
 @pytest.mark.parametrize("backend", ["fake"], indirect=True)  # connection loss: fakeredis
-def test_publisher_never_raises(backend, engine_id, caplog):
+def test_publisher_never_raises(
+    backend: Backend, engine_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
     backend.fake_server.connected = False
     publisher = fingerprint.Publisher(
         KeySpace(engine_id), "client", ChunkedTokenHasher(), backend.factory

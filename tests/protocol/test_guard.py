@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from engines import InstantEngine
-from helpers import wait_until
+from helpers import MakeClient, MakeServer, wait_until
 
 TOKENS = list(range(40))
 
 
-def _ready(server, client):
+def _ready(server, client) -> None:
     wait_until(lambda: server.ready and server.stats()["last_heartbeat"])
     wait_until(lambda: not client.stats()["dead_ranks"])
 
 
-def test_rank_loop_survives_an_unexpected_error(make_server, make_client, caplog, monkeypatch):
+def test_rank_loop_survives_an_unexpected_error(
+    make_server: MakeServer,
+    make_client: MakeClient,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     server = make_server(InstantEngine(hits=20))
     client = make_client()
     _ready(server, client)
@@ -38,7 +44,9 @@ def test_rank_loop_survives_an_unexpected_error(make_server, make_client, caplog
     assert wait_until(lambda: client.lookup_cache("second") == 20)
 
 
-def test_client_listener_survives_an_unexpected_error(make_server, make_client, monkeypatch):
+def test_client_listener_survives_an_unexpected_error(
+    make_server: MakeServer, make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     server = make_server(InstantEngine(hits=20))
     client = make_client()
     _ready(server, client)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from engines import ManualEngine
 from faultkit import answer, prompt, ready
-from helpers import wait_until
+from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
@@ -46,8 +47,8 @@ def _counts(server) -> dict[str, int]:
 
 
 def test_engine_that_never_reports_is_answered_zero_released_and_the_id_reused(
-    make_server, make_client
-):
+    make_server: MakeServer, make_client: MakeClient
+) -> None:
     engine = ManualEngine()
     server = make_server(engine, worker_watchdog_grace_ms=300)
     ready(server)
@@ -69,8 +70,8 @@ def test_engine_that_never_reports_is_answered_zero_released_and_the_id_reused(
 
 
 def test_watchdog_reports_zero_itself_and_a_late_report_changes_nothing(
-    make_server, backend, engine_id
-):
+    make_server: MakeServer, backend: Backend, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     engine = ManualEngine()
     server = make_server(engine, worker_watchdog_grace_ms=200)
@@ -89,8 +90,8 @@ def test_watchdog_reports_zero_itself_and_a_late_report_changes_nothing(
 
 
 def test_stale_answer_of_an_old_generation_never_releases_the_new_one(
-    make_server, backend, engine_id, monkeypatch
-):
+    make_server: MakeServer, backend: Backend, engine_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ks = KeySpace(engine_id)
     engine = ManualEngine()
     server = make_server(engine)
@@ -98,7 +99,7 @@ def test_stale_answer_of_an_old_generation_never_releases_the_new_one(
     reporter = server._reporter
     gate, send = [False], reporter._send_batch
 
-    def gated(client, batch):  # holds gen 1's report between the engine and Redis
+    def gated(client, batch) -> None:  # holds gen 1's report between the engine and Redis
         wait_until(lambda: gate[0], timeout=20, message="the gate opened")
         send(client, batch)
 
@@ -121,7 +122,9 @@ def test_stale_answer_of_an_old_generation_never_releases_the_new_one(
     assert server.stats()["held"] == 1
 
 
-def test_clock_skew_between_client_and_rank_does_not_drop_work(make_server, backend, engine_id):
+def test_clock_skew_between_client_and_rank_does_not_drop_work(
+    make_server: MakeServer, backend: Backend, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     engine = ManualEngine()
     server = make_server(engine)
@@ -138,7 +141,9 @@ def test_clock_skew_between_client_and_rank_does_not_drop_work(make_server, back
     assert _counts(server)["expired"] == 1
 
 
-def test_group_recreated_after_nogroup_starts_at_zero(make_server, backend, engine_id):
+def test_group_recreated_after_nogroup_starts_at_zero(
+    make_server: MakeServer, backend: Backend, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     engine = ManualEngine()
     server = make_server(engine)

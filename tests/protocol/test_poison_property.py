@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 from faultkit import CHUNK, prompt, ready
-from helpers import wait_until
+from helpers import Backend, MakeClient, MakeServer, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -80,7 +80,9 @@ def _engines(hasher: ChunkedTokenHasher) -> list[ReferenceEngine]:
     return engines
 
 
-def test_valid_lookups_survive_any_junk(make_server, make_client, backend, engine_id):
+def test_valid_lookups_survive_any_junk(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     client = make_client(world_size=2, lookup_timeout_ms=20_000)
     engines = _engines(client.hasher)

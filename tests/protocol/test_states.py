@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from engines import InstantEngine, ManualEngine
-from helpers import wait_until
+from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisLookupClient
 from broker_lookup.protocol.keys import KeySpace
@@ -14,18 +15,20 @@ from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, subm
 TOKENS = list(range(40))  # 10 chunks of 4 tokens
 
 
-def _ready(*servers):
+def _ready(*servers) -> None:
     wait_until(
         lambda: all(s.ready and s.stats()["last_heartbeat"] for s in servers),
         message="servers ready and beating",
     )
 
 
-def _alive(client):
+def _alive(client) -> None:
     wait_until(lambda: not client.stats()["dead_ranks"], message="client sees every rank alive")
 
 
-def test_unknown_then_pending_then_result_then_cleared(make_server, make_client):
+def test_unknown_then_pending_then_result_then_cleared(
+    make_server: MakeServer, make_client: MakeClient
+) -> None:
     engine = ManualEngine()
     server = make_server(engine)
     _ready(server)
@@ -43,7 +46,9 @@ def test_unknown_then_pending_then_result_then_cleared(make_server, make_client)
     assert client.lookup_cache("r1") == -1
 
 
-def test_min_over_ranks_that_differ(make_server, make_client, backend, engine_id):
+def test_min_over_ranks_that_differ(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     engines = [ManualEngine(), ManualEngine(), ManualEngine()]
     servers = [make_server(e, rank=r, world_size=3) for r, e in enumerate(engines)]
     _ready(*servers)
@@ -64,8 +69,8 @@ def test_min_over_ranks_that_differ(make_server, make_client, backend, engine_id
 
 
 def test_duplicate_report_from_one_rank_does_not_complete(
-    make_server, make_client, backend, engine_id
-):
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     engines = [ManualEngine(), ManualEngine()]
     servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]
     _ready(*servers)
@@ -89,7 +94,9 @@ def test_duplicate_report_from_one_rank_does_not_complete(
     assert wait_until(lambda: client.lookup_cache("r1") == 8)
 
 
-def test_timeout_is_terminal_zero_and_cancels(make_server, make_client, backend, engine_id):
+def test_timeout_is_terminal_zero_and_cancels(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     engine = ManualEngine()  # never reports
     server = make_server(engine)
     _ready(server)
@@ -114,7 +121,7 @@ def test_timeout_is_terminal_zero_and_cancels(make_server, make_client, backend,
     assert client.lookup_cache("r1") == -1
 
 
-def test_timeout_fires_without_polling(make_server, make_client):
+def test_timeout_fires_without_polling(make_server: MakeServer, make_client: MakeClient) -> None:
     engine = ManualEngine()
     server = make_server(engine)
     _ready(server)
@@ -130,7 +137,9 @@ def test_timeout_fires_without_polling(make_server, make_client):
     assert client.lookup_cache("r1") == 0
 
 
-def test_cancel_before_the_rank_starts(make_server, make_client, backend, engine_id):
+def test_cancel_before_the_rank_starts(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     engine = ManualEngine()
     client = make_client()
     redis = backend.factory()
@@ -151,8 +160,8 @@ def test_cancel_before_the_rank_starts(make_server, make_client, backend, engine
 
 
 def test_cancel_during_prefetch_releases_when_it_finishes(
-    make_server, make_client, backend, engine_id
-):
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     engine = ManualEngine()
     server = make_server(engine)
     _ready(server)
@@ -170,7 +179,9 @@ def test_cancel_during_prefetch_releases_when_it_finishes(
     assert client.lookup_cache("r1") == -1
 
 
-def test_cancel_after_prefetch_releases_at_once(make_server, make_client):
+def test_cancel_after_prefetch_releases_at_once(
+    make_server: MakeServer, make_client: MakeClient
+) -> None:
     engine = InstantEngine(hits=40)
     server = make_server(engine)
     _ready(server)
@@ -184,7 +195,9 @@ def test_cancel_after_prefetch_releases_at_once(make_server, make_client):
     assert server.stats()["held"] == 0
 
 
-def test_late_report_after_cancel_resurrects_no_key(backend, engine_id, make_client):
+def test_late_report_after_cancel_resurrects_no_key(
+    backend: Backend, engine_id: str, make_client: MakeClient
+) -> None:
     client = make_client()
     ks = KeySpace(engine_id)
     redis = backend.factory()
@@ -202,7 +215,9 @@ def test_late_report_after_cancel_resurrects_no_key(backend, engine_id, make_cli
     assert not redis.exists(ks.lookup("r1"))
 
 
-def test_id_reuse_gets_a_new_generation(make_server, make_client, backend, engine_id):
+def test_id_reuse_gets_a_new_generation(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     engine = ManualEngine()
     server = make_server(engine)
     _ready(server)
@@ -229,7 +244,9 @@ def test_id_reuse_gets_a_new_generation(make_server, make_client, backend, engin
     assert wait_until(lambda: client.lookup_cache("r1") == 8)
 
 
-def test_short_prompt_answers_zero_without_a_round_trip(make_client, backend, engine_id):
+def test_short_prompt_answers_zero_without_a_round_trip(
+    make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     client = make_client()
     assert client.lookup([1, 2, 3], "tiny") == 0
     # Recorded like any finished lookup: its 0 stays until cleared (issue 9, item 2).
@@ -240,7 +257,9 @@ def test_short_prompt_answers_zero_without_a_round_trip(make_client, backend, en
     assert client.lookup_cache("tiny") == -1
 
 
-def test_dead_rank_answers_zero_at_once(make_client, backend, engine_id):
+def test_dead_rank_answers_zero_at_once(
+    make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
     client = make_client(world_size=2, lookup_timeout_ms=30000)
     started = time.monotonic()
     assert client.lookup(TOKENS, "r1") == 0
@@ -250,7 +269,7 @@ def test_dead_rank_answers_zero_at_once(make_client, backend, engine_id):
     assert not backend.factory().exists(KeySpace(engine_id).lookup("r1"))
 
 
-def test_sync_client_returns_the_int(make_server, make_client):
+def test_sync_client_returns_the_int(make_server: MakeServer, make_client: MakeClient) -> None:
     server = make_server(InstantEngine(hits=20))
     _ready(server)
     client = make_client(cls=RedisLookupClient)
@@ -260,7 +279,9 @@ def test_sync_client_returns_the_int(make_server, make_client):
     assert client.lookup_cache("nope") == -1
 
 
-def test_cancel_after_clear_still_releases_the_pins(make_server, make_client):
+def test_cancel_after_clear_still_releases_the_pins(
+    make_server: MakeServer, make_client: MakeClient
+) -> None:
     # vLLM clears a lookup when it allocates the request and cancels it on abort.
     engine = ManualEngine()
     server = make_server(engine)
@@ -279,7 +300,9 @@ def test_cancel_after_clear_still_releases_the_pins(make_server, make_client):
     assert client.lookup_cache("r1") == -1
 
 
-def test_a_resubmitted_generation_keeps_the_reports_already_recorded(backend, engine_id):
+def test_a_resubmitted_generation_keeps_the_reports_already_recorded(
+    backend: Backend, engine_id: str
+) -> None:
     # The reply to a submit pipeline is lost after the server ran it, and the batch is
     # sent again: the fast rank's report must survive and no second entry is written.
     ks, scripts, conn = KeySpace(engine_id), ScriptSet(), backend.factory()
@@ -315,8 +338,11 @@ def test_a_resubmitted_generation_keeps_the_reports_already_recorded(backend, en
 
 
 def test_lookups_queued_behind_a_slow_sender_are_not_taken_for_vanished(
-    make_server, make_client, monkeypatch, caplog
-):
+    make_server: MakeServer,
+    make_client: MakeClient,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # A burst keeps the sender over a second behind: the listener's reconcile must not
     # answer those lookups 0 as "vanished from Redis" before they were even written.
     engine = InstantEngine(hits=20)

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from helpers import wait_until
 
@@ -82,6 +82,37 @@ class RankProcess:
             self.proc.send_signal(signal.SIGCONT)  # a stopped process ignores SIGKILL's exit
             self.proc.kill()
             self.proc.wait(10)
+
+
+class StartRank(Protocol):
+    """The ``rank_procs`` fixture: start one ``python -m workers`` rank, killed after the test.
+
+    ``prompts`` is the runner's ``--preload`` list; ``overrides`` are config fields, sent
+    as ``BROKER_LOOKUP_*`` variables on top of :data:`FAST`.
+    """
+
+    def __call__(
+        self,
+        url: str,
+        engine_id: str,
+        world_size: int,
+        rank: int,
+        prompts: list[dict[str, Any]],
+        load_delay_ms: float = 0.0,
+        **overrides: Any,
+    ) -> RankProcess: ...
+
+
+class MakeLookupClient(Protocol):
+    """The ``clients`` fixture: a client of ``cls`` on ``cfg``, closed after the test."""
+
+    def __call__(
+        self,
+        cfg: LookupConfig,
+        engine_id: str,
+        world_size: int = 1,
+        cls: type[RedisAsyncLookupClient] = ...,
+    ) -> RedisAsyncLookupClient: ...
 
 
 def alive(client: RedisAsyncLookupClient, timeout: float = 60.0) -> None:

@@ -9,14 +9,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import fakeredis
 import redis
 
 from broker_lookup.tools.embedded import EmbeddedServer
 
-__all__ = ["Backend", "RealServer", "wait_until"]
+if TYPE_CHECKING:
+    from broker_lookup.client import RedisAsyncLookupClient
+    from workers.server import RedisAsyncLookupServer
+
+__all__ = ["Backend", "MakeClient", "MakeServer", "RealServer", "wait_until"]
 
 
 def wait_until(
@@ -88,3 +92,22 @@ class Backend:
         for client in self._clients:
             client.close()
         self._clients.clear()
+
+
+class MakeServer(Protocol):
+    """The ``make_server`` fixture: an in-process rank on the test's backend, closed after."""
+
+    def __call__(
+        self, engine: Any, rank: int = 0, world_size: int = 1, **overrides: Any
+    ) -> RedisAsyncLookupServer: ...
+
+
+class MakeClient(Protocol):
+    """The ``make_client`` fixture: a client (``cls``) on the test's backend, closed after."""
+
+    def __call__(
+        self,
+        world_size: int = 1,
+        cls: type[RedisAsyncLookupClient] = ...,
+        **overrides: Any,
+    ) -> RedisAsyncLookupClient: ...

@@ -10,26 +10,24 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from faultkit import FAST, RankProcess
+from faultkit import FAST, MakeLookupClient, RankProcess, StartRank
+from helpers import RealServer
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
-from broker_lookup.processes import child_env
+from broker_lookup.processes import child_env, long_options
+from broker_lookup.tools.embedded import EmbeddedServer
 from broker_lookup.tools.faultproxy.proxy import FaultProxy
 
 
 @pytest.fixture
-def rank_procs(tmp_path: Path) -> Iterator[Callable[..., RankProcess]]:
-    """Start rank processes: ``start(url, engine_id, world_size, rank, prompts, **config)``.
-
-    ``prompts`` is the runner's ``--preload`` list; config overrides travel as
-    ``BROKER_LOOKUP_*`` variables, FAST included.
-    """
+def rank_procs(tmp_path: Path) -> Iterator[StartRank]:
+    """Start rank processes: ``start(url, engine_id, world_size, rank, prompts, **config)``."""
     made: list[RankProcess] = []
 
     def start(
@@ -45,13 +43,18 @@ def rank_procs(tmp_path: Path) -> Iterator[Callable[..., RankProcess]]:
         preload.write_text(json.dumps({"prompts": prompts}))
         values = {**FAST, **overrides, "redis_url": url}
         extra = {env_name(k): str(v) for k, v in values.items()}
-        argv = [
-            sys.executable, "-m", "workers", "--engine-id", engine_id,
-            "--world-size", str(world_size), "--rank", str(rank), "--metrics-port", "0",
-            "--preload", str(preload), "--load-delay-ms", str(load_delay_ms),
-            "--disk-dir", str(tmp_path / f"disk-{engine_id}-{rank}"),
-            "--connect-timeout", "30", "--log-level", "INFO",
-        ]  # fmt: skip
+        options = {
+            "engine-id": engine_id,
+            "world-size": world_size,
+            "rank": rank,
+            "metrics-port": 0,
+            "preload": preload,
+            "load-delay-ms": load_delay_ms,
+            "disk-dir": tmp_path / f"disk-{engine_id}-{rank}",
+            "connect-timeout": 30,
+            "log-level": "INFO",
+        }
+        argv = [sys.executable, "-m", "workers", *long_options(options)]
         log = tmp_path / f"rank-{engine_id}-{rank}.log"
         made.append(RankProcess(argv, child_env(os.environ, extra), log))
         return made[-1]
@@ -64,12 +67,15 @@ def rank_procs(tmp_path: Path) -> Iterator[Callable[..., RankProcess]]:
 
 
 @pytest.fixture
-def clients() -> Iterator[Callable[..., RedisAsyncLookupClient]]:
+def clients() -> Iterator[MakeLookupClient]:
     """``make(config, engine_id, world_size, cls=...)``; every client is closed at the end."""
     made: list[RedisAsyncLookupClient] = []
 
     def make(
-        cfg: LookupConfig, engine_id: str, world_size: int = 1, cls: type = RedisAsyncLookupClient
+        cfg: LookupConfig,
+        engine_id: str,
+        world_size: int = 1,
+        cls: type[RedisAsyncLookupClient] = RedisAsyncLookupClient,
     ) -> RedisAsyncLookupClient:
         client = cls(cfg, LookupMetadata(engine_id=engine_id, world_size=world_size))
         made.append(client)
@@ -83,14 +89,14 @@ def clients() -> Iterator[Callable[..., RedisAsyncLookupClient]]:
 
 
 @pytest.fixture
-def fault_proxy(real_server) -> Iterator[FaultProxy]:
+def fault_proxy(real_server: RealServer) -> Iterator[FaultProxy]:
     """A fault proxy in front of the session's real server; stopped after the test."""
     with FaultProxy.for_url(real_server.url).start() as proxy:
         yield proxy
 
 
 @pytest.fixture
-def fresh_fault_proxy(fresh_real_server) -> Iterator[FaultProxy]:
+def fresh_fault_proxy(fresh_real_server: EmbeddedServer) -> Iterator[FaultProxy]:
     """A fault proxy in front of a private server (``fresh_real_server``); stopped after."""
     with FaultProxy.for_url(fresh_real_server.url).start() as proxy:
         yield proxy

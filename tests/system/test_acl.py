@@ -85,7 +85,7 @@ def _as(server: EmbeddedServer, user: str) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=server.port, username=user, password=password(user))
 
 
-def test_file_has_least_privilege_users():
+def test_file_has_least_privilege_users() -> None:
     users = acl_users()
     assert {"default", "scheduler", "worker"} <= set(users)
     assert "off" in users["default"] and "+@all" not in users["default"]
@@ -143,7 +143,9 @@ def _protocol_run(server: EmbeddedServer, engine_id: str) -> None:
     assert client.stats()["redis_errors"] == 0
 
 
-def test_protocol_runs_under_the_shipped_users(acl_server, engine_id):
+def test_protocol_runs_under_the_shipped_users(
+    acl_server: tuple[EmbeddedServer, redis.Redis], engine_id: str
+) -> None:
     server, admin = acl_server
     _protocol_run(server, engine_id)
     assert _denials(admin) == []  # nothing the protocol does needs more than the file grants
@@ -173,7 +175,9 @@ def test_protocol_runs_under_the_shipped_users(acl_server, engine_id):
     ],
     ids=lambda c: " ".join(map(str, c[:2])) if isinstance(c, tuple) else c,
 )
-def test_what_the_protocol_does_not_need_is_denied(acl_server, user, command):
+def test_what_the_protocol_does_not_need_is_denied(
+    acl_server: tuple[EmbeddedServer, redis.Redis], user, command
+) -> None:
     server, admin = acl_server
     conn = _as(server, user)
     with pytest.raises(redis.ResponseError, match=r"NOPERM|No permissions|permission|can't access"):
@@ -182,7 +186,7 @@ def test_what_the_protocol_does_not_need_is_denied(acl_server, user, command):
     assert admin.ping()  # still up: SHUTDOWN and FLUSHALL were refused
 
 
-def test_default_user_is_off(acl_server):
+def test_default_user_is_off(acl_server: tuple[EmbeddedServer, redis.Redis]) -> None:
     server, _ = acl_server
     once = Retry(NoBackoff(), 0)  # an auth failure is a ConnectionError: do not retry it
     anonymous = redis.Redis(host="127.0.0.1", port=server.port, retry=once)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 from faultkit import CHUNK, config, prompt
-from helpers import wait_until
+from helpers import RealServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
@@ -188,7 +188,9 @@ def _keys_bounded(conn: redis.Redis, ks: KeySpace) -> dict[str, int]:
     return lengths
 
 
-def test_fifty_thousand_lookups_leave_nothing_behind(real_server, engine_id):
+def test_fifty_thousand_lookups_leave_nothing_behind(
+    real_server: RealServer, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     conn = redis.Redis.from_url(real_server.url)
     conn.xgroup_create(ks.requests, "rank-9", id="$", mkstream=True)  # a dead group

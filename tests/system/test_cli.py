@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import redis
-from helpers import wait_until
+from helpers import RealServer, wait_until
 
 from broker_lookup.processes import child_env, python_module, spawn, terminate
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.tools.embedded import EmbeddedServer
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -78,7 +79,7 @@ def _check_demo_output(out: str) -> list[int]:
     return [int(p) for p in re.findall(r"pid (\d+)", out)]
 
 
-def test_demo_with_embedded_server_exits_0_and_leaves_no_process():
+def test_demo_with_embedded_server_exits_0_and_leaves_no_process() -> None:
     proc = _run("demo", timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pids = _check_demo_output(proc.stdout)
@@ -89,7 +90,7 @@ def test_demo_with_embedded_server_exits_0_and_leaves_no_process():
     assert _processes_mentioning(engine.group(1)) == []
 
 
-def test_demo_on_a_given_server_with_one_rank(real_server):
+def test_demo_on_a_given_server_with_one_rank(real_server: RealServer) -> None:
     proc = _run("demo", "--redis-url", real_server.url, "--ranks", "1", timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pids = _check_demo_output(proc.stdout)
@@ -99,7 +100,7 @@ def test_demo_on_a_given_server_with_one_rank(real_server):
 
 @pytest.fixture
 def live_engine(
-    real_server, engine_id: str, tmp_path: Path
+    real_server: RealServer, engine_id: str, tmp_path: Path
 ) -> Iterator[dict[int, subprocess.Popen[bytes]]]:
     """Ranks 0 and 1 of ``engine_id`` as processes, heartbeating."""
     env = child_env(os.environ, {**FAST, "BROKER_LOOKUP_REDIS_URL": real_server.url})
@@ -122,7 +123,9 @@ def live_engine(
         terminate(list(procs.values()), 15.0)
 
 
-def test_inspect_json_shows_live_ranks_and_check_follows_them(real_server, engine_id, live_engine):
+def test_inspect_json_shows_live_ranks_and_check_follows_them(
+    real_server: RealServer, engine_id: str, live_engine: dict[int, subprocess.Popen[bytes]]
+) -> None:
     proc = _run("inspect", "--redis-url", real_server.url, "--engine-id", engine_id, "--json")
     assert proc.returncode == 0, proc.stderr
     snap = json.loads(proc.stdout)
@@ -143,7 +146,9 @@ def test_inspect_json_shows_live_ranks_and_check_follows_them(real_server, engin
     assert "CHECK FAILED" in failed.stdout and "rank 1: no heartbeat" in failed.stdout
 
 
-def test_inspect_shows_a_pending_lookup_with_its_missing_rank(real_server, engine_id):
+def test_inspect_shows_a_pending_lookup_with_its_missing_rank(
+    real_server: RealServer, engine_id: str
+) -> None:
     client = redis.Redis.from_url(real_server.url)
     key = KeySpace(engine_id).lookup("req-7")
     try:
@@ -163,7 +168,9 @@ def test_inspect_shows_a_pending_lookup_with_its_missing_rank(real_server, engin
     assert 0 < item["ttl_ms"] <= 60_000
 
 
-def test_inspect_never_prints_the_password(fresh_real_server, engine_id):
+def test_inspect_never_prints_the_password(
+    fresh_real_server: EmbeddedServer, engine_id: str
+) -> None:
     url = fresh_real_server.url.replace("redis://", "redis://:s3cret-pw@")  # wrong password
     proc = _run("inspect", "--redis-url", url, "--engine-id", engine_id, "--check")
     out = proc.stdout + proc.stderr
@@ -171,7 +178,9 @@ def test_inspect_never_prints_the_password(fresh_real_server, engine_id):
     assert "s3cret-pw" not in out and "redis://:***@127.0.0.1" in out
 
 
-def test_inspect_watch_repeats_until_ctrl_c(real_server, engine_id, tmp_path):
+def test_inspect_watch_repeats_until_ctrl_c(
+    real_server: RealServer, engine_id: str, tmp_path: Path
+) -> None:
     out_path = tmp_path / "watch.out"
     argv = ["inspect", "--redis-url", real_server.url, "--engine-id", engine_id, "--watch", "0.2"]
     with open(out_path, "wb") as out:
@@ -184,7 +193,7 @@ def test_inspect_watch_repeats_until_ctrl_c(real_server, engine_id, tmp_path):
         terminate([proc], 5.0)
 
 
-def test_inspect_unreachable_redis_exits_3():
+def test_inspect_unreachable_redis_exits_3() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -193,7 +202,7 @@ def test_inspect_unreachable_redis_exits_3():
     assert "cannot inspect redis://127.0.0.1" in proc.stderr
 
 
-def test_worker_subcommand_is_python_m_workers():
+def test_worker_subcommand_is_python_m_workers() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_LOOKUP_")}
     proc = subprocess.run(
         _cli("worker", "--world-size", "1", "--rank", "0"),
@@ -208,13 +217,15 @@ def test_worker_subcommand_is_python_m_workers():
     assert help_text.returncode == 0 and "python -m workers" in help_text.stdout
 
 
-def test_cli_usage_errors_exit_2():
+def test_cli_usage_errors_exit_2() -> None:
     assert _run("nope").returncode == 2
     assert _run("inspect").returncode == 2  # --engine-id is required
     assert _run("demo", "--ranks", "0").returncode == 2
 
 
-def test_inspect_shows_the_callers_id_of_a_digest_key(real_server, engine_id):
+def test_inspect_shows_the_callers_id_of_a_digest_key(
+    real_server: RealServer, engine_id: str
+) -> None:
     client = redis.Redis.from_url(real_server.url)
     hostile = "user's id {with} spaces"
     key = KeySpace(engine_id).lookup(hostile)

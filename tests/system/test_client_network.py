@@ -16,8 +16,8 @@ import time
 
 import pytest
 import redis
-from faultkit import alive, answer, config, eventually_right, prompt
-from helpers import wait_until
+from faultkit import MakeLookupClient, StartRank, alive, answer, config, eventually_right, prompt
+from helpers import RealServer, wait_until
 
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.faultproxy.proxy import FaultProxy
@@ -30,7 +30,13 @@ FULL = len(HOT)
 
 
 @pytest.fixture
-def cluster(real_server, fault_proxy, engine_id, rank_procs, clients):
+def cluster(
+    real_server: RealServer,
+    fault_proxy: FaultProxy,
+    engine_id: str,
+    rank_procs: StartRank,
+    clients: MakeLookupClient,
+):
     """Two rank processes on the server and a client (world 2) through the proxy."""
     for rank in range(2):
         rank_procs(real_server.url, engine_id, 2, rank, PROMPTS)
@@ -43,7 +49,7 @@ def cluster(real_server, fault_proxy, engine_id, rank_procs, clients):
 
 def test_a_stalled_server_opens_the_breaker_then_it_closes_by_itself(
     cluster, fault_proxy: FaultProxy
-):
+) -> None:
     client = cluster
     fault_proxy.hold()  # packets dropped, no RST: what SIGSTOP or a partition looks like
     wait_until(lambda: client.stats()["breaker_open"], timeout=10, message="breaker opens")
@@ -62,8 +68,8 @@ def test_a_stalled_server_opens_the_breaker_then_it_closes_by_itself(
 
 
 def test_a_submit_whose_reply_is_lost_still_answers_the_full_hit(
-    cluster, fault_proxy: FaultProxy, real_server, engine_id
-):
+    cluster, fault_proxy: FaultProxy, real_server: RealServer, engine_id: str
+) -> None:
     client = cluster
     conn = redis.Redis.from_url(real_server.url)
     ks = KeySpace(engine_id)
@@ -79,7 +85,7 @@ def test_a_submit_whose_reply_is_lost_still_answers_the_full_hit(
 
 def test_a_completion_lost_on_the_way_to_the_listener_is_read_again(
     cluster, fault_proxy: FaultProxy
-):
+) -> None:
     client = cluster
     # The listener's XREAD reply carrying the completion is lost and its connection
     # hangs: its short socket timeout ends the read, and the re-read from the last
@@ -93,7 +99,7 @@ def test_a_completion_lost_on_the_way_to_the_listener_is_read_again(
 
 def test_resets_never_give_a_wrong_answer_and_recovery_is_automatic(
     cluster, fault_proxy: FaultProxy
-):
+) -> None:
     client = cluster
     for i in range(5):
         client.lookup(HOT, f"r{i}")
@@ -102,7 +108,7 @@ def test_resets_never_give_a_wrong_answer_and_recovery_is_automatic(
     assert eventually_right(client, HOT, FULL, timeout=15, tag="after") >= 1
 
 
-def test_latency_under_the_timeout_costs_no_hit(cluster, fault_proxy: FaultProxy):
+def test_latency_under_the_timeout_costs_no_hit(cluster, fault_proxy: FaultProxy) -> None:
     client = cluster
     fault_proxy.delay(150)  # each way, on every chunk: far under the 3 s timeout
     for i in range(5):
@@ -110,7 +116,9 @@ def test_latency_under_the_timeout_costs_no_hit(cluster, fault_proxy: FaultProxy
         assert answer(client, f"slow-{i}", timeout=15) == FULL
 
 
-def test_close_leaves_no_connection_open(real_server, engine_id, clients):
+def test_close_leaves_no_connection_open(
+    real_server: RealServer, engine_id: str, clients: MakeLookupClient
+) -> None:
     conn = redis.Redis.from_url(real_server.url)
 
     def mine() -> int:

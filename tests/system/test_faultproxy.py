@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 import redis
-from helpers import wait_until
+from helpers import RealServer, wait_until
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from broker_lookup.tools.embedded import EmbeddedServer
 from broker_lookup.tools.faultproxy.proxy import FaultProxy
 from broker_lookup.tools.faultproxy.resp_frames import Frame, FrameParser, RespError
 
@@ -125,7 +126,7 @@ REPLIES = (
 )
 
 
-def test_frames_are_found_whatever_the_pieces():
+def test_frames_are_found_whatever_the_pieces() -> None:
     stream = b"".join(REPLIES)
     for piece in (1, 2, 7, len(stream)):
         parser = FrameParser()
@@ -136,7 +137,7 @@ def test_frames_are_found_whatever_the_pieces():
         assert parser.take(parser.complete) == stream
 
 
-def test_commands_are_named_and_pushes_told_apart():
+def test_commands_are_named_and_pushes_told_apart() -> None:
     commands = FrameParser(capture=2)
     frames = commands.feed(_encode("evalsha", "abc", "1", "k") + _encode("PING"))
     assert [(f.name, f.args) for f in frames] == [
@@ -148,7 +149,7 @@ def test_commands_are_named_and_pushes_told_apart():
     assert [f.push for f in frames] == [True, False]
 
 
-def test_a_partial_frame_stays_until_complete():
+def test_a_partial_frame_stays_until_complete() -> None:
     parser = FrameParser()
     assert parser.feed(b"+OK\r\n$10\r\n01234") == [Frame(5)]
     assert parser.complete == 5
@@ -158,7 +159,7 @@ def test_a_partial_frame_stays_until_complete():
     assert parser.feed(b"56789\r\n") == [Frame(17)]
 
 
-def test_what_is_not_resp_is_refused():
+def test_what_is_not_resp_is_refused() -> None:
     with pytest.raises(RespError):
         FrameParser().feed(b"PING\r\n")  # an inline command
     with pytest.raises(RespError):
@@ -168,7 +169,9 @@ def test_what_is_not_resp_is_refused():
 # --- pass-through ------------------------------------------------------------------------
 
 
-def test_commands_pass_through_unchanged(fault_proxy, connect, engine_id):
+def test_commands_pass_through_unchanged(
+    fault_proxy: FaultProxy, connect: Connect, engine_id: str
+) -> None:
     client = connect(fault_proxy.url)
     assert client.set(f"{engine_id}:k", "v", px=60_000)
     assert client.get(f"{engine_id}:k") == b"v"
@@ -181,14 +184,16 @@ def test_commands_pass_through_unchanged(fault_proxy, connect, engine_id):
     assert stats["connections"] == fault_proxy.connections() == 1
 
 
-def test_a_1mb_value_passes(fault_proxy, connect, engine_id):
+def test_a_1mb_value_passes(fault_proxy: FaultProxy, connect: Connect, engine_id: str) -> None:
     client = connect(fault_proxy.url)
     value = bytes(range(256)) * 4096
     client.set(f"{engine_id}:big", value, px=60_000)
     assert client.get(f"{engine_id}:big") == value
 
 
-def test_a_blocking_read_gets_one_reply(fault_proxy, connect, engine_id):
+def test_a_blocking_read_gets_one_reply(
+    fault_proxy: FaultProxy, connect: Connect, engine_id: str
+) -> None:
     client = connect(fault_proxy.url)
     assert not client.xread({f"{engine_id}:stream": "$"}, block=100)  # nil after 100 ms
     assert client.ping()  # the next reply pairs with the next command
@@ -197,14 +202,16 @@ def test_a_blocking_read_gets_one_reply(fault_proxy, connect, engine_id):
 
 
 @pytest.mark.parametrize("protocol", [2, 3])
-def test_both_protocols_pass(fault_proxy, connect, engine_id, protocol):
+def test_both_protocols_pass(
+    fault_proxy: FaultProxy, connect: Connect, engine_id: str, protocol
+) -> None:
     client = connect(fault_proxy.url, protocol=protocol)
     client.hset(f"{engine_id}:h", mapping={"a": 1, "b": 2})
     client.expire(f"{engine_id}:h", 60)
     assert client.hgetall(f"{engine_id}:h") == {b"a": b"1", b"b": b"2"}  # a map in RESP3
 
 
-def test_a_push_is_no_reply(fault_proxy, direct, engine_id):
+def test_a_push_is_no_reply(fault_proxy: FaultProxy, direct: redis.Redis, engine_id: str) -> None:
     # RESP3 client tracking sends "invalidate" pushes between replies: were one taken
     # for a reply, the wrong reply would be lost.
     key = f"{engine_id}:tracked"
@@ -221,7 +228,9 @@ def test_a_push_is_no_reply(fault_proxy, direct, engine_id):
     sock.close()
 
 
-def test_for_url_keeps_the_database(real_server, connect, engine_id):
+def test_for_url_keeps_the_database(
+    real_server: RealServer, connect: Connect, engine_id: str
+) -> None:
     url = real_server.url.rsplit("/", 1)[0] + "/3"
     with FaultProxy.for_url(url).start() as proxy:
         assert proxy.url == f"redis://127.0.0.1:{proxy.port}/3"
@@ -233,7 +242,9 @@ def test_for_url_keeps_the_database(real_server, connect, engine_id):
 # --- hold --------------------------------------------------------------------------------
 
 
-def test_hold_stalls_and_release_delivers(fault_proxy, connect, direct, engine_id):
+def test_hold_stalls_and_release_delivers(
+    fault_proxy: FaultProxy, connect: Connect, direct: redis.Redis, engine_id: str
+) -> None:
     key = f"{engine_id}:held"
     short = connect(fault_proxy.url, socket_timeout=0.5)
     patient = connect(fault_proxy.url)
@@ -257,7 +268,9 @@ def test_hold_stalls_and_release_delivers(fault_proxy, connect, direct, engine_i
 # --- reset and refuse --------------------------------------------------------------------
 
 
-def test_reset_breaks_open_connections(fault_proxy, connect, direct, engine_id):
+def test_reset_breaks_open_connections(
+    fault_proxy: FaultProxy, connect: Connect, direct: redis.Redis, engine_id: str
+) -> None:
     idle = connect(fault_proxy.url, single_connection_client=True)
     idle.ping()
     blocked = connect(fault_proxy.url, client_name=f"{engine_id}-blocked")
@@ -272,7 +285,7 @@ def test_reset_breaks_open_connections(fault_proxy, connect, direct, engine_id):
     assert fault_proxy.stats["resets"] == 2
 
 
-def test_refuse_resets_new_connections_only(fault_proxy, connect):
+def test_refuse_resets_new_connections_only(fault_proxy: FaultProxy, connect: Connect) -> None:
     before = connect(fault_proxy.url, single_connection_client=True)
     before.ping()
     fault_proxy.refuse()
@@ -287,7 +300,9 @@ def test_refuse_resets_new_connections_only(fault_proxy, connect):
 # --- lose_reply --------------------------------------------------------------------------
 
 
-def test_a_lost_reply_then_reset(fault_proxy, connect, direct, engine_id):
+def test_a_lost_reply_then_reset(
+    fault_proxy: FaultProxy, connect: Connect, direct: redis.Redis, engine_id: str
+) -> None:
     counter = f"{engine_id}:n"
     client = connect(fault_proxy.url)
     client.ping()
@@ -301,7 +316,9 @@ def test_a_lost_reply_then_reset(fault_proxy, connect, direct, engine_id):
     direct.delete(counter)
 
 
-def test_a_lost_reply_then_hold(fault_proxy, connect, direct, engine_id):
+def test_a_lost_reply_then_hold(
+    fault_proxy: FaultProxy, connect: Connect, direct: redis.Redis, engine_id: str
+) -> None:
     counter = f"{engine_id}:n"
     client = connect(fault_proxy.url, socket_timeout=0.5)
     client.ping()
@@ -313,7 +330,9 @@ def test_a_lost_reply_then_hold(fault_proxy, connect, direct, engine_id):
     direct.delete(counter)
 
 
-def test_a_lost_reply_in_a_pipeline(fault_proxy, connect, direct, engine_id):
+def test_a_lost_reply_in_a_pipeline(
+    fault_proxy: FaultProxy, connect: Connect, direct: redis.Redis, engine_id: str
+) -> None:
     a, n, b = (f"{engine_id}:{name}" for name in "anb")
     pipe = connect(fault_proxy.url).pipeline(transaction=False)
     pipe.set(a, "1", px=60_000).execute_command("INCR", n).set(b, "1", px=60_000)
@@ -326,7 +345,9 @@ def test_a_lost_reply_in_a_pipeline(fault_proxy, connect, direct, engine_id):
     direct.delete(n)
 
 
-def test_replies_before_the_lost_one_are_delivered(fault_proxy, direct, engine_id):
+def test_replies_before_the_lost_one_are_delivered(
+    fault_proxy: FaultProxy, direct: redis.Redis, engine_id: str
+) -> None:
     a, n, b = (f"{engine_id}:{name}" for name in "anb")
     fault_proxy.lose_reply("INCR", then="hold")
     sock = _raw(fault_proxy, ("SET", a, "1", "PX", "60000"), ("INCR", n), ("SET", b, "2"))
@@ -337,7 +358,9 @@ def test_replies_before_the_lost_one_are_delivered(fault_proxy, direct, engine_i
     direct.delete(n, b)
 
 
-def test_a_lost_reply_in_a_transaction_is_exec_s(fault_proxy, direct, engine_id):
+def test_a_lost_reply_in_a_transaction_is_exec_s(
+    fault_proxy: FaultProxy, direct: redis.Redis, engine_id: str
+) -> None:
     counter = f"{engine_id}:n"
     fault_proxy.lose_reply("INCR", then="hold")
     sock = _raw(fault_proxy, ("MULTI",), ("INCR", counter), ("EXEC",))
@@ -348,7 +371,9 @@ def test_a_lost_reply_in_a_transaction_is_exec_s(fault_proxy, direct, engine_id)
     direct.delete(counter)
 
 
-def test_a_lost_delivery(fault_proxy, connect, direct, engine_id):
+def test_a_lost_delivery(
+    fault_proxy: FaultProxy, connect: Connect, direct: redis.Redis, engine_id: str
+) -> None:
     stream, group = f"{engine_id}:requests", "rank-0"
     direct.xgroup_create(stream, group, id="0", mkstream=True)
     entry = direct.xadd(stream, {"id": "r1"})
@@ -363,7 +388,9 @@ def test_a_lost_delivery(fault_proxy, connect, direct, engine_id):
     direct.delete(stream)
 
 
-def test_a_lost_script_reply_by_sha(fault_proxy, connect, direct, engine_id):
+def test_a_lost_script_reply_by_sha(
+    fault_proxy: FaultProxy, connect: Connect, direct: redis.Redis, engine_id: str
+) -> None:
     counter = f"{engine_id}:n"
     bump = direct.register_script("return redis.call('INCR', KEYS[1])")
     other = direct.register_script("return redis.call('GET', KEYS[1])")
@@ -384,7 +411,7 @@ def test_a_lost_script_reply_by_sha(fault_proxy, connect, direct, engine_id):
 # --- delay, clear, stop ------------------------------------------------------------------
 
 
-def test_delay_adds_latency(fault_proxy, connect):
+def test_delay_adds_latency(fault_proxy: FaultProxy, connect: Connect) -> None:
     client = connect(fault_proxy.url)
     client.ping()
     fault_proxy.delay(200)
@@ -395,7 +422,9 @@ def test_delay_adds_latency(fault_proxy, connect):
     assert client.ping()
 
 
-def test_clear_ends_every_fault(fault_proxy, connect, direct, engine_id):
+def test_clear_ends_every_fault(
+    fault_proxy: FaultProxy, connect: Connect, direct: redis.Redis, engine_id: str
+) -> None:
     counter = f"{engine_id}:n"
     fault_proxy.lose_reply("INCR", then="hold")
     hung = _raw(fault_proxy, ("INCR", counter))
@@ -418,7 +447,7 @@ def _proxy_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("faultproxy-")]
 
 
-def test_stop_closes_everything(real_server, connect, engine_id):
+def test_stop_closes_everything(real_server: RealServer, connect: Connect, engine_id: str) -> None:
     proxy = FaultProxy.for_url(real_server.url).start()
     idle = connect(proxy.url, single_connection_client=True)
     idle.ping()
@@ -443,7 +472,9 @@ def test_stop_closes_everything(real_server, connect, engine_id):
     proxy.stop()
 
 
-def test_a_server_down_behind_the_proxy(fresh_fault_proxy, fresh_real_server, connect):
+def test_a_server_down_behind_the_proxy(
+    fresh_fault_proxy: FaultProxy, fresh_real_server: EmbeddedServer, connect: Connect
+) -> None:
     # One connection, not a pool: a pool would swap the closed one for a new one.
     client = connect(fresh_fault_proxy.url, single_connection_client=True)
     assert client.ping()

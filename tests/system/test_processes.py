@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from helpers import wait_until
+from helpers import RealServer, wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 
 from broker_lookup.client import RedisAsyncLookupClient
@@ -65,7 +65,7 @@ def preload(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def start_rank(
-    real_server, engine_id: str, preload: Path, tmp_path: Path
+    real_server: RealServer, engine_id: str, preload: Path, tmp_path: Path
 ) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     """Start ``python -m workers`` (one rank by default); every process is stopped at the end."""
     procs: list[subprocess.Popen[bytes]] = []
@@ -86,14 +86,16 @@ def start_rank(
 
 
 @pytest.fixture
-def redis_client(real_server) -> Iterator[redis.Redis]:
+def redis_client(real_server: RealServer) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(real_server.url)
     yield client
     client.close()
 
 
 @pytest.fixture
-def make_client(real_server, engine_id: str) -> Iterator[Callable[[int], RedisAsyncLookupClient]]:
+def make_client(
+    real_server: RealServer, engine_id: str
+) -> Iterator[Callable[[int], RedisAsyncLookupClient]]:
     made: list[RedisAsyncLookupClient] = []
 
     def make(world_size: int) -> RedisAsyncLookupClient:
@@ -133,8 +135,11 @@ def _result(client: RedisAsyncLookupClient, tokens: list[int], lookup_id: str) -
 
 
 def test_full_partial_zero_across_two_rank_processes(
-    start_rank, make_client, redis_client, engine_id
-):
+    start_rank: Callable[..., subprocess.Popen[bytes]],
+    make_client: Callable[[int], RedisAsyncLookupClient],
+    redis_client: redis.Redis,
+    engine_id: str,
+) -> None:
     keys = KeySpace(engine_id)
     start_rank(rank=0)
     start_rank(rank=1)
@@ -156,8 +161,11 @@ def test_full_partial_zero_across_two_rank_processes(
 
 
 def test_sigterm_exits_zero_quickly_and_deletes_the_heartbeat(
-    start_rank, redis_client, engine_id, tmp_path
-):
+    start_rank: Callable[..., subprocess.Popen[bytes]],
+    redis_client: redis.Redis,
+    engine_id: str,
+    tmp_path: Path,
+) -> None:
     keys = KeySpace(engine_id)
     proc = start_rank(rank=0, world_size=1)
     _beating(redis_client, keys, 0)
@@ -170,8 +178,11 @@ def test_sigterm_exits_zero_quickly_and_deletes_the_heartbeat(
 
 
 def test_killed_rank_is_dead_fast_and_recovers_after_restart(
-    start_rank, make_client, redis_client, engine_id
-):
+    start_rank: Callable[..., subprocess.Popen[bytes]],
+    make_client: Callable[[int], RedisAsyncLookupClient],
+    redis_client: redis.Redis,
+    engine_id: str,
+) -> None:
     keys = KeySpace(engine_id)
     start_rank(rank=0)
     victim = start_rank(rank=1)
@@ -196,7 +207,9 @@ def test_killed_rank_is_dead_fast_and_recovers_after_restart(
     assert _result(client, FULL, "after") == len(FULL)
 
 
-def test_ranks_all_supervises_one_child_per_rank(start_rank, redis_client, engine_id):
+def test_ranks_all_supervises_one_child_per_rank(
+    start_rank: Callable[..., subprocess.Popen[bytes]], redis_client: redis.Redis, engine_id: str
+) -> None:
     keys = KeySpace(engine_id)
     supervisor = start_rank("--ranks", "all", rank=None)
     _beating(redis_client, keys, 0, 1)
@@ -209,7 +222,9 @@ def test_ranks_all_supervises_one_child_per_rank(start_rank, redis_client, engin
     assert all(_gone(pid) for pid in pids)
 
 
-def test_supervisor_exits_with_the_failure_of_a_child(start_rank, redis_client, engine_id):
+def test_supervisor_exits_with_the_failure_of_a_child(
+    start_rank: Callable[..., subprocess.Popen[bytes]], redis_client: redis.Redis, engine_id: str
+) -> None:
     keys = KeySpace(engine_id)
     supervisor = start_rank("--ranks", "all", rank=None)
     _beating(redis_client, keys, 0, 1)
@@ -236,7 +251,7 @@ def _free_port() -> int:
         (["--engine-id", "e", "--world-size", "1"], {}, "BROKER_LOOKUP_RANK"),
     ],
 )  # fmt: skip
-def test_bad_arguments_exit_2_naming_the_flag(args, env, message, tmp_path):
+def test_bad_arguments_exit_2_naming_the_flag(args, env, message, tmp_path: Path) -> None:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_LOOKUP_")}
     proc = subprocess.run(
         python_module("workers", [*args, "--metrics-port", "0"]),
@@ -249,7 +264,7 @@ def test_bad_arguments_exit_2_naming_the_flag(args, env, message, tmp_path):
     assert message in proc.stderr
 
 
-def test_unreachable_redis_at_startup_exits_3(engine_id):
+def test_unreachable_redis_at_startup_exits_3(engine_id: str) -> None:
     url = f"redis://127.0.0.1:{_free_port()}/0"  # nothing listens there
     argv = ["--engine-id", engine_id, "--world-size", "1", "--rank", "0", "--metrics-port", "0"]
     proc = subprocess.run(

@@ -14,8 +14,17 @@ import signal
 
 import pytest
 import redis
-from faultkit import alive, answer, beat, config, eventually_right, prompt
-from helpers import wait_until
+from faultkit import (
+    MakeLookupClient,
+    StartRank,
+    alive,
+    answer,
+    beat,
+    config,
+    eventually_right,
+    prompt,
+)
+from helpers import RealServer, wait_until
 
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.faultproxy.proxy import FaultProxy
@@ -35,7 +44,13 @@ def _pending(conn: redis.Redis, ks: KeySpace) -> int:
 
 
 @pytest.fixture
-def setup(real_server, fault_proxy: FaultProxy, engine_id, rank_procs, clients):
+def setup(
+    real_server: RealServer,
+    fault_proxy: FaultProxy,
+    engine_id: str,
+    rank_procs: StartRank,
+    clients: MakeLookupClient,
+):
     """(rank process through the proxy, its client straight to the server, direct conn)."""
 
     def make(**overrides):
@@ -51,8 +66,8 @@ def setup(real_server, fault_proxy: FaultProxy, engine_id, rank_procs, clients):
 
 @pytest.mark.parametrize("then", ["hold", "reset"])
 def test_lost_delivery_is_read_again_and_served(
-    setup, fault_proxy: FaultProxy, engine_id, then: str
-):
+    setup, fault_proxy: FaultProxy, engine_id: str, then: str
+) -> None:
     ks = KeySpace(engine_id)
     rank, client, conn = setup(**PATIENT)
     for i in range(4):
@@ -74,7 +89,9 @@ def test_lost_delivery_is_read_again_and_served(
     )
 
 
-def test_lost_xack_reply_drains_and_answers_right(setup, fault_proxy: FaultProxy, engine_id):
+def test_lost_xack_reply_drains_and_answers_right(
+    setup, fault_proxy: FaultProxy, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     _, client, conn = setup(**PATIENT)
     for i in range(3):
@@ -86,8 +103,8 @@ def test_lost_xack_reply_drains_and_answers_right(setup, fault_proxy: FaultProxy
 
 
 def test_stalled_rank_connection_answers_zero_fast_then_recovers(
-    setup, fault_proxy: FaultProxy, engine_id
-):
+    setup, fault_proxy: FaultProxy, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     _, client, conn = setup()  # FAST: a 1.5 s heartbeat TTL and lookup timeout
     fault_proxy.hold()  # the rank's connections stall, no RST
@@ -100,7 +117,9 @@ def test_stalled_rank_connection_answers_zero_fast_then_recovers(
     wait_until(lambda: _pending(conn, ks) == 0, timeout=10, message="the PEL drains")
 
 
-def test_reset_rank_connections_recover_by_themselves(setup, fault_proxy: FaultProxy, engine_id):
+def test_reset_rank_connections_recover_by_themselves(
+    setup, fault_proxy: FaultProxy, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     _, client, conn = setup(**PATIENT)
     for i in range(3):

@@ -12,8 +12,8 @@ import time
 
 import pytest
 import redis
-from faultkit import CHUNK, alive, answer, beat, config, prompt
-from helpers import wait_until
+from faultkit import CHUNK, MakeLookupClient, StartRank, alive, answer, beat, config, prompt
+from helpers import RealServer, wait_until
 
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
@@ -35,8 +35,8 @@ def _pending(conn: redis.Redis, ks: KeySpace, rank: int) -> tuple[int, int]:
 
 
 def test_kill9_mid_prefetch_then_restart_replays_pending(
-    real_server, engine_id, rank_procs, clients
-):
+    real_server: RealServer, engine_id: str, rank_procs: StartRank, clients: MakeLookupClient
+) -> None:
     ks = KeySpace(engine_id)
     conn = redis.Redis.from_url(real_server.url)
     # A long heartbeat TTL: the crashed rank still counts as alive until it is back, so
@@ -76,7 +76,9 @@ def test_kill9_mid_prefetch_then_restart_replays_pending(
     assert "expired=1" in log, log[-2000:]  # the stale entry was dropped, not prefetched
 
 
-def test_sigterm_mid_prefetch_is_an_ordered_exit_zero(real_server, engine_id, rank_procs, clients):
+def test_sigterm_mid_prefetch_is_an_ordered_exit_zero(
+    real_server: RealServer, engine_id: str, rank_procs: StartRank, clients: MakeLookupClient
+) -> None:
     ks = KeySpace(engine_id)
     conn = redis.Redis.from_url(real_server.url)
     rank = rank_procs(real_server.url, engine_id, 1, 0, PROMPTS, load_delay_ms=250)
@@ -97,8 +99,12 @@ def test_sigterm_mid_prefetch_is_an_ordered_exit_zero(real_server, engine_id, ra
 
 
 def test_stalled_rank_fails_fast_with_one_error_then_recovers(
-    real_server, engine_id, rank_procs, clients, caplog
-):
+    real_server: RealServer,
+    engine_id: str,
+    rank_procs: StartRank,
+    clients: MakeLookupClient,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     ks = KeySpace(engine_id)
     ranks = [rank_procs(real_server.url, engine_id, 2, r, PROMPTS) for r in range(2)]
     client = clients(config(real_server.url, lookup_timeout_ms=30000), engine_id, 2)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import redis
 from engines import ManualEngine
 from faultkit import config, ready
-from helpers import wait_until
+from helpers import Backend, MakeServer, RealServer, wait_until
 
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
@@ -32,8 +33,8 @@ def _names(conn: redis.Redis, engine_id: str) -> list[str]:
 
 
 def test_stalled_redis_pauses_neither_the_read_loop_nor_the_watchdog(
-    real_server, fault_proxy: FaultProxy, engine_id
-):
+    real_server: RealServer, fault_proxy: FaultProxy, engine_id: str
+) -> None:
     ks = KeySpace(engine_id)
     conn = redis.Redis.from_url(real_server.url)
     engine = ManualEngine()
@@ -56,7 +57,7 @@ def test_stalled_redis_pauses_neither_the_read_loop_nor_the_watchdog(
         assert server.stats()["alive"]
 
 
-def test_close_leaves_no_connection_open(real_server, engine_id):
+def test_close_leaves_no_connection_open(real_server: RealServer, engine_id: str) -> None:
     conn = redis.Redis.from_url(real_server.url)
     meta = LookupMetadata(engine_id=engine_id, world_size=1)
     server = RedisAsyncLookupServer(ManualEngine(), meta, config(real_server.url))
@@ -68,8 +69,8 @@ def test_close_leaves_no_connection_open(real_server, engine_id):
 
 
 def test_reports_beyond_the_bounded_queue_are_released(
-    make_server, backend, engine_id, monkeypatch
-):
+    make_server: MakeServer, backend: Backend, engine_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ks = KeySpace(engine_id)
     engine = ManualEngine()
     server = make_server(engine)
@@ -78,7 +79,7 @@ def test_reports_beyond_the_bounded_queue_are_released(
     monkeypatch.setattr(reporter, "_max_queue", 2)
     gate, send = [False], reporter._send_batch
 
-    def gated(client, batch):  # a Redis that does not answer: the first batch hangs
+    def gated(client, batch) -> None:  # a Redis that does not answer: the first batch hangs
         wait_until(lambda: gate[0], timeout=20, message="the gate opened")
         send(client, batch)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import RealServer, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker_lookup.ops.metrics import METRIC_NAMES
@@ -82,8 +82,9 @@ def start_worker(
 
 
 def test_health_ready_and_metrics_then_not_ready_without_redis(
-    fresh_real_server: EmbeddedServer, start_worker
-):
+    fresh_real_server: EmbeddedServer,
+    start_worker: Callable[..., tuple[subprocess.Popen[bytes], int]],
+) -> None:
     proc, port = start_worker(fresh_real_server.url, "--rank", "1")
     wait_until(lambda: _get(port, "/readyz")[0] == 200, timeout=STARTUP_S, interval=0.1)
     assert _get(port, "/healthz") == (200, "ok\n")
@@ -114,7 +115,9 @@ def test_health_ready_and_metrics_then_not_ready_without_redis(
     assert _get(port, "/healthz")[0] == 0  # the port is closed
 
 
-def test_supervised_ranks_serve_on_port_plus_rank(real_server, start_worker):
+def test_supervised_ranks_serve_on_port_plus_rank(
+    real_server: RealServer, start_worker: Callable[..., tuple[subprocess.Popen[bytes], int]]
+) -> None:
     proc, port = start_worker(real_server.url, "--ranks", "all")
     for rank in (0, 1):
         wait_until(lambda r=rank: _get(port + r, "/readyz")[0] == 200, timeout=STARTUP_S)

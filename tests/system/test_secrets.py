@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from helpers import wait_until
@@ -44,7 +45,7 @@ def _url(server: EmbeddedServer, password: str | None) -> str:
     return f"redis://{auth}127.0.0.1:{server.port}/0"
 
 
-def test_config_repr_and_errors_hide_passwords():
+def test_config_repr_and_errors_hide_passwords() -> None:
     cfg = LookupConfig(redis_url="redis://user:Url-Pass-5d2f@h:6379/0", redis_password=RIGHT)
     _clean(repr(cfg) + str(cfg))
     assert "***" in repr(cfg)
@@ -80,7 +81,9 @@ def _failures(cfg: LookupConfig) -> str:
 @pytest.mark.parametrize(
     "how", ["config", "url", "both"], ids=["config-password", "url-password", "both"]
 )
-def test_wrong_password_leaks_nowhere(locked, engine_id, caplog, how):
+def test_wrong_password_leaks_nowhere(
+    locked: EmbeddedServer, engine_id: str, caplog: pytest.LogCaptureFixture, how
+) -> None:
     caplog.set_level(logging.DEBUG)  # every logger, redis-py's included
     url = _url(locked, "Url-Pass-5d2f" if how != "config" else None)
     password = "Wrong-Pass-93ab" if how != "url" else None
@@ -106,7 +109,12 @@ def _inspect(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     return code, captured.out + captured.err
 
 
-def test_inspect_output_hides_passwords(locked, engine_id, capsys, monkeypatch):
+def test_inspect_output_hides_passwords(
+    locked: EmbeddedServer,
+    engine_id: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("BROKER_LOOKUP_REDIS_PASSWORD", raising=False)
     code, out = _inspect(capsys, "--redis-url", _url(locked, RIGHT), "--engine-id", engine_id)
     assert code == 0 and engine_id in out, out
@@ -125,7 +133,9 @@ def test_inspect_output_hides_passwords(locked, engine_id, capsys, monkeypatch):
     _clean(out)
 
 
-def test_rank_process_output_hides_passwords(locked, engine_id, tmp_path):
+def test_rank_process_output_hides_passwords(
+    locked: EmbeddedServer, engine_id: str, tmp_path: Path
+) -> None:
     extra = {
         "BROKER_LOOKUP_REDIS_URL": _url(locked, None),
         "BROKER_LOOKUP_REDIS_PASSWORD": "Wrong-Pass-93ab",

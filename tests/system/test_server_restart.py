@@ -82,7 +82,9 @@ def _burst(client: RedisAsyncLookupClient, tag: str, n: int = 20) -> dict[str, i
     return {f"{tag}-{i}": FULL for i in range(n)}
 
 
-def test_server_restart_mid_traffic(stack: Stack, fresh_real_server: EmbeddedServer, engine_id):
+def test_server_restart_mid_traffic(
+    stack: Stack, fresh_real_server: EmbeddedServer, engine_id: str
+) -> None:
     eventually_right(stack.client, HOT, FULL, timeout=10, tag="warm")
     inflight = _burst(stack.client, "a")
     fresh_real_server.restart()  # same port, empty: no keys, no groups, no scripts
@@ -97,7 +99,9 @@ def test_server_restart_mid_traffic(stack: Stack, fresh_real_server: EmbeddedSer
     assert all(c["nogroup"] + c["redis_errors"] >= 1 for c in consumer), consumer
 
 
-def test_flushall_mid_traffic(stack: Stack, fresh_real_server: EmbeddedServer, engine_id):
+def test_flushall_mid_traffic(
+    stack: Stack, fresh_real_server: EmbeddedServer, engine_id: str
+) -> None:
     eventually_right(stack.client, HOT, FULL, timeout=10, tag="warm")
     inflight = _burst(stack.client, "b")
     conn = redis.Redis.from_url(fresh_real_server.url)
@@ -113,8 +117,8 @@ def test_flushall_mid_traffic(stack: Stack, fresh_real_server: EmbeddedServer, e
 
 
 def test_server_down_for_a_while_then_back(
-    stack: Stack, fresh_real_server: EmbeddedServer, engine_id
-):
+    stack: Stack, fresh_real_server: EmbeddedServer, engine_id: str
+) -> None:
     eventually_right(stack.client, HOT, FULL, timeout=10, tag="warm")
     fresh_real_server.stop()
     down = _burst(stack.client, "down", n=10)

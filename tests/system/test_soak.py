@@ -14,7 +14,7 @@ from broker_lookup.tools.soak.command import run_soak
 from broker_lookup.tools.soak.faults import FaultLog
 
 
-def test_fault_log_explains_a_lookup_until_the_quiet_time_after_the_fault():
+def test_fault_log_explains_a_lookup_until_the_quiet_time_after_the_fault() -> None:
     log = FaultLog(quiet_s=5.0, origin=0.0)
     hold = log.begin("hold", "rank0", 10.0)
     assert log.quiet(0.0, 9.9) and not log.quiet(9.0, 10.0)  # alive when it started
@@ -34,7 +34,7 @@ def test_fault_log_explains_a_lookup_until_the_quiet_time_after_the_fault():
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_soak_with_every_fault_kind():
+def test_soak_with_every_fault_kind() -> None:
     # A fault every 0.6-1.0 s from a shuffled deck of all ten kinds: every kind by ~12 s.
     # The last 7 s bring no new fault, so lookups after the last one are judged too.
     summary = run_soak(20, 2, seed=7, chaos_every_s=(0.6, 1.0), calm_s=7)
@@ -50,7 +50,7 @@ def test_soak_with_every_fault_kind():
     assert isinstance(summary["breaker_openings"], int) and isinstance(summary["rejected"], dict)
 
 
-def test_soak_cli_refuses_bad_arguments(capsys):
+def test_soak_cli_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["soak", "--duration", "0"]) == 2
     assert "--duration" in capsys.readouterr().err
     assert main(["soak", "--duration", "5", "--calm", "5"]) == 2

@@ -166,7 +166,7 @@ def _config(port: int, certs: Certs, **tls: str | None) -> LookupConfig:
     )  # fmt: skip
 
 
-def test_lookup_over_mutual_tls(tls_port, certs, engine_id):
+def test_lookup_over_mutual_tls(tls_port: int, certs: Certs, engine_id: str) -> None:
     cfg = _config(tls_port, certs)
     rank = RedisAsyncLookupServer(
         InstantEngine(hits=28), LookupMetadata(engine_id=engine_id, world_size=1), cfg
@@ -189,7 +189,7 @@ def test_lookup_over_mutual_tls(tls_port, certs, engine_id):
         ({"ssl_ca_certs": "ROGUE"}, "server certificate from a CA we do not trust"),
     ],
 )
-def test_tls_refuses_what_it_must(tls_port, certs, tls, why):
+def test_tls_refuses_what_it_must(tls_port: int, certs: Certs, tls, why) -> None:
     if tls.get("ssl_ca_certs") == "ROGUE":
         tls = {**tls, "ssl_ca_certs": str(certs.rogue_ca)}
     conn = make_factory(_config(tls_port, certs, **tls), "bl-tls-test")()
@@ -200,7 +200,7 @@ def test_tls_refuses_what_it_must(tls_port, certs, tls, why):
         conn.close()
 
 
-def test_plaintext_to_the_tls_port_fails(tls_port):
+def test_plaintext_to_the_tls_port_fails(tls_port: int) -> None:
     conn = redis.Redis(
         host="127.0.0.1", port=tls_port, socket_timeout=1, socket_connect_timeout=1,
         retry=Retry(NoBackoff(), 0),

@@ -410,7 +410,7 @@ def _fake_kv_cache_utils(monkeypatch: pytest.MonkeyPatch, with_init: bool = True
     kv = types.ModuleType("vllm.v1.core.kv_cache_utils")
     if with_init:
 
-        def init_none_hash(hash_fn):  # LMCache calls this; we must not (D12)
+        def init_none_hash(hash_fn) -> None:  # LMCache calls this; we must not (D12)
             raise AssertionError("init_none_hash mutates vLLM's global and must not be called")
 
         kv.init_none_hash = init_none_hash

@@ -90,15 +90,15 @@ def _names(samples: dict[tuple[str, Any], float]) -> set[str]:
     return {name for name, _ in samples}
 
 
-def test_client_collector_exports_exactly_the_client_names():
+def test_client_collector_exports_exactly_the_client_names() -> None:
     assert _names(_scrape(ClientCollector(FakeClient()))) == CLIENT_NAMES
 
 
-def test_worker_collector_exports_exactly_the_worker_names():
+def test_worker_collector_exports_exactly_the_worker_names() -> None:
     assert _names(_scrape(ServerCollector(FakeServer(), clock=lambda: 1000.0))) == WORKER_NAMES
 
 
-def test_every_declared_name_is_exported_by_one_collector():
+def test_every_declared_name_is_exported_by_one_collector() -> None:
     assert CLIENT_NAMES | WORKER_NAMES == METRIC_NAMES
     assert {n[: -len("_bucket")] for n in METRIC_NAMES if n.endswith("_bucket")} == {
         name for name, (kind, _) in {**CLIENT_METRICS, **WORKER_METRICS}.items()
@@ -106,7 +106,7 @@ def test_every_declared_name_is_exported_by_one_collector():
     }  # fmt: skip
 
 
-def test_client_values_and_outcome_label():
+def test_client_values_and_outcome_label() -> None:
     samples = _scrape(ClientCollector(FakeClient()))
     outcome = {
         dict(labels)["outcome"]: v
@@ -138,7 +138,7 @@ def test_client_values_and_outcome_label():
     assert samples[("broker_lookup_client_breaker_openings_total", ())] == 3
 
 
-def test_client_histogram_is_cumulative_with_overflow_in_inf():
+def test_client_histogram_is_cumulative_with_overflow_in_inf() -> None:
     samples = _scrape(ClientCollector(FakeClient()))
     name = "broker_lookup_client_latency_seconds_bucket"
     buckets = {dict(labels)["le"]: v for (n, labels), v in samples.items() if n == name}
@@ -152,7 +152,7 @@ def test_client_histogram_is_cumulative_with_overflow_in_inf():
     assert samples[("broker_lookup_client_latency_seconds_sum", ())] == 12.5
 
 
-def test_no_per_lookup_labels():
+def test_no_per_lookup_labels() -> None:
     client = _scrape(ClientCollector(FakeClient()))
     worker = _scrape(ServerCollector(FakeServer(), clock=lambda: 1000.0))
     allowed = {"outcome", "rank", "result", "reason", "state", "le"}
@@ -160,7 +160,7 @@ def test_no_per_lookup_labels():
         assert {k for k, _ in labels} <= allowed
 
 
-def test_worker_series_carry_the_rank_and_read_stats():
+def test_worker_series_carry_the_rank_and_read_stats() -> None:
     samples = _scrape(ServerCollector(FakeServer(rank=3), clock=lambda: 1000.0))
     for (name, labels), _ in samples.items():
         assert dict(labels)["rank"] == "3", name
@@ -187,7 +187,7 @@ def test_worker_series_carry_the_rank_and_read_stats():
     assert value("broker_lookup_worker_engine_seconds_sum") == 4.25
 
 
-def test_dead_letters_by_reason_when_the_consumer_counts_them():
+def test_dead_letters_by_reason_when_the_consumer_counts_them() -> None:
     server = FakeServer()
     server._stats["consumer"] = {"dead_letter_reasons": {"undecodable": 2, "invalid": 1}}
     samples = _scrape(ServerCollector(server, clock=lambda: 1000.0))
@@ -199,13 +199,13 @@ def test_dead_letters_by_reason_when_the_consumer_counts_them():
     assert reasons == {"undecodable": 2, "invalid": 1}
 
 
-def test_heartbeat_age_is_infinite_before_the_first_beat():
+def test_heartbeat_age_is_infinite_before_the_first_beat() -> None:
     samples = _scrape(ServerCollector(FakeServer(last_heartbeat=0.0), clock=lambda: 1000.0))
     age = samples[("broker_lookup_worker_heartbeat_age_seconds", (("rank", "1"),))]
     assert math.isinf(age)
 
 
-def test_stats_are_read_at_scrape_time_only():
+def test_stats_are_read_at_scrape_time_only() -> None:
     client = FakeClient()
     registry = CollectorRegistry()
     registry.register(ClientCollector(client))

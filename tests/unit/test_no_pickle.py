@@ -31,14 +31,14 @@ def offences(path: Path) -> list[str]:
     return found
 
 
-def test_no_module_imports_pickle():
+def test_no_module_imports_pickle() -> None:
     paths = sorted([*(ROOT / "broker_lookup").rglob("*.py"), *(ROOT / "workers").rglob("*.py")])
     assert len(paths) > 20  # the walk found the packages
     hits = {str(p.relative_to(ROOT)): offences(p) for p in paths}
     assert {p: h for p, h in hits.items() if h} == {}
 
 
-def test_the_check_catches_what_it_must(tmp_path):
+def test_the_check_catches_what_it_must(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text(
         "import pickle\nfrom dill import loads\nimport os.path\nimport torch\ntorch.load('x')\n"

@@ -37,14 +37,14 @@ def report(t: Lifecycle, lookup_id: str = "a", now: float = 0.0) -> int:
     return job.gen
 
 
-def test_request_starts_then_duplicate_is_ignored():
+def test_request_starts_then_duplicate_is_ignored() -> None:
     t = lifecycle()
     start(t)
     assert t.on_request(req(), 0.1, 3.0) == ("duplicate", NOTHING)
     assert t.sizes()["running"] == 1
 
 
-def test_report_kept_then_abort_releases_held_pins():
+def test_report_kept_then_abort_releases_held_pins() -> None:
     t = lifecycle()
     start(t)
     assert report(t) == 1
@@ -55,7 +55,7 @@ def test_report_kept_then_abort_releases_held_pins():
     assert t.sizes()["held"] == 0
 
 
-def test_report_not_kept_releases_at_once():
+def test_report_not_kept_releases_at_once() -> None:
     t = lifecycle()
     start(t)
     report(t)
@@ -63,7 +63,7 @@ def test_report_not_kept_releases_at_once():
     assert t.sizes()["reporting"] == 0
 
 
-def test_abort_while_running_releases_when_it_reports():
+def test_abort_while_running_releases_when_it_reports() -> None:
     t = lifecycle()
     start(t)
     assert t.on_abort("a", 1, 0.1) == NOTHING  # the engine still works on it
@@ -72,7 +72,7 @@ def test_abort_while_running_releases_when_it_reports():
     assert t.on_report("a", 0.3)[0] == "unknown"  # a second report changes nothing
 
 
-def test_abort_while_reporting_releases_when_the_report_settles_and_does_not_hold():
+def test_abort_while_reporting_releases_when_the_report_settles_and_does_not_hold() -> None:
     t = lifecycle()
     start(t)
     report(t)  # the report is on its way to Redis
@@ -81,14 +81,14 @@ def test_abort_while_reporting_releases_when_the_report_settles_and_does_not_hol
     assert t.sizes()["held"] == 0
 
 
-def test_abort_before_request_skips_it():
+def test_abort_before_request_skips_it() -> None:
     t = lifecycle()
     assert t.on_abort("a", 1, 0.0) == NOTHING
     assert t.on_request(req(), 0.1, 3.0) == ("aborted", NOTHING)
     assert t.sizes()["running"] == 0
 
 
-def test_abort_of_the_waiting_generation_drops_it():
+def test_abort_of_the_waiting_generation_drops_it() -> None:
     t = lifecycle()
     start(t, gen=1)
     assert t.on_request(req(gen=2), 0.1, 3.0) == ("queued", NOTHING)
@@ -97,7 +97,7 @@ def test_abort_of_the_waiting_generation_drops_it():
     assert t.sizes()["waiting"] == 0
 
 
-def test_stale_answer_of_the_old_generation_never_releases_the_new_one():
+def test_stale_answer_of_the_old_generation_never_releases_the_new_one() -> None:
     # Issue 9 item 6: gen 1 reports; gen 2 arrives before gen 1's report settles. Gen 1's
     # answer comes back "stale" (the hash holds gen 2 now): releasing it must be the
     # release of gen 1, before gen 2 reaches the engine, never a release of gen 2.
@@ -114,7 +114,7 @@ def test_stale_answer_of_the_old_generation_never_releases_the_new_one():
     assert t.sizes()["held"] == 1
 
 
-def test_kept_report_with_a_waiting_generation_releases_and_starts_it():
+def test_kept_report_with_a_waiting_generation_releases_and_starts_it() -> None:
     t = lifecycle()
     start(t, gen=1)
     report(t)
@@ -122,7 +122,7 @@ def test_kept_report_with_a_waiting_generation_releases_and_starts_it():
     assert t.on_settled("a", 1, keep=True, now=0.2) == Step(release=True, start=req(gen=2))
 
 
-def test_newer_waiting_generation_replaces_an_older_one():
+def test_newer_waiting_generation_replaces_an_older_one() -> None:
     t = lifecycle()
     start(t, gen=1)
     assert t.on_request(req(gen=2), 0.1, 3.0)[0] == "queued"
@@ -133,13 +133,13 @@ def test_newer_waiting_generation_replaces_an_older_one():
     assert outcome == "skipped" and step == Step(release=True, start=req(gen=3))
 
 
-def test_older_generation_read_after_a_newer_one_is_dropped():
+def test_older_generation_read_after_a_newer_one_is_dropped() -> None:
     t = lifecycle()
     start(t, gen=5)
     assert t.on_request(req(gen=4), 0.1, 3.0) == ("superseded", NOTHING)
 
 
-def test_request_for_held_id_releases_the_old_pins_first():
+def test_request_for_held_id_releases_the_old_pins_first() -> None:
     t = lifecycle()
     start(t, gen=1)
     report(t)
@@ -148,7 +148,7 @@ def test_request_for_held_id_releases_the_old_pins_first():
     assert decision == "release_then_start" and step == Step(True, req(gen=2))
 
 
-def test_waiting_generation_whose_deadline_passed_is_dropped_not_started():
+def test_waiting_generation_whose_deadline_passed_is_dropped_not_started() -> None:
     t = lifecycle()
     start(t, gen=1)
     t.on_request(req(gen=2), 0.1, deadline=1.0)
@@ -157,7 +157,9 @@ def test_waiting_generation_whose_deadline_passed_is_dropped_not_started():
     assert t.sizes()["running"] == t.sizes()["waiting"] == 0
 
 
-def test_watchdog_releases_an_engine_that_never_reports_then_a_late_report_changes_nothing():
+def test_watchdog_releases_an_engine_that_never_reports_then_a_late_report_changes_nothing() -> (
+    None
+):
     t = lifecycle()
     start(t, gen=1)  # deadline 3.0
     assert t.due(3.0 + GRACE - 0.01) == []
@@ -170,7 +172,7 @@ def test_watchdog_releases_an_engine_that_never_reports_then_a_late_report_chang
     assert report(t, now=6.2) == 2
 
 
-def test_watchdog_starts_the_waiting_generation_if_still_in_time():
+def test_watchdog_starts_the_waiting_generation_if_still_in_time() -> None:
     t = lifecycle()
     start(t, gen=1)
     t.on_request(req(gen=2), 1.0, deadline=20.0)
@@ -179,7 +181,7 @@ def test_watchdog_starts_the_waiting_generation_if_still_in_time():
     assert t.due(10.0) == []  # the running gen 2 has its own, later, timer
 
 
-def test_watchdog_ignores_generations_that_reported():
+def test_watchdog_ignores_generations_that_reported() -> None:
     t = lifecycle()
     start(t, gen=1)
     report(t)
@@ -188,7 +190,7 @@ def test_watchdog_ignores_generations_that_reported():
     assert t.sizes()["held"] == 1
 
 
-def test_report_that_never_settles_is_released_after_the_pin_ttl():
+def test_report_that_never_settles_is_released_after_the_pin_ttl() -> None:
     t = lifecycle()
     start(t, gen=1)
     report(t, now=1.0)
@@ -197,7 +199,7 @@ def test_report_that_never_settles_is_released_after_the_pin_ttl():
     assert t.on_settled("a", 1, keep=True, now=12.0) == NOTHING
 
 
-def test_held_pins_expire_and_memos_are_bounded():
+def test_held_pins_expire_and_memos_are_bounded() -> None:
     t = lifecycle(capacity=3)
     for i in range(10):
         start(t, lookup_id=f"id{i}")
@@ -210,7 +212,7 @@ def test_held_pins_expire_and_memos_are_bounded():
     assert not any(t.sizes().values()), t.sizes()
 
 
-def test_release_all_empties_every_map():
+def test_release_all_empties_every_map() -> None:
     t = lifecycle()
     start(t, lookup_id="a")
     start(t, lookup_id="b")
