@@ -4,6 +4,11 @@ The client's sender and each rank's reporter are this thread with a different
 ``_send_batch``: callers only append to a deque and set an event (no I/O, no lock,
 no sleep on their side); the thread owns its connection, retries a failed batch a
 bounded number of times with backoff, and survives unexpected errors loudly.
+
+What a subclass gets and gives, in the order an item travels: its public methods
+queue with :meth:`Batcher._put` (any thread); this loop hands each batch to its
+``_send_batch`` (this thread), which builds the script calls and runs them with
+:meth:`Batcher._run_with_retries`, then settles each item. Nothing else calls back.
 """
 
 from __future__ import annotations
