@@ -4,8 +4,8 @@ What a worker needs from an engine (:class:`broker_lookup.engine.LookupEngine`; 
 is LMCache's, so LMCache's ``LMCacheEngine`` fits it as it is):
 
 ``async_lookup_and_prefetch(lookup_id, hashes, offsets, pin=True, request_configs=None)``
-    Called on the server's consumer thread for each lookup this rank must answer: return
-    quickly (every lookup of the rank waits behind this call), and report exactly once,
+    Called by the server, mostly on its consumer thread, for each lookup this rank must
+    answer: return quickly (the rank's next lookups wait behind this call), and report once,
     later from any thread or from inside this call, through the server's
     ``send_response_to_scheduler(lookup_id, num_hit_tokens)``. ``num_hit_tokens`` is the
     prefix actually loaded and pinned, from 0 to ``sum(offsets)`` (``offsets`` are the
