@@ -67,12 +67,12 @@ def test_fake_connection_loss_is_a_connection_error(backend: Backend, engine_id:
     client = backend.factory()
     client.set(engine_id, "1")
     assert backend.fake_server is not None
-    backend.fake_server.connected = False
+    backend.fake.connected = False
 
     with pytest.raises(redis.ConnectionError):
         client.get(engine_id)
 
-    backend.fake_server.connected = True
+    backend.fake.connected = True
     assert client.get(engine_id) == b"1"
 
 

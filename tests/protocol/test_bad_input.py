@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from engines import InstantEngine, ManualEngine
 from faultkit import CHUNK, answer, prompt, ready
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from helpers import Backend, MakeClient, MakeServer, stream_entries, stream_fields, wait_until
 
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.errors import ConfigError, InvalidRequest
@@ -21,7 +21,7 @@ from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
 
 TOKENS = prompt(0, chunks=10)
-LIMITS = {"max_chunks_per_request": 16, "max_request_configs_bytes": 64}
+LIMITS: dict[str, Any] = {"max_chunks_per_request": 16, "max_request_configs_bytes": 64}
 
 
 #: Ids a client's X-Request-Id header can carry into vLLM's request id: all are served.
@@ -30,7 +30,11 @@ HOSTILE_IDS = ["has space", "héllo", "日本語", "tab\tid", "new\nline", "\x00
 
 @pytest.mark.parametrize("lookup_id", HOSTILE_IDS)
 def test_any_str_id_is_served(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str, lookup_id
+    make_server: MakeServer,
+    make_client: MakeClient,
+    backend: Backend,
+    engine_id: str,
+    lookup_id: str,
 ) -> None:
     engine = InstantEngine(hits=24)
     ready(make_server(engine))
@@ -51,7 +55,7 @@ def test_any_str_id_is_served(
     [("", "bad_id"), ("x" * 4097, "bad_id"), ("lone \udc80", "bad_id"), (42, "bad_id")],
 )
 def test_ids_the_wire_cannot_carry_answer_zero(
-    make_client: MakeClient, backend: Backend, engine_id: str, lookup_id, kind
+    make_client: MakeClient, backend: Backend, engine_id: str, lookup_id: Any, kind: str
 ) -> None:
     client = make_client()
     assert client.lookup(TOKENS, lookup_id) == 0
@@ -81,9 +85,9 @@ def test_bad_requests_answer_zero_count_and_log_once(
     backend: Backend,
     engine_id: str,
     caplog: pytest.LogCaptureFixture,
-    tokens,
-    configs,
-    kind,
+    tokens: Any,
+    configs: Any,
+    kind: str,
 ) -> None:
     client = make_client(**LIMITS)
     with caplog.at_level(logging.WARNING, logger="broker_lookup"):
@@ -145,7 +149,7 @@ def test_an_internal_error_answers_zero(
     ],
 )
 def test_validate_is_the_strict_opt_in(
-    make_client: MakeClient, tokens, lookup_id, configs, match
+    make_client: MakeClient, tokens: Any, lookup_id: str, configs: Any, match: str
 ) -> None:
     client = make_client(**LIMITS)
     with pytest.raises(InvalidRequest, match=match):
@@ -209,16 +213,16 @@ def test_rank_dead_letters_bad_entries_and_goes_on(
     servers = [make_server(e, rank=r, world_size=2, **LIMITS) for r, e in enumerate(engines)]
     ready(*servers)
     conn = backend.factory()
-    want = {conn.xadd(ks.requests, fields): why for fields, why in BAD_ENTRIES}
+    want = {conn.xadd(ks.requests, stream_fields(fields)): why for fields, why in BAD_ENTRIES}
     n = len(BAD_ENTRIES)
     wait_until(lambda: all(s.stats()["consumer"]["dead_letters"] == n for s in servers))
-    letters = conn.xrange(ks.dead)
+    letters = stream_entries(conn.xrange(ks.dead))
     assert len(letters) == 2 * n  # every rank parks every bad entry
     for _, f in letters:
         assert want[f[b"entry"]] in f[b"reason"].decode(), (f[b"entry"], f[b"reason"])
     assert all(e.started_ids() == [] for e in engines)
-    for rank in (0, 1):  # acked right after they were parked
-        wait_until(lambda rank=rank: conn.xpending(ks.requests, ks.group(rank))["pending"] == 0)
+    # Acked right after they were parked.
+    wait_until(lambda: all(conn.xpending(ks.requests, ks.group(r))["pending"] == 0 for r in (0, 1)))
     client = make_client(world_size=2)
     wait_until(lambda: not client.stats()["dead_ranks"])
     client.lookup(TOKENS, "good")
@@ -241,7 +245,7 @@ def test_request_for_other_ranks_is_not_served(
 
 @pytest.mark.parametrize("hits", [-5, 10**9, 3.5, True, None, "12"])
 def test_engine_reporting_nonsense_reports_zero(
-    make_server: MakeServer, make_client: MakeClient, caplog: pytest.LogCaptureFixture, hits
+    make_server: MakeServer, make_client: MakeClient, caplog: pytest.LogCaptureFixture, hits: Any
 ) -> None:
     caplog.set_level(logging.ERROR, logger="workers")
     engine = ManualEngine()
@@ -281,7 +285,7 @@ def test_report_script_refuses_unknown_ranks_and_bad_counts(
     )
     scripts.call(conn, Call(SUBMIT, (key, ks.requests), args))
 
-    def report(rank: int, hits: object) -> bytes:
+    def report(rank: int, hits: str | int) -> object:
         return scripts.call(conn, Call(REPORT, (key, ks.done), [rank, 3, hits, 100, "s1", 1000]))
 
     assert report(5, 8) == b"unknown_rank"

@@ -9,7 +9,7 @@ from engines import InstantEngine
 from faultkit import prompt, ready
 from helpers import Backend, MakeClient, MakeServer, wait_until
 
-from broker_lookup.client import RedisLookupClient
+from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
 
 TOKENS = prompt(0, chunks=10)
 fake_only = pytest.mark.parametrize("backend", ["fake"], indirect=True)
@@ -18,13 +18,13 @@ fake_only = pytest.mark.parametrize("backend", ["fake"], indirect=True)
 @fake_only
 @pytest.mark.parametrize("cls", ["async", "sync"])
 def test_a_failing_redis_answers_zero_at_once_then_recovers(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, cls
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, cls: str
 ) -> None:
     ready(make_server(InstantEngine(hits=24)))
-    kind = RedisLookupClient if cls == "sync" else None
-    client = make_client(lookup_timeout_ms=30_000, **({"cls": kind} if kind else {}))
+    kind = RedisLookupClient if cls == "sync" else RedisAsyncLookupClient
+    client = make_client(lookup_timeout_ms=30_000, cls=kind)
     wait_until(lambda: not client.stats()["dead_ranks"])
-    backend.fake_server.connected = False
+    backend.fake.connected = False
     client.lookup(TOKENS, "trips")  # the submit that finds Redis gone
     wait_until(lambda: client.stats()["breaker_open"], message="the breaker opens")
     for i in range(200):
@@ -32,7 +32,7 @@ def test_a_failing_redis_answers_zero_at_once_then_recovers(
         assert client.lookup_cache(f"down-{i}") == 0
     stats = client.stats()
     assert stats["outcomes"]["unavailable"] >= 200 and stats["queued"] == 0
-    backend.fake_server.connected = True
+    backend.fake.connected = True
     wait_until(lambda: not client.stats()["breaker_open"], message="it closes by itself")
 
     def served() -> bool:

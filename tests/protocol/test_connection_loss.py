@@ -14,6 +14,7 @@ from engines import ManualEngine
 from faultkit import answer, config, prompt, ready
 from helpers import Backend, MakeClient, MakeServer, wait_until
 
+from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
 from workers.server import RedisAsyncLookupServer
@@ -24,7 +25,7 @@ fake_only = pytest.mark.parametrize("backend", ["fake"], indirect=True)
 real_only = pytest.mark.parametrize("backend", ["real"], indirect=True)
 
 
-def _breaker_closed(client) -> None:
+def _breaker_closed(client: RedisAsyncLookupClient) -> None:
     """Until the client's loops answered again: meanwhile lookups answer 0 by design."""
     wait_until(lambda: not client.stats()["breaker_open"], timeout=10, message="breaker closed")
 
@@ -44,14 +45,14 @@ def test_connection_lost_during_a_report(
     wait_until(lambda: not client.stats()["dead_ranks"])
     client.lookup(TOKENS, "r1")
     _started(engine, "r1")
-    backend.fake_server.connected = False
+    backend.fake.connected = False
     engine.report("r1", 24)
     retries = server.config.redis_retries
     wait_until(lambda: server.stats()["counts"].get("report_error") == 1, timeout=10)
     assert server.stats()["reporter_errors"] == retries  # bounded: one batch, N attempts
     assert engine.released == ["r1"]  # an unsent report releases its pins
     assert answer(client, "r1", timeout=5) == 0  # its timeout fires without Redis
-    backend.fake_server.connected = True
+    backend.fake.connected = True
     key = KeySpace(engine_id).lookup("r1")
     fields = backend.factory().hgetall(key)
     assert b"r0" not in fields  # nothing half-applied
@@ -78,12 +79,12 @@ def test_connection_lost_during_a_cancel(
     ks = KeySpace(engine_id)
     conn = backend.factory()
     before = (conn.hgetall(ks.lookup("r1")), conn.xlen(ks.requests))
-    backend.fake_server.connected = False
+    backend.fake.connected = False
     client.cancel_lookup("r1")
     retries = client.config.redis_retries
     wait_until(lambda: client._sender.errors == retries, timeout=10, message="cancel given up")
     assert client.lookup_cache("r1") == -1  # the caller's view is settled at once
-    backend.fake_server.connected = True
+    backend.fake.connected = True
     # The cancel script never ran: the hash and the stream are exactly as they were.
     assert (conn.hgetall(ks.lookup("r1")), conn.xlen(ks.requests)) == before
     assert conn.pttl(ks.lookup("r1")) > 0  # and the hash still expires by itself
@@ -106,10 +107,10 @@ def test_connection_lost_during_blocking_reads(
     ready(server)
     client = make_client()
     wait_until(lambda: not client.stats()["dead_ranks"])
-    backend.fake_server.connected = False
+    backend.fake.connected = False
     wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 2, timeout=10)
     wait_until(lambda: client._listener.errors >= 2, timeout=10)
-    backend.fake_server.connected = True
+    backend.fake.connected = True
     wait_until(lambda: server.ready, timeout=10)
     wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
     _breaker_closed(client)
@@ -154,7 +155,9 @@ def test_blocking_read_times_out_then_recovers(
         ready(server)
         client = make_client()
         wait_until(lambda: not client.stats()["dead_ranks"])
-        backend.factory().execute_command("CLIENT", "PAUSE", 4500, "WRITE")
+        backend.factory().execute_command(  # type: ignore[no-untyped-call]
+            "CLIENT", "PAUSE", 4500, "WRITE"
+        )
         wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=10)
         wait_until(lambda: server.ready, timeout=10)
         wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)

@@ -8,8 +8,9 @@ import time
 import pytest
 from engines import ManualEngine
 from faultkit import answer, config, prompt, ready
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from helpers import Backend, MakeClient, MakeServer, stream_entries, stream_fields, wait_until
 
+from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.errors import BrokerResponseError, ConfigError
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
@@ -19,7 +20,7 @@ from broker_lookup.transport.connection import ensure_group
 TOKENS = prompt(0, chunks=10)
 
 
-def _alive(client) -> None:
+def _alive(client: RedisAsyncLookupClient) -> None:
     wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the ranks")
 
 
@@ -59,7 +60,7 @@ def test_entries_trimmed_while_pending_are_acked_and_dead_lettered(
     conn = backend.factory()
     conn.xgroup_create(ks.requests, ks.group(0), id="$", mkstream=True)
     for i in range(3):
-        conn.xadd(ks.requests, request_fields(_request(f"gone-{i}")))
+        conn.xadd(ks.requests, stream_fields(request_fields(_request(f"gone-{i}"))))
     # A rank read them and crashed before acking; then the stream was trimmed under them.
     conn.xreadgroup(ks.group(0), ks.consumer(0), {ks.requests: ">"})
     conn.xtrim(ks.requests, maxlen=0)
@@ -68,7 +69,7 @@ def test_entries_trimmed_while_pending_are_acked_and_dead_lettered(
     ready(server)
     wait_until(lambda: server.stats()["consumer"]["dead_letters"] == 3)
     assert conn.xpending(ks.requests, ks.group(0))["pending"] == 0
-    reasons = [f[b"reason"].decode() for _, f in conn.xrange(ks.dead)]
+    reasons = [f[b"reason"].decode() for _, f in stream_entries(conn.xrange(ks.dead))]
     # Real servers return a nil payload; fakeredis an empty one. Either way: no payload.
     assert all("trimmed" in r or "no 'm' field" in r for r in reasons), reasons
     assert engine.started_ids() == []
@@ -93,13 +94,14 @@ def test_duplicate_delivery_does_not_prefetch_twice(
     client.lookup(TOKENS, "r1")
     wait_until(lambda: engine.started_ids() == ["r1"])
     conn = backend.factory()
-    [(_, fields)] = conn.xrange(ks.requests)
-    conn.xadd(ks.requests, fields)  # a retried XADD: the same lookup and generation again
+    [(_, fields)] = stream_entries(conn.xrange(ks.requests))
+    # A retried XADD: the same lookup and generation again.
+    conn.xadd(ks.requests, stream_fields(fields))
     wait_until(lambda: server.stats()["counts"].get("duplicate") == 1)
     assert engine.started_ids() == ["r1"]
     engine.report("r1", 20)
     assert answer(client, "r1", timeout=10) == 20
-    conn.xadd(ks.requests, fields)  # and once more after it completed
+    conn.xadd(ks.requests, stream_fields(fields))  # and once more after it completed
     wait_until(lambda: server.stats()["counts"].get("duplicate") == 2)
     assert engine.started_ids() == ["r1"]
     assert client.lookup_cache("r1") == 20

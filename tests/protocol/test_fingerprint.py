@@ -9,7 +9,8 @@ import time
 import pytest
 from engines import ManualEngine
 from faultkit import CHUNK
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from helpers import Backend, MakeClient, MakeServer, text, wait_until
+from redis import Redis
 
 from broker_lookup.protocol import fingerprint
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
@@ -19,8 +20,8 @@ CLIENT = fingerprint.member("client")
 RANK0 = fingerprint.member("rank0")
 
 
-def published(redis, engine_id: str, *members: str) -> bool:
-    names = {m.decode() for m in redis.hkeys(KeySpace(engine_id).fingerprint)}
+def published(redis: Redis, engine_id: str, *members: str) -> bool:
+    names = {text(m) for m in redis.hkeys(KeySpace(engine_id).fingerprint)}
     return set(members) <= names
 
 
@@ -40,7 +41,7 @@ def test_same_hashing_no_mismatch(
     assert server.fingerprint.run() == []
     key = KeySpace(engine_id).fingerprint
     assert 0 < redis.pttl(key) <= fingerprint.TTL_MS
-    value = json.loads(redis.hget(key, CLIENT))
+    value = json.loads(text(redis.hget(key, CLIENT)))
     assert value.pop("ts_ms") > 0
     assert value == client.hasher.fingerprint()
     assert "HASH MISMATCH" not in caplog.text
@@ -80,7 +81,7 @@ def test_stale_members_are_dropped_and_garbage_is_a_mismatch(
         keys.fingerprint, "rank7:same:3", json.dumps({**own, "ts_ms": int(time.time() * 1000)})
     )
     assert fingerprint.check(redis, keys, own) == ["rank8:odd:2"]
-    names = {m.decode() for m in redis.hkeys(keys.fingerprint)}
+    names = {text(m) for m in redis.hkeys(keys.fingerprint)}
     assert names == {"rank8:odd:2", "rank7:same:3"}
 
 
@@ -88,7 +89,7 @@ def test_stale_members_are_dropped_and_garbage_is_a_mismatch(
 def test_publisher_never_raises(
     backend: Backend, engine_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    backend.fake_server.connected = False
+    backend.fake.connected = False
     publisher = fingerprint.Publisher(
         KeySpace(engine_id), "client", ChunkedTokenHasher(), backend.factory
     )

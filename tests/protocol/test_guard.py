@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 from engines import InstantEngine
 from helpers import MakeClient, MakeServer, wait_until
 
+from broker_lookup.client import RedisAsyncLookupClient
+from workers.server import RedisAsyncLookupServer
+
 TOKENS = list(range(40))
 
 
-def _ready(server, client) -> None:
+def _ready(server: RedisAsyncLookupServer, client: RedisAsyncLookupClient) -> None:
     wait_until(lambda: server.ready and server.stats()["last_heartbeat"])
     wait_until(lambda: not client.stats()["dead_ranks"])
 
@@ -28,7 +32,7 @@ def test_rank_loop_survives_an_unexpected_error(
     original = server.tracker.on_request
     calls = {"n": 0}
 
-    def flaky(*args):
+    def flaky(*args: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("bug in the tracker")
@@ -54,7 +58,7 @@ def test_client_listener_survives_an_unexpected_error(
     original = table.finish
     calls = {"n": 0}
 
-    def flaky(*args):
+    def flaky(*args: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("bug in the table")

@@ -8,14 +8,17 @@ entry), so each test controls exactly which generation the hash holds when.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
+import redis
 from engines import ManualEngine
 from faultkit import answer, prompt, ready
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from helpers import Backend, MakeClient, MakeServer, stream_fields, text, wait_until
 
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
+from workers.server import RedisAsyncLookupServer
 
 TOKENS = prompt(0, chunks=10)
 
@@ -24,7 +27,9 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _submit(conn, ks: KeySpace, lookup_id: str, gen: int, entry_id: str = "*", **changes):
+def _submit(
+    conn: redis.Redis, ks: KeySpace, lookup_id: str, gen: int, entry_id: str = "*", **changes: Any
+) -> Any:
     """What submit.lua does for one rank: a fresh pending hash of ``gen``, then the entry."""
     fields = {
         "lookup_id": lookup_id, "gen": gen, "hashes": [1, 2], "offsets": [4, 4],
@@ -35,15 +40,18 @@ def _submit(conn, ks: KeySpace, lookup_id: str, gen: int, entry_id: str = "*", *
     conn.delete(key)
     conn.hset(key, mapping={"state": "pending", "gen": gen, "expected": "0", "tokens": 8})
     conn.pexpire(key, 60_000)
-    return conn.xadd(ks.requests, request_fields(req), id=entry_id)
+    return conn.xadd(ks.requests, stream_fields(request_fields(req)), id=entry_id)
 
 
-def _hash(conn, ks: KeySpace, lookup_id: str) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in conn.hgetall(ks.lookup(lookup_id)).items()}
+def _hash(conn: redis.Redis, ks: KeySpace, lookup_id: str) -> dict[str, str]:
+    fields = conn.hgetall(ks.lookup(lookup_id))
+    assert isinstance(fields, dict)
+    return {text(k): text(v) for k, v in fields.items()}
 
 
-def _counts(server) -> dict[str, int]:
-    return server.stats()["counts"]
+def _counts(server: RedisAsyncLookupServer) -> dict[str, int]:
+    counts: dict[str, int] = server.stats()["counts"]
+    return counts
 
 
 def test_engine_that_never_reports_is_answered_zero_released_and_the_id_reused(
@@ -99,7 +107,7 @@ def test_stale_answer_of_an_old_generation_never_releases_the_new_one(
     reporter = server._reporter
     gate, send = [False], reporter._send_batch
 
-    def gated(client, batch) -> None:  # holds gen 1's report between the engine and Redis
+    def gated(client: Any, batch: Any) -> None:  # holds gen 1's report between the engine and Redis
         wait_until(lambda: gate[0], timeout=20, message="the gate opened")
         send(client, batch)
 

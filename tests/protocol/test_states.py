@@ -3,26 +3,29 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from engines import InstantEngine, ManualEngine
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from faultkit import answer
+from helpers import Backend, MakeClient, MakeServer, text, wait_until
 
-from broker_lookup.client import RedisLookupClient
+from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
+from workers.server import RedisAsyncLookupServer
 
 TOKENS = list(range(40))  # 10 chunks of 4 tokens
 
 
-def _ready(*servers) -> None:
+def _ready(*servers: RedisAsyncLookupServer) -> None:
     wait_until(
         lambda: all(s.ready and s.stats()["last_heartbeat"] for s in servers),
         message="servers ready and beating",
     )
 
 
-def _alive(client) -> None:
+def _alive(client: RedisAsyncLookupClient) -> None:
     wait_until(lambda: not client.stats()["dead_ranks"], message="client sees every rank alive")
 
 
@@ -82,7 +85,7 @@ def test_duplicate_report_from_one_rank_does_not_complete(
     ks = KeySpace(engine_id)
     redis = backend.factory()
     wait_until(lambda: redis.hexists(ks.lookup("r1"), "r0"))
-    gen = int(redis.hget(ks.lookup("r1"), "gen"))
+    gen = int(text(redis.hget(ks.lookup("r1"), "gen")))
     # A redelivered report of rank 0 (e.g. after a crash and replay) must not count as rank 1.
     again = ScriptSet().call(
         redis, Call(REPORT, (ks.lookup("r1"), ks.done), [0, gen, 16, 1000, "r1", 1000])
@@ -205,7 +208,7 @@ def test_late_report_after_cancel_resurrects_no_key(
     _alive(client)
     client.lookup(TOKENS, "r1")
     wait_until(lambda: redis.exists(ks.lookup("r1")))
-    gen = int(redis.hget(ks.lookup("r1"), "gen"))
+    gen = int(text(redis.hget(ks.lookup("r1"), "gen")))
     client.cancel_lookup("r1")
     wait_until(lambda: not redis.exists(ks.lookup("r1")))
     late = ScriptSet().call(
@@ -227,7 +230,7 @@ def test_id_reuse_gets_a_new_generation(
     redis = backend.factory()
     client.lookup(TOKENS, "r1")
     wait_until(lambda: engine.started_ids() == ["r1"])
-    gen1 = int(redis.hget(ks.lookup("r1"), "gen"))
+    gen1 = int(text(redis.hget(ks.lookup("r1"), "gen")))
     client.clear_lookup_status("r1")  # e.g. preempted before allocation
     client.lookup(TOKENS, "r1")
     wait_until(lambda: int(redis.hget(ks.lookup("r1"), "gen") or 0) > gen1)
@@ -353,7 +356,7 @@ def test_lookups_queued_behind_a_slow_sender_are_not_taken_for_vanished(
     original = sender._send_batch
     gate = {"first": True}
 
-    def behind(conn, batch):
+    def behind(conn: Any, batch: Any) -> Any:
         if gate["first"]:
             gate["first"] = False
             sender._stop.wait(1.5)  # the sender's own thread, as a long burst would
@@ -363,6 +366,6 @@ def test_lookups_queued_behind_a_slow_sender_are_not_taken_for_vanished(
     for i in range(20):
         client.lookup(TOKENS, f"q{i}")
     for i in range(20):
-        assert wait_until(lambda i=i: client.lookup_cache(f"q{i}") == 20, timeout=10)
+        assert answer(client, f"q{i}", timeout=10) == 20
     assert client.stats()["outcomes"]["error"] == 0
     assert not [r for r in caplog.records if "vanished" in r.getMessage()]

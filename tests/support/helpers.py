@@ -7,12 +7,13 @@ Importable from any test as ``from helpers import Backend, wait_until``: pytest 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import fakeredis
 import redis
+from redis.typing import EncodableT, FieldT
 
 from broker_lookup.tools.embedded import EmbeddedServer
 
@@ -20,7 +21,16 @@ if TYPE_CHECKING:
     from broker_lookup.client import RedisAsyncLookupClient
     from workers.server import RedisAsyncLookupServer
 
-__all__ = ["Backend", "MakeClient", "MakeServer", "RealServer", "wait_until"]
+__all__ = [
+    "Backend",
+    "MakeClient",
+    "MakeServer",
+    "RealServer",
+    "stream_entries",
+    "stream_fields",
+    "text",
+    "wait_until",
+]
 
 
 def wait_until(
@@ -48,6 +58,30 @@ def wait_until(
         time.sleep(interval)
 
 
+def text(value: object) -> str:
+    """A reply of redis-py (bytes or str) as str; fails the test on anything else (nil)."""
+    if isinstance(value, bytes):
+        return value.decode()
+    assert isinstance(value, str), f"expected a string reply, got {value!r}"
+    return value
+
+
+def stream_fields(
+    fields: Mapping[str, bytes | str | int | float] | Mapping[bytes, bytes],
+) -> dict[FieldT, EncodableT]:
+    """``fields`` as the type ``XADD`` takes (redis-py's dict is invariant in its keys)."""
+    out: dict[FieldT, EncodableT] = {}
+    for name, value in fields.items():
+        out[name] = value
+    return out
+
+
+def stream_entries(reply: object) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """An ``XRANGE`` reply of a bytes client, typed; fails the test on nil."""
+    assert isinstance(reply, list), f"expected stream entries, got {reply!r}"
+    return [(entry_id, dict(fields or {})) for entry_id, fields in reply]
+
+
 @dataclass(frozen=True)
 class RealServer:
     """The session's real server: ``kind`` is ``"external"`` (env URL) or ``"embedded"``."""
@@ -72,6 +106,12 @@ class Backend:
     url: str | None = None
     fake_server: fakeredis.FakeServer | None = None
     _clients: list[redis.Redis] = field(default_factory=list, repr=False)
+
+    @property
+    def fake(self) -> fakeredis.FakeServer:
+        """The fake server (the ``fake`` leg only): ``backend.fake.connected = False``."""
+        assert self.fake_server is not None, "a fake-only test ran on a real server"
+        return self.fake_server
 
     def factory(self, **kwargs: Any) -> redis.Redis:
         """A NEW client each call (extra kwargs such as ``decode_responses`` pass through).

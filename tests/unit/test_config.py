@@ -52,7 +52,7 @@ def test_config_is_frozen_and_comparable() -> None:
 
 def test_positional_construction_is_refused() -> None:
     with pytest.raises(TypeError):
-        LookupConfig(256)  # type: ignore[misc]
+        LookupConfig(256)  # type: ignore[call-arg]
 
 
 # -- wrong types and bad values -----------------------------------------------------------

@@ -9,9 +9,10 @@ import pickle
 import subprocess
 import sys
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Literal, overload
 
 import pytest
 import torch
@@ -29,7 +30,10 @@ from broker_lookup.protocol.hashing import (
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def cfg(chunk_size: int = 256, save_unfull_chunk: bool = False, algorithm: str = "builtin"):
+def cfg(
+    chunk_size: object = 256, save_unfull_chunk: bool = False, algorithm: str = "builtin"
+) -> SimpleNamespace:
+    """A config as LMCache passes it (any object with these attributes; bad values too)."""
     return SimpleNamespace(
         chunk_size=chunk_size,
         save_unfull_chunk=save_unfull_chunk,
@@ -37,11 +41,18 @@ def cfg(chunk_size: int = 256, save_unfull_chunk: bool = False, algorithm: str =
     )
 
 
-def reference(tokens: Sequence[int], size: int, save_unfull: bool, fn=hash, none_hash: int = 0):
+def reference(
+    tokens: Sequence[int],
+    size: int,
+    save_unfull: bool,
+    fn: Callable[[object], int | bytes] = hash,
+    none_hash: int = 0,
+) -> list[tuple[int, int, int]]:
     """The recipe of spec section 2.2, written as plainly as possible."""
     total = len(tokens)
     end = total if save_unfull else total - total % size
-    chain, out = none_hash, []
+    chain = none_hash
+    out: list[tuple[int, int, int]] = []
     for start in range(0, end, size):
         chain = normalize_hash(fn((chain, tuple(tokens[start : start + size]), ())))
         out.append((start, min(start + size, total), chain))
@@ -54,7 +65,11 @@ class ConstantList(Sequence[int]):
     def __init__(self, items: list[int]) -> None:
         self._x = items
 
-    def __getitem__(self, item):
+    @overload
+    def __getitem__(self, item: int) -> int: ...
+    @overload
+    def __getitem__(self, item: slice) -> Sequence[int]: ...
+    def __getitem__(self, item: int | slice) -> int | Sequence[int]:
         return self._x[item]
 
     def __len__(self) -> int:
@@ -143,7 +158,7 @@ TOKENS = [(i * 104_729) % 128_000 for i in range(1000)]
     ],
 )
 @pytest.mark.parametrize("save_unfull", [False, True])
-def test_other_inputs_hash_like_a_list(make, save_unfull: bool) -> None:
+def test_other_inputs_hash_like_a_list(make: Callable[[list[int]], Any], save_unfull: bool) -> None:
     hasher = ChunkedTokenHasher(cfg(16, save_unfull))
     tokens = make(list(TOKENS))
     if isinstance(tokens, torch.Tensor):
@@ -173,7 +188,7 @@ def test_small_integer_dtypes(dtype: torch.dtype) -> None:
     "empty", [[], (), torch.tensor([], dtype=torch.int64)], ids=["list", "tuple", "tensor"]
 )
 @pytest.mark.parametrize("save_unfull", [False, True])
-def test_empty_input_yields_nothing(empty, save_unfull: bool) -> None:
+def test_empty_input_yields_nothing(empty: Any, save_unfull: bool) -> None:
     hasher = ChunkedTokenHasher(cfg(256, save_unfull))
     assert list(hasher.process_tokens(empty)) == []
     assert hasher.hashes_and_offsets(empty) == ([], [])
@@ -199,7 +214,7 @@ def test_empty_input_yields_nothing(empty, save_unfull: bool) -> None:
     ],
     ids=repr,
 )
-def test_bad_tokens_raise_invalid_request(bad) -> None:
+def test_bad_tokens_raise_invalid_request(bad: Any) -> None:
     hasher = ChunkedTokenHasher()
     with pytest.raises(InvalidRequest, match=r"tokens|tensor"):
         hasher.hashes_and_offsets(bad)
@@ -237,7 +252,7 @@ def test_mask_false_count_must_be_a_multiple_of_chunk_size() -> None:
 
 
 @pytest.mark.parametrize("mask", [[True] * 39, "TTTT", 7], ids=["short", "str", "int"])
-def test_bad_mask_raises_invalid_request(mask) -> None:
+def test_bad_mask_raises_invalid_request(mask: Any) -> None:
     with pytest.raises(InvalidRequest, match="mask"):
         ChunkedTokenHasher(cfg(16, True)).process_tokens(TOKENS[:40], mask=mask)
 
@@ -329,7 +344,9 @@ def test_fingerprint_is_the_same_in_another_process() -> None:
         ),
     ],
 )
-def test_bad_config_raises_config_error_naming_the_field(config, field: str) -> None:
+def test_bad_config_raises_config_error_naming_the_field(
+    config: SimpleNamespace, field: str
+) -> None:
     with pytest.raises(ConfigError, match=field):
         ChunkedTokenHasher(config)
 
@@ -356,13 +373,13 @@ def _fake_modules(monkeypatch: pytest.MonkeyPatch, **modules: types.ModuleType) 
 
 
 def _fake_vllm_hashing(monkeypatch: pytest.MonkeyPatch) -> None:
-    def get_hash_fn_by_name(name: str):
+    def get_hash_fn_by_name(name: str) -> Callable[[object], bytes]:
         if name == "sha256_cbor":
             return _sha256_pickle
         raise ValueError(name)
 
     hashing = types.ModuleType("vllm.utils.hashing")
-    hashing.get_hash_fn_by_name = get_hash_fn_by_name
+    hashing.__dict__.update(get_hash_fn_by_name=get_hash_fn_by_name)
     _fake_modules(monkeypatch, vllm=types.ModuleType("vllm"), **{"vllm.utils.hashing": hashing})
 
 
@@ -380,7 +397,7 @@ def test_digest_algorithm_from_vllm(monkeypatch: pytest.MonkeyPatch, name: str) 
 
 def test_older_vllm_exposes_the_function_directly(monkeypatch: pytest.MonkeyPatch) -> None:
     utils = types.ModuleType("vllm.utils")
-    utils.sha256 = _sha256_pickle
+    utils.__dict__.update(sha256=_sha256_pickle)
     _fake_modules(monkeypatch, vllm=types.ModuleType("vllm"), **{"vllm.utils": utils})
     assert ChunkedTokenHasher(cfg(16, True, "sha256")).algorithm == "sha256"
 
@@ -410,10 +427,10 @@ def _fake_kv_cache_utils(monkeypatch: pytest.MonkeyPatch, with_init: bool = True
     kv = types.ModuleType("vllm.v1.core.kv_cache_utils")
     if with_init:
 
-        def init_none_hash(hash_fn) -> None:  # LMCache calls this; we must not (D12)
+        def init_none_hash(hash_fn: object) -> None:  # LMCache calls this; we must not (D12)
             raise AssertionError("init_none_hash mutates vLLM's global and must not be called")
 
-        kv.init_none_hash = init_none_hash
+        kv.__dict__.update(init_none_hash=init_none_hash)
     _fake_modules(monkeypatch, **{"vllm.v1.core.kv_cache_utils": kv})
 
 
@@ -500,13 +517,13 @@ def test_vectors_with_vllm_present(
 
 
 @pytest.mark.parametrize("kind", ["list", "tensor"])
-def test_measure_ns_per_token_returns_a_positive_number(kind: str) -> None:
+def test_measure_ns_per_token_returns_a_positive_number(kind: Literal["list", "tensor"]) -> None:
     assert measure_ns_per_token(600, kind=kind, repeat=2) > 0
 
 
 @pytest.mark.parametrize(
     ("n", "kind", "repeat"), [(0, "list", 1), (10, "numpy", 1), (10, "list", 0)]
 )
-def test_measure_ns_per_token_rejects_bad_arguments(n: int, kind: str, repeat: int) -> None:
+def test_measure_ns_per_token_rejects_bad_arguments(n: int, kind: Any, repeat: int) -> None:
     with pytest.raises(ValueError):
         measure_ns_per_token(n, kind=kind, repeat=repeat)

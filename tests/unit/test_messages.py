@@ -99,7 +99,9 @@ def test_tagged_union_carries_the_tag_and_decodes_to_the_right_class() -> None:
 )
 def test_request_configs_with_any_json_values_round_trip(configs: dict[str, Any] | None) -> None:
     msg = request(request_configs=configs)
-    assert decode_request(entry(msg)).request_configs == configs
+    decoded = decode_request(entry(msg))
+    assert isinstance(decoded, LookupRequest)
+    assert decoded.request_configs == configs
 
 
 @pytest.mark.parametrize(
@@ -109,7 +111,9 @@ def test_request_configs_with_any_json_values_round_trip(configs: dict[str, Any]
 )
 def test_uint64_and_negative_int64_hashes_round_trip(hashes: list[int]) -> None:
     msg = request(hashes=hashes, offsets=[1] * len(hashes), tokens=len(hashes))
-    assert decode_request(entry(msg)).hashes == hashes
+    decoded = decode_request(entry(msg))
+    assert isinstance(decoded, LookupRequest)
+    assert decoded.hashes == hashes
 
 
 def test_done_event_decodes_the_report_script_fields() -> None:

@@ -27,7 +27,11 @@ def offences(path: Path) -> list[str]:
             and node.value.id == "torch"
         ):
             names = ["torch." + node.attr]
-        found += [f"{node.lineno} {n}" for n in names if n in BANNED or n.startswith("torch.")]
+        found += [
+            f"{getattr(node, 'lineno', 0)} {n}"
+            for n in names
+            if n in BANNED or n.startswith("torch.")
+        ]
     return found
 
 

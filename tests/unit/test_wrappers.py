@@ -292,7 +292,7 @@ class Exploding:
 
 
 def test_bypass_engine_failure_answers_zero_and_cancel_needs_no_cleanup() -> None:
-    client = BypassLookupClient(BYPASS_CFG, META, Exploding())  # type: ignore[arg-type]
+    client = BypassLookupClient(BYPASS_CFG, META, Exploding())
     assert client.lookup(list(range(40)), "r") == 0
     assert client.lookup_cache("r") == 0
     client.cancel_lookup("r")  # the engine has no cleanup_memory_objs: still no error
