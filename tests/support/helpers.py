@@ -26,6 +26,7 @@ __all__ = [
     "MakeClient",
     "MakeServer",
     "RealServer",
+    "command",
     "stream_entries",
     "stream_fields",
     "text",
@@ -74,6 +75,12 @@ def stream_fields(
     for name, value in fields.items():
         out[name] = value
     return out
+
+
+def command(conn: redis.Redis | redis.client.Pipeline, *args: object) -> Any:
+    """A raw command (``INCR``, not redis-py's ``INCRBY``; ``ACL``...): redis-py leaves
+    ``execute_command`` untyped."""
+    return conn.execute_command(*args)  # type: ignore[no-untyped-call]
 
 
 def stream_entries(reply: object) -> list[tuple[bytes, dict[bytes, bytes]]]:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 from engines import InstantEngine, ManualEngine
-from helpers import wait_until
+from helpers import command, wait_until
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -53,10 +53,10 @@ def _users_server() -> Iterator[tuple[EmbeddedServer, redis.Redis]]:
     binary = os.environ.get("BROKER_LOOKUP_TEST_SERVER_BINARY") or None  # CI: Redis 7.0 too
     with EmbeddedServer(binary=binary, password="bootstrap-only") as server:
         admin = redis.Redis(host="127.0.0.1", port=server.port, password="bootstrap-only")
-        admin.execute_command("ACL", "SETUSER", ADMIN[0], "on", f">{ADMIN[1]}", "~*", "&*", "+@all")
-        admin.execute_command("AUTH", *ADMIN)
+        command(admin, "ACL", "SETUSER", ADMIN[0], "on", f">{ADMIN[1]}", "~*", "&*", "+@all")
+        command(admin, "AUTH", *ADMIN)
         for user, rules in acl_users().items():
-            admin.execute_command("ACL", "SETUSER", user, "reset", *rules)
+            command(admin, "ACL", "SETUSER", user, "reset", *rules)
         try:
             yield server, admin
         finally:
@@ -68,7 +68,7 @@ def acl_server(
     _users_server: tuple[EmbeddedServer, redis.Redis],
 ) -> tuple[EmbeddedServer, redis.Redis]:
     """A server running exactly the file's users (plus a test admin), ACL LOG cleared."""
-    _users_server[1].execute_command("ACL", "LOG", "RESET")
+    command(_users_server[1], "ACL", "LOG", "RESET")
     return _users_server
 
 
@@ -156,7 +156,7 @@ def test_protocol_runs_under_the_shipped_users(
 
 @pytest.mark.parametrize("user", ["scheduler", "worker"])
 @pytest.mark.parametrize(
-    "command",
+    "denied",
     [
         ("FLUSHALL",),
         ("FLUSHDB",),
@@ -176,12 +176,12 @@ def test_protocol_runs_under_the_shipped_users(
     ids=lambda c: " ".join(map(str, c[:2])) if isinstance(c, tuple) else c,
 )
 def test_what_the_protocol_does_not_need_is_denied(
-    acl_server: tuple[EmbeddedServer, redis.Redis], user, command
+    acl_server: tuple[EmbeddedServer, redis.Redis], user: str, denied: tuple[object, ...]
 ) -> None:
     server, admin = acl_server
     conn = _as(server, user)
     with pytest.raises(redis.ResponseError, match=r"NOPERM|No permissions|permission|can't access"):
-        conn.execute_command(*command)
+        command(conn, *denied)
     assert admin.exists("other:key") == 0
     assert admin.ping()  # still up: SHUTDOWN and FLUSHALL were refused
 

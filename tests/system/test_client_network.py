@@ -19,6 +19,7 @@ import redis
 from faultkit import MakeLookupClient, StartRank, alive, answer, config, eventually_right, prompt
 from helpers import RealServer, wait_until
 
+from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.faultproxy.proxy import FaultProxy
 
@@ -36,7 +37,7 @@ def cluster(
     engine_id: str,
     rank_procs: StartRank,
     clients: MakeLookupClient,
-):
+) -> RedisAsyncLookupClient:
     """Two rank processes on the server and a client (world 2) through the proxy."""
     for rank in range(2):
         rank_procs(real_server.url, engine_id, 2, rank, PROMPTS)
@@ -48,7 +49,7 @@ def cluster(
 
 
 def test_a_stalled_server_opens_the_breaker_then_it_closes_by_itself(
-    cluster, fault_proxy: FaultProxy
+    cluster: RedisAsyncLookupClient, fault_proxy: FaultProxy
 ) -> None:
     client = cluster
     fault_proxy.hold()  # packets dropped, no RST: what SIGSTOP or a partition looks like
@@ -68,7 +69,10 @@ def test_a_stalled_server_opens_the_breaker_then_it_closes_by_itself(
 
 
 def test_a_submit_whose_reply_is_lost_still_answers_the_full_hit(
-    cluster, fault_proxy: FaultProxy, real_server: RealServer, engine_id: str
+    cluster: RedisAsyncLookupClient,
+    fault_proxy: FaultProxy,
+    real_server: RealServer,
+    engine_id: str,
 ) -> None:
     client = cluster
     conn = redis.Redis.from_url(real_server.url)
@@ -84,7 +88,7 @@ def test_a_submit_whose_reply_is_lost_still_answers_the_full_hit(
 
 
 def test_a_completion_lost_on_the_way_to_the_listener_is_read_again(
-    cluster, fault_proxy: FaultProxy
+    cluster: RedisAsyncLookupClient, fault_proxy: FaultProxy
 ) -> None:
     client = cluster
     # The listener's XREAD reply carrying the completion is lost and its connection
@@ -98,7 +102,7 @@ def test_a_completion_lost_on_the_way_to_the_listener_is_read_again(
 
 
 def test_resets_never_give_a_wrong_answer_and_recovery_is_automatic(
-    cluster, fault_proxy: FaultProxy
+    cluster: RedisAsyncLookupClient, fault_proxy: FaultProxy
 ) -> None:
     client = cluster
     for i in range(5):
@@ -108,7 +112,9 @@ def test_resets_never_give_a_wrong_answer_and_recovery_is_automatic(
     assert eventually_right(client, HOT, FULL, timeout=15, tag="after") >= 1
 
 
-def test_latency_under_the_timeout_costs_no_hit(cluster, fault_proxy: FaultProxy) -> None:
+def test_latency_under_the_timeout_costs_no_hit(
+    cluster: RedisAsyncLookupClient, fault_proxy: FaultProxy
+) -> None:
     client = cluster
     fault_proxy.delay(150)  # each way, on every chunk: far under the 3 s timeout
     for i in range(5):

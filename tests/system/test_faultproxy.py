@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis
-from helpers import RealServer, wait_until
+from helpers import RealServer, command, text, wait_until
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -177,7 +177,7 @@ def test_commands_pass_through_unchanged(
     assert client.get(f"{engine_id}:k") == b"v"
     pipe = client.pipeline(transaction=False)
     for i in range(1000):
-        pipe.execute_command("ECHO", str(i))
+        command(pipe, "ECHO", str(i))
     assert pipe.execute() == [str(i).encode() for i in range(1000)]
     stats = fault_proxy.stats
     assert stats["commands"] == stats["replies"] >= 1002
@@ -203,7 +203,7 @@ def test_a_blocking_read_gets_one_reply(
 
 @pytest.mark.parametrize("protocol", [2, 3])
 def test_both_protocols_pass(
-    fault_proxy: FaultProxy, connect: Connect, engine_id: str, protocol
+    fault_proxy: FaultProxy, connect: Connect, engine_id: str, protocol: int
 ) -> None:
     client = connect(fault_proxy.url, protocol=protocol)
     client.hset(f"{engine_id}:h", mapping={"a": 1, "b": 2})
@@ -308,9 +308,9 @@ def test_a_lost_reply_then_reset(
     client.ping()
     fault_proxy.lose_reply("incr")
     with pytest.raises(redis.ConnectionError):
-        client.execute_command("INCR", counter)  # redis-py's incr() sends INCRBY
+        command(client, "INCR", counter)  # redis-py's incr() sends INCRBY
     assert direct.get(counter) == b"1"  # the server ran it
-    assert client.execute_command("INCR", counter) == 2  # once only: the rule is used up
+    assert command(client, "INCR", counter) == 2  # once only: the rule is used up
     assert fault_proxy.stats["replies_lost"] == 1
     assert fault_proxy.stats["resets"] == 1
     direct.delete(counter)
@@ -324,7 +324,7 @@ def test_a_lost_reply_then_hold(
     client.ping()
     fault_proxy.lose_reply("INCR", then="hold")
     with pytest.raises(redis.TimeoutError):
-        client.execute_command("INCR", counter)
+        command(client, "INCR", counter)
     assert direct.get(counter) == b"1"
     wait_until(lambda: fault_proxy.connections() == 0, message="the timed-out client gone")
     direct.delete(counter)
@@ -335,7 +335,9 @@ def test_a_lost_reply_in_a_pipeline(
 ) -> None:
     a, n, b = (f"{engine_id}:{name}" for name in "anb")
     pipe = connect(fault_proxy.url).pipeline(transaction=False)
-    pipe.set(a, "1", px=60_000).execute_command("INCR", n).set(b, "1", px=60_000)
+    pipe.set(a, "1", px=60_000)
+    command(pipe, "INCR", n)
+    pipe.set(b, "1", px=60_000)
     fault_proxy.lose_reply("INCR")
     with pytest.raises(redis.ConnectionError):
         pipe.execute()
@@ -402,7 +404,7 @@ def test_a_lost_script_reply_by_sha(
     with pytest.raises(redis.ConnectionError):
         bump(keys=[counter], client=client)
     with pytest.raises(redis.ConnectionError):  # called by body, it is the same script
-        client.eval(bump.script, 1, counter)
+        client.eval(text(bump.script), 1, counter)
     assert direct.get(counter) == b"2"
     assert bump(keys=[counter], client=client) == 3
     direct.delete(counter)
@@ -437,7 +439,7 @@ def test_clear_ends_every_fault(
     with pytest.raises(ConnectionResetError):
         hung.recv(1)  # the hung connection is reset
     client = connect(fault_proxy.url)
-    assert client.execute_command("INCR", counter) == 2  # no hold, refusal, delay or loss
+    assert command(client, "INCR", counter) == 2  # no hold, refusal, delay or loss
     assert fault_proxy.stats["replies_lost"] == 1
     hung.close()
     direct.delete(counter)

@@ -251,7 +251,9 @@ def _free_port() -> int:
         (["--engine-id", "e", "--world-size", "1"], {}, "BROKER_LOOKUP_RANK"),
     ],
 )  # fmt: skip
-def test_bad_arguments_exit_2_naming_the_flag(args, env, message, tmp_path: Path) -> None:
+def test_bad_arguments_exit_2_naming_the_flag(
+    args: list[str], env: dict[str, str], message: str, tmp_path: Path
+) -> None:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_LOOKUP_")}
     proc = subprocess.run(
         python_module("workers", [*args, "--metrics-port", "0"]),

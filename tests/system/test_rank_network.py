@@ -11,11 +11,14 @@ not 0) once no fault is active, nothing hangs, and the rank's pending entries dr
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
 from faultkit import (
     MakeLookupClient,
+    RankProcess,
     StartRank,
     alive,
     answer,
@@ -26,6 +29,7 @@ from faultkit import (
 )
 from helpers import RealServer, wait_until
 
+from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.faultproxy.proxy import FaultProxy
 
@@ -43,6 +47,10 @@ def _pending(conn: redis.Redis, ks: KeySpace) -> int:
     return int(conn.xpending(ks.requests, ks.group(0))["pending"])
 
 
+#: The ``setup`` fixture: ``setup(**config)`` starts the rank and its client.
+Setup = Callable[..., tuple[RankProcess, RedisAsyncLookupClient, redis.Redis]]
+
+
 @pytest.fixture
 def setup(
     real_server: RealServer,
@@ -50,10 +58,10 @@ def setup(
     engine_id: str,
     rank_procs: StartRank,
     clients: MakeLookupClient,
-):
+) -> Setup:
     """(rank process through the proxy, its client straight to the server, direct conn)."""
 
-    def make(**overrides):
+    def make(**overrides: Any) -> tuple[RankProcess, RedisAsyncLookupClient, redis.Redis]:
         rank = rank_procs(fault_proxy.url, engine_id, 1, 0, PROMPTS, **overrides)
         client = clients(config(real_server.url, **overrides), engine_id, 1)
         alive(client)
@@ -66,7 +74,7 @@ def setup(
 
 @pytest.mark.parametrize("then", ["hold", "reset"])
 def test_lost_delivery_is_read_again_and_served(
-    setup, fault_proxy: FaultProxy, engine_id: str, then: str
+    setup: Setup, fault_proxy: FaultProxy, engine_id: str, then: str
 ) -> None:
     ks = KeySpace(engine_id)
     rank, client, conn = setup(**PATIENT)
@@ -90,7 +98,7 @@ def test_lost_delivery_is_read_again_and_served(
 
 
 def test_lost_xack_reply_drains_and_answers_right(
-    setup, fault_proxy: FaultProxy, engine_id: str
+    setup: Setup, fault_proxy: FaultProxy, engine_id: str
 ) -> None:
     ks = KeySpace(engine_id)
     _, client, conn = setup(**PATIENT)
@@ -103,7 +111,7 @@ def test_lost_xack_reply_drains_and_answers_right(
 
 
 def test_stalled_rank_connection_answers_zero_fast_then_recovers(
-    setup, fault_proxy: FaultProxy, engine_id: str
+    setup: Setup, fault_proxy: FaultProxy, engine_id: str
 ) -> None:
     ks = KeySpace(engine_id)
     _, client, conn = setup()  # FAST: a 1.5 s heartbeat TTL and lookup timeout
@@ -118,7 +126,7 @@ def test_stalled_rank_connection_answers_zero_fast_then_recovers(
 
 
 def test_reset_rank_connections_recover_by_themselves(
-    setup, fault_proxy: FaultProxy, engine_id: str
+    setup: Setup, fault_proxy: FaultProxy, engine_id: str
 ) -> None:
     ks = KeySpace(engine_id)
     _, client, conn = setup(**PATIENT)

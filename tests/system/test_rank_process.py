@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from typing import Any
 
 import pytest
 import redis
 from faultkit import CHUNK, MakeLookupClient, StartRank, alive, answer, beat, config, prompt
-from helpers import RealServer, wait_until
+from helpers import RealServer, stream_fields, wait_until
 
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 HOT = prompt(1000)  # in memory on every rank: a full hit
 SLOW = prompt(2000)  # on disk on every rank: 8 chunks x 250 ms of loading
-PROMPTS = [{"tokens": HOT}, {"tokens": SLOW, "tier": "disk"}]
+PROMPTS: list[dict[str, Any]] = [{"tokens": HOT}, {"tokens": SLOW, "tier": "disk"}]
 FULL = len(HOT)
 
 
@@ -60,7 +61,7 @@ def test_kill9_mid_prefetch_then_restart_replays_pending(
         deadline_ms=int(time.time() * 1000) - 1000, tokens=2 * CHUNK,
     )  # fmt: skip
     wait_until(lambda: _pending(conn, ks, 0)[1] >= 1, message="'live' queued for rank 0")
-    conn.xadd(ks.requests, request_fields(dead))
+    conn.xadd(ks.requests, stream_fields(request_fields(dead)))
     conn.xreadgroup(ks.group(0), ks.consumer(0), {ks.requests: ">"})
     assert _pending(conn, ks, 0)[0] >= 2
     assert answer(short, "slow", timeout=10) == 0  # the timeout; never rank 1's 32 alone

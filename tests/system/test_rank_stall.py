@@ -5,12 +5,14 @@ bounded, everything recovers by itself, and close() leaves no connection open.""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import redis
 from engines import ManualEngine
 from faultkit import config, ready
-from helpers import Backend, MakeServer, RealServer, wait_until
+from helpers import Backend, MakeServer, RealServer, stream_fields, wait_until
+from redis.typing import EncodableT, FieldT
 
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
@@ -19,12 +21,18 @@ from broker_lookup.tools.faultproxy.proxy import FaultProxy
 from workers.server import RedisAsyncLookupServer
 
 
-def _entry(lookup_id: str, budget_ms: int = 60_000) -> dict:
+def _entry(lookup_id: str, budget_ms: int = 60_000) -> dict[FieldT, EncodableT]:
     req = LookupRequest(
-        lookup_id=lookup_id, gen=1, hashes=[1, 2], offsets=[4, 4], expected=[0],
-        deadline_ms=int(time.time() * 1000) + budget_ms, tokens=8, budget_ms=budget_ms,
-    )  # fmt: skip
-    return request_fields(req)
+        lookup_id=lookup_id,
+        gen=1,
+        hashes=[1, 2],
+        offsets=[4, 4],
+        expected=[0],
+        deadline_ms=int(time.time() * 1000) + budget_ms,
+        tokens=8,
+        budget_ms=budget_ms,
+    )
+    return stream_fields(request_fields(req))
 
 
 def _names(conn: redis.Redis, engine_id: str) -> list[str]:
@@ -79,7 +87,8 @@ def test_reports_beyond_the_bounded_queue_are_released(
     monkeypatch.setattr(reporter, "_max_queue", 2)
     gate, send = [False], reporter._send_batch
 
-    def gated(client, batch) -> None:  # a Redis that does not answer: the first batch hangs
+    # A Redis that does not answer: the first batch hangs.
+    def gated(client: Any, batch: Any) -> None:
         wait_until(lambda: gate[0], timeout=20, message="the gate opened")
         send(client, batch)
 

@@ -9,6 +9,7 @@ import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,10 @@ def start_worker(
     terminate(procs, 15.0)
 
 
+def _ready(port: int) -> bool:
+    return _get(port, "/readyz")[0] == 200
+
+
 def test_health_ready_and_metrics_then_not_ready_without_redis(
     fresh_real_server: EmbeddedServer,
     start_worker: Callable[..., tuple[subprocess.Popen[bytes], int]],
@@ -120,7 +125,7 @@ def test_supervised_ranks_serve_on_port_plus_rank(
 ) -> None:
     proc, port = start_worker(real_server.url, "--ranks", "all")
     for rank in (0, 1):
-        wait_until(lambda r=rank: _get(port + r, "/readyz")[0] == 200, timeout=STARTUP_S)
+        wait_until(partial(_ready, port + rank), timeout=STARTUP_S)
         status, text = _get(port + rank, "/metrics")
         assert status == 200
         assert f'broker_lookup_worker_requests_total{{rank="{rank}"}}' in text

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import wait_until
@@ -49,7 +50,7 @@ def test_config_repr_and_errors_hide_passwords() -> None:
     cfg = LookupConfig(redis_url="redis://user:Url-Pass-5d2f@h:6379/0", redis_password=RIGHT)
     _clean(repr(cfg) + str(cfg))
     assert "***" in repr(cfg)
-    bad = [
+    bad: list[dict[str, Any]] = [
         {"redis_url": "redis://u:Url-Pass-5d2f@h:6379/0", "block_ms": 99_999},
         {"redis_url": "http://u:Url-Pass-5d2f@h:6379/0"},
         {"redis_password": 12345, "redis_url": "redis://:Url-Pass-5d2f@h/0"},
@@ -82,7 +83,7 @@ def _failures(cfg: LookupConfig) -> str:
     "how", ["config", "url", "both"], ids=["config-password", "url-password", "both"]
 )
 def test_wrong_password_leaks_nowhere(
-    locked: EmbeddedServer, engine_id: str, caplog: pytest.LogCaptureFixture, how
+    locked: EmbeddedServer, engine_id: str, caplog: pytest.LogCaptureFixture, how: str
 ) -> None:
     caplog.set_level(logging.DEBUG)  # every logger, redis-py's included
     url = _url(locked, "Url-Pass-5d2f" if how != "config" else None)

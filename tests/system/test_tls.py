@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -154,7 +155,7 @@ def tls_port(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def _config(port: int, certs: Certs, **tls: str | None) -> LookupConfig:
-    values = {
+    values: dict[str, Any] = {
         "ssl_ca_certs": str(certs.ca),
         "ssl_certfile": str(certs.client_cert),
         "ssl_keyfile": str(certs.client_key),
@@ -189,7 +190,9 @@ def test_lookup_over_mutual_tls(tls_port: int, certs: Certs, engine_id: str) -> 
         ({"ssl_ca_certs": "ROGUE"}, "server certificate from a CA we do not trust"),
     ],
 )
-def test_tls_refuses_what_it_must(tls_port: int, certs: Certs, tls, why) -> None:
+def test_tls_refuses_what_it_must(
+    tls_port: int, certs: Certs, tls: dict[str, str | None], why: str
+) -> None:
     if tls.get("ssl_ca_certs") == "ROGUE":
         tls = {**tls, "ssl_ca_certs": str(certs.rogue_ca)}
     conn = make_factory(_config(tls_port, certs, **tls), "bl-tls-test")()
