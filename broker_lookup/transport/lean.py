@@ -1,0 +1,243 @@
+"""A lean connection path for hot loops: raw commands on one connection, raw replies.
+
+redis-py spends tens of µs per command above the socket: the client and pipeline
+objects, retries, observability hooks, and per-command response callbacks (XREADGROUP's
+builds tuples and dicts in Python). A loop that sends a few known commands per wake-up
+skips all that with :class:`LeanLink`: it holds one ``Connection`` of the client's pool,
+which keeps what the pool sets up (AUTH and ACL user, TLS, unix sockets, Sentinel's
+master discovery and READONLY handling, CLIENT SETNAME, socket timeouts, health
+checks), packs a batch with the connection's packer (hiredis when installed), writes it
+in one ``sendall`` and reads the replies unparsed: bytes, ints, nested lists (maps on
+RESP3), an error reply as a ``ResponseError`` value.
+
+A write may end with a *read*, a blocking command (XREADGROUP BLOCK) whose reply is
+taken later with :meth:`Link.take_read`: a rank sends its reports, its acks and its next
+read in one round trip. While a read is outstanding nothing else is sent;
+:meth:`Link.settle_read` reads its reply early (kept for ``take_read``) when the
+connection is needed meanwhile.
+
+:func:`open_link` gives a :class:`LeanLink` for a plain ``redis.Redis`` client, and a
+:class:`ClientLink` (same interface, redis-py's pipeline underneath) where there is no
+plain pool (Redis Cluster's client: it routes each command by slot). Replies through a
+``ClientLink`` are shaped by redis-py's callbacks, so callers accept both shapes. On
+fakeredis, which runs a blocking command while it is written, a ``LeanLink`` sends the
+read when it is taken instead of with the batch.
+
+Errors: transport failures raise redis-py's ``ConnectionError``/``TimeoutError`` (the
+caller translates them at its boundary) and drop the connection, so no reply of a
+failed write is ever taken for a later one; it reconnects on the next call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import redis
+from redis.exceptions import ResponseError
+
+__all__ = ["ClientLink", "Command", "LeanLink", "Link", "open_link", "pairs"]
+
+Arg = str | bytes | int | float
+#: One command as it goes on the wire: its name, then its arguments.
+Command = Sequence[Arg]
+
+_NO_READ: Any = object()  # no read reply kept
+
+
+class Link(Protocol):
+    """What a hot loop needs from a connection: pipelined calls, and a read to take later."""
+
+    @property
+    def reading(self) -> bool:
+        """Whether a read was sent and its reply not taken yet."""
+        ...
+
+    def call(self, commands: Sequence[Command], read: Command | None = None) -> list[Any]:
+        """Send ``commands`` (then ``read``) in one write; their replies, errors as values.
+
+        ``read``'s reply is left for :meth:`take_read`. Raises if a read is outstanding.
+        """
+        ...
+
+    def take_read(self) -> Any:
+        """The reply of the outstanding read (waits for it); an error reply is raised."""
+        ...
+
+    def settle_read(self) -> None:
+        """Read the outstanding read's reply now, so other commands can be sent meanwhile."""
+        ...
+
+    def close(self) -> None:
+        """Give the connection back, dropping it if a reply is still unread. Idempotent."""
+        ...
+
+
+def open_link(client: redis.Redis) -> LeanLink | ClientLink:
+    """A :class:`LeanLink` on ``client``'s pool where it has a plain one, else a ClientLink.
+
+    Does no I/O: the connection is taken from the pool on the first call.
+    """
+    pool = getattr(client, "connection_pool", None) if isinstance(client, redis.Redis) else None
+    if isinstance(pool, redis.ConnectionPool):
+        return LeanLink(pool)
+    return ClientLink(client)
+
+
+def pairs(flat: Any) -> dict[Any, Any]:
+    """A raw RESP2 field/value list (``[f1, v1, f2, v2]``) as a dict; a dict stays itself."""
+    if isinstance(flat, dict):
+        return flat
+    it = iter(flat)
+    return dict(zip(it, it, strict=True))
+
+
+class LeanLink:
+    """One connection of a redis-py pool, used raw (see the module docstring).
+
+    Not thread-safe: one loop owns it.
+    """
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        self._pool = pool
+        self._conn: Any = None
+        self._reading = False
+        self._kept: Any = _NO_READ
+        self._deferred: Command | None = None  # fakeredis: the read, sent when taken
+        self._defer = pool.connection_class.__module__.startswith("fakeredis")
+
+    @property
+    def reading(self) -> bool:
+        """Whether a read was sent and its reply not taken yet."""
+        return self._reading
+
+    def call(self, commands: Sequence[Command], read: Command | None = None) -> list[Any]:
+        """Send ``commands`` (then ``read``) in one write; their replies, errors as values."""
+        if self._reading:
+            raise RuntimeError("LeanLink.call while a read is outstanding")
+        wire = list(commands)
+        if read is not None:
+            if self._defer:
+                self._deferred = read
+            else:
+                wire.append(read)
+            self._reading = True
+        if not wire:
+            return []
+        conn = self._connection()
+        try:
+            conn.send_packed_command(conn.pack_commands(wire))
+            return [self._reply(conn) for _ in commands]
+        except BaseException:
+            self._drop()
+            raise
+
+    def take_read(self) -> Any:
+        """The reply of the outstanding read (waits for it); an error reply is raised."""
+        if not self._reading:
+            raise RuntimeError("LeanLink.take_read with no read outstanding")
+        kept, self._kept = self._kept, _NO_READ
+        self._reading = False
+        if kept is not _NO_READ:
+            if isinstance(kept, ResponseError):
+                raise kept
+            return kept
+        conn = self._connection()
+        try:
+            if self._deferred is not None:
+                read, self._deferred = self._deferred, None
+                conn.send_packed_command(conn.pack_commands([read]))
+            return conn.read_response(disable_decoding=True)
+        except ResponseError:
+            raise  # a whole reply was read: the connection stays in step
+        except BaseException:
+            self._drop()
+            raise
+
+    def settle_read(self) -> None:
+        """Read the outstanding read's reply now; :meth:`take_read` returns it later."""
+        if not self._reading or self._kept is not _NO_READ:
+            return
+        try:
+            reply = self.take_read()
+        except ResponseError as exc:
+            reply = exc
+        self._kept = reply
+        self._reading = True
+
+    def close(self) -> None:
+        """Give the connection back to its pool, disconnected. Idempotent."""
+        conn, self._conn = self._conn, None
+        self._reading = False
+        self._kept = _NO_READ
+        self._deferred = None
+        if conn is not None:
+            conn.disconnect()
+            self._pool.release(conn)
+
+    def _connection(self) -> Any:
+        if self._conn is None:
+            self._conn = self._pool.get_connection()
+        return self._conn
+
+    @staticmethod
+    def _reply(conn: Any) -> Any:
+        try:
+            return conn.read_response(disable_decoding=True)
+        except ResponseError as exc:
+            return exc
+
+    def _drop(self) -> None:
+        """Disconnect (it reconnects on the next call) and forget every pending reply."""
+        self._reading = False
+        self._kept = _NO_READ
+        self._deferred = None
+        if self._conn is not None:
+            self._conn.disconnect()
+
+
+class ClientLink:
+    """The :class:`Link` interface over a client's own pipeline (Redis Cluster)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+        self._read: Command | None = None
+        self._kept: Any = _NO_READ
+
+    @property
+    def reading(self) -> bool:
+        """Whether a read was sent and its reply not taken yet."""
+        return self._read is not None
+
+    def call(self, commands: Sequence[Command], read: Command | None = None) -> list[Any]:
+        """Run ``commands`` in one pipelined round trip; ``read`` runs when it is taken."""
+        if self._read is not None:
+            raise RuntimeError("ClientLink.call while a read is outstanding")
+        results: list[Any] = []
+        if commands:
+            pipe = self._client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)  # type: ignore[no-untyped-call]  # untyped in redis-py
+            results = list(pipe.execute(raise_on_error=False))
+        self._read = read
+        return results
+
+    def take_read(self) -> Any:
+        """Run the read now and return its reply; an error reply is raised."""
+        read, self._read = self._read, None
+        if read is None:
+            raise RuntimeError("ClientLink.take_read with no read outstanding")
+        kept, self._kept = self._kept, _NO_READ
+        if kept is not _NO_READ:
+            if isinstance(kept, ResponseError):
+                raise kept
+            return kept
+        return self._client.execute_command(*read)  # type: ignore[no-untyped-call]  # untyped in redis-py
+
+    def settle_read(self) -> None:
+        """Nothing to settle: the read is only sent when it is taken."""
+
+    def close(self) -> None:
+        """Forget the outstanding read; the client is its owner's to close."""
+        self._read = None
+        self._kept = _NO_READ
