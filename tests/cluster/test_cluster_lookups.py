@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 from helpers import wait_until
@@ -11,13 +12,13 @@ from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.local_cluster import LocalCluster
 
 from .cluster_ids import slot_of, spread_engine_ids
-from .cluster_stack import Traffic, run_batch, verdicts
+from .cluster_stack import Stack, Traffic, Unit, run_batch, verdicts
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real]
 
 
 def test_eight_engines_spread_over_three_masters_all_answer_right(
-    local_cluster: LocalCluster, stack
+    local_cluster: LocalCluster, stack: Callable[..., Stack]
 ) -> None:
     ids = spread_engine_ids(local_cluster, 8)
     owners = [local_cluster.owner(slot_of(e)) for e in ids]
@@ -30,7 +31,7 @@ def test_eight_engines_spread_over_three_masters_all_answer_right(
     results: dict[str, list[int]] = {}
     go = threading.Barrier(len(units))
 
-    def drive(unit) -> None:
+    def drive(unit: Unit) -> None:
         go.wait()
         results[unit.engine_id] = run_batch(unit, "r", 40)
 
@@ -48,7 +49,7 @@ def test_eight_engines_spread_over_three_masters_all_answer_right(
 
 
 def test_moved_slot_is_followed_without_wrong_or_lost_lookups(
-    local_cluster: LocalCluster, stack
+    local_cluster: LocalCluster, stack: Callable[..., Stack]
 ) -> None:
     moving, steady = spread_engine_ids(local_cluster, 2)
     deployment = stack(local_cluster.url)

@@ -9,6 +9,7 @@ of the check is in ``tests/unit/test_keys_slots.py``.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -56,14 +57,14 @@ def _protocol_calls(ks: KeySpace, lookup_id: str) -> list[list[Call]]:
 
 
 @pytest.fixture
-def cluster_client(local_cluster: LocalCluster):
+def cluster_client(local_cluster: LocalCluster) -> Iterator[redis.Redis]:
     client = make_factory(LookupConfig(redis_url=local_cluster.url), "bl-test-scripts")()
     yield client
     client.close()
 
 
 def test_every_script_runs_on_every_master_and_writes_only_its_engines_slot(
-    local_cluster: LocalCluster, cluster_client
+    local_cluster: LocalCluster, cluster_client: redis.Redis
 ) -> None:
     ids = spread_engine_ids(local_cluster, 3)
     assert sorted(local_cluster.owner(slot_of(e)) for e in ids) == [0, 1, 2]
@@ -84,7 +85,8 @@ def test_every_script_runs_on_every_master_and_writes_only_its_engines_slot(
     assert cluster_client.script_exists(*scripts.sha.values()) == [True] * 3  # on all primaries
     for engine_id in ids:  # the blocking reads of the listener and of a rank
         ks = KeySpace(engine_id)
-        assert len(cluster_client.xread({ks.done: "0"}, count=10, block=10)[0][1]) == 1
+        done = cluster_client.xread({ks.done: "0"}, count=10, block=10)
+        assert isinstance(done, list) and len(done[0][1]) == 1  # RESP2: [[stream, entries]]
         cluster_client.xgroup_create(ks.requests, "rank-0", id="0")
         assert len(cluster_client.xreadgroup("rank-0", "rank-0", {ks.requests: ">"}, 9, 10)) == 1
     # Routed by our key parser: redis-py would have asked COMMAND GETKEYS before each
@@ -109,7 +111,7 @@ def _assert_written_only_in_its_slot(local_cluster: LocalCluster, engine_id: str
 
 
 def test_a_script_touching_a_key_outside_KEYS_fails_on_the_cluster(
-    local_cluster: LocalCluster, cluster_client
+    local_cluster: LocalCluster, cluster_client: redis.Redis
 ) -> None:
     """Negative control: the dynamic check above would catch a script with a wrong key."""
     mine, other = spread_engine_ids(local_cluster, 2)

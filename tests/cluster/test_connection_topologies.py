@@ -6,9 +6,15 @@ does I/O); sharing of the one ``RedisCluster`` per factory runs on the local clu
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import pytest
 import redis
-from redis.sentinel import SentinelManagedConnection, SentinelManagedSSLConnection
+from redis.sentinel import (
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerUnavailable, ConfigError, translate_redis_errors
@@ -21,8 +27,14 @@ def _pool(url: str, **config: object) -> redis.ConnectionPool:
     return client.connection_pool
 
 
+def _nodes(handle: object) -> object:
+    """The nodes manager of the RedisCluster a cluster handle forwards to."""
+    return cast(Any, handle).nodes_manager
+
+
 def test_sentinel_url_names_sentinels_service_db_and_credentials() -> None:
     pool = _pool("redis+sentinel://u:p%40ss@s1:26379,[::1]:26380/cache/3")
+    assert isinstance(pool, SentinelConnectionPool)
     kw = pool.connection_kwargs
     assert (pool.service_name, kw["db"], kw["username"], kw["password"]) == (
         "cache",
@@ -46,6 +58,7 @@ def test_sentinel_config_credentials_win_and_options_reach_sentinels_and_tls() -
     assert pool.connection_kwargs["password"] == "cfg"
     assert pool.connection_kwargs["ssl_ca_certs"] == "/ca.pem"
     assert pool.connection_class is SentinelManagedSSLConnection
+    assert isinstance(pool, SentinelConnectionPool)
     sentinel = pool.sentinel_manager.sentinels[0].connection_pool
     assert sentinel.connection_kwargs["password"] == "cfg"
     assert sentinel.connection_class is redis.SSLConnection
@@ -148,13 +161,13 @@ def test_handles_of_one_cluster_factory_share_one_client_until_the_last_closes(
     factory = make_factory(LookupConfig(redis_url=local_cluster.url), "bl-test-share")
     first, second = factory(), factory()
     assert first.set("bl:{share}:k", "v")
-    assert first.nodes_manager is second.nodes_manager  # one RedisCluster
+    assert _nodes(first) is _nodes(second)  # one RedisCluster
     first.close()
     assert second.get("bl:{share}:k") == b"v"  # closing one handle leaves the other working
-    shared = second.nodes_manager
+    shared = _nodes(second)
     second.close()
     third = factory()  # the last close closed the client: a new one is made on first use
-    assert third.get("bl:{share}:k") == b"v" and third.nodes_manager is not shared
+    assert third.get("bl:{share}:k") == b"v" and _nodes(third) is not shared
     names = [c["name"] for c in local_cluster.admin(0).client_list()]
     assert "bl-test-share" in names
     third.delete("bl:{share}:k")

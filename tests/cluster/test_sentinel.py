@@ -9,11 +9,12 @@ lookups. In-flight lookups may end as 0, never with a wrong answer; every lookup
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 from helpers import wait_until
 
-from .cluster_stack import Traffic, run_batch, verdicts
+from .cluster_stack import Stack, Traffic, run_batch, verdicts
 from .sentinel_local import LocalSentinel
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real]
@@ -23,7 +24,7 @@ RECOVERY_BOUND_S = 10.0
 
 
 def test_master_killed_mid_traffic_clients_and_ranks_follow_the_new_master(
-    local_sentinel: LocalSentinel, stack
+    local_sentinel: LocalSentinel, stack: Callable[..., Stack]
 ) -> None:
     deployment = stack(local_sentinel.url)
     unit = deployment.unit("sentinel-e", hits=24, world_size=2)
@@ -45,6 +46,7 @@ def test_master_killed_mid_traffic_clients_and_ranks_follow_the_new_master(
     assert late and all(o.result == unit.expected for o in late), verdicts(late, unit.expected)
     assert run_batch(unit, "after", 20) == [unit.expected] * 20
     promoted = local_sentinel.master_port()
+    assert local_sentinel.replica is not None
     assert promoted == local_sentinel.replica.port
     closed_in = deployment.close()
     assert closed_in < 10.0

@@ -65,7 +65,8 @@ def _manager_class() -> type | None:
         from lmcache.v1.manager import LMCacheManager
     except ImportError:
         return None
-    return LMCacheManager
+    manager: type = LMCacheManager
+    return manager
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ _POLL_S = 0.05
 
 
 def _track(cls: type) -> None:
-    original = cls.__init__
+    original = cls.__init__  # type: ignore[misc]
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
@@ -53,7 +53,8 @@ def snapshot() -> dict[str, Any]:
     """This process's broker objects and counters, as one JSON-able dict."""
     import cpu_connector
 
-    clients, servers = [], []
+    clients: list[dict[str, Any]] = []
+    servers: list[dict[str, Any]] = []
     for obj in list(LIVE):
         if getattr(obj, "_closed", False):
             continue

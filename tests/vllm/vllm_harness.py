@@ -119,19 +119,20 @@ def ok(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def client(probe: dict[str, Any]) -> dict[str, Any]:
-    client = probe["client"]
+    client: dict[str, Any] | None = probe["client"]
     assert client is not None, "no broker client in vLLM's EngineCore"
     assert client["class"] in ("RedisAsyncLookupClient", "RedisLookupClient")
     return client
 
 
 def server(probe: dict[str, Any]) -> dict[str, Any]:
-    (server,) = probe["servers"]  # exactly one rank, one server
+    servers: list[dict[str, Any]] = probe["servers"]
+    (server,) = servers  # exactly one rank, one server
     return server
 
 
 def loads(probe: dict[str, Any]) -> int:
-    return sum(p["connector"]["to_gpu_chunks"] for p in probe["processes"])
+    return sum(int(p["connector"]["to_gpu_chunks"]) for p in probe["processes"])
 
 
 def max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -143,4 +144,4 @@ def max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
         for token in x.keys() & y.keys()
     ]
     assert diffs, "no common top tokens"
-    return max(diffs)
+    return float(max(diffs))
