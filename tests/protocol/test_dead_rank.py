@@ -50,8 +50,11 @@ def test_rank_that_never_starts(
     client.lookup(TOKENS, "back")
     assert answer(client, "back", timeout=10) == 24
     assert len(_errors_about(caplog, 1)) == 1
-    assert any("rank 1 of engine" in r.getMessage() and "alive" in r.getMessage()
-               for r in caplog.records if r.levelno == logging.INFO)  # fmt: skip
+    assert any(
+        "rank 1 of engine" in r.getMessage() and "alive" in r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.INFO
+    )
 
 
 def test_rank_that_stops_heartbeating_mid_lookup(

@@ -32,9 +32,15 @@ def _submit(
 ) -> Any:
     """What submit.lua does for one rank: a fresh pending hash of ``gen``, then the entry."""
     fields = {
-        "lookup_id": lookup_id, "gen": gen, "hashes": [1, 2], "offsets": [4, 4],
-        "expected": [0], "deadline_ms": _now_ms() + 60_000, "tokens": 8, "budget_ms": 60_000,
-    }  # fmt: skip
+        "lookup_id": lookup_id,
+        "gen": gen,
+        "hashes": [1, 2],
+        "offsets": [4, 4],
+        "expected": [0],
+        "deadline_ms": _now_ms() + 60_000,
+        "tokens": 8,
+        "budget_ms": 60_000,
+    }
     req = LookupRequest(**{**fields, **changes})
     key = ks.lookup(lookup_id)
     conn.delete(key)

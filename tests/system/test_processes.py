@@ -246,11 +246,14 @@ def _free_port() -> int:
         (["--world-size", "2", "--rank", "0"], {}, "--engine-id (env BROKER_LOOKUP_ENGINE_ID)"),
         (["--engine-id", "e", "--world-size", "2", "--rank", "5"], {}, "--rank"),
         (["--engine-id", "e", "--rank", "0"], {"BROKER_LOOKUP_WORLD_SIZE": "x"}, "WORLD_SIZE"),
-        (["--engine-id", "e", "--world-size", "1", "--rank", "0"], {"BROKER_LOOKUP_BLOCK_MS": "-1"},
-         "BROKER_LOOKUP_BLOCK_MS"),
+        (
+            ["--engine-id", "e", "--world-size", "1", "--rank", "0"],
+            {"BROKER_LOOKUP_BLOCK_MS": "-1"},
+            "BROKER_LOOKUP_BLOCK_MS",
+        ),
         (["--engine-id", "e", "--world-size", "1"], {}, "BROKER_LOOKUP_RANK"),
     ],
-)  # fmt: skip
+)
 def test_bad_arguments_exit_2_naming_the_flag(
     args: list[str], env: dict[str, str], message: str, tmp_path: Path
 ) -> None:

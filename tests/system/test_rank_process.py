@@ -57,9 +57,14 @@ def test_kill9_mid_prefetch_then_restart_replays_pending(
     assert long.lookup(HOT, "live") is None  # sent while rank 0 is down
     # The crashed rank had read "live" and an already-expired lookup, and acked neither.
     dead = LookupRequest(
-        lookup_id="expired", gen=1, hashes=[1, 2], offsets=[CHUNK, CHUNK], expected=[0, 1],
-        deadline_ms=int(time.time() * 1000) - 1000, tokens=2 * CHUNK,
-    )  # fmt: skip
+        lookup_id="expired",
+        gen=1,
+        hashes=[1, 2],
+        offsets=[CHUNK, CHUNK],
+        expected=[0, 1],
+        deadline_ms=int(time.time() * 1000) - 1000,
+        tokens=2 * CHUNK,
+    )
     wait_until(lambda: _pending(conn, ks, 0)[1] >= 1, message="'live' queued for rank 0")
     conn.xadd(ks.requests, stream_fields(request_fields(dead)))
     conn.xreadgroup(ks.group(0), ks.consumer(0), {ks.requests: ">"})

@@ -89,9 +89,14 @@ def test_wrong_password_leaks_nowhere(
     url = _url(locked, "Url-Pass-5d2f" if how != "config" else None)
     password = "Wrong-Pass-93ab" if how != "url" else None
     cfg = LookupConfig(
-        redis_url=url, redis_password=password, chunk_size=4, lookup_timeout_ms=500,
-        block_ms=50, heartbeat_interval_ms=100, heartbeat_ttl_ms=1000,
-    )  # fmt: skip
+        redis_url=url,
+        redis_password=password,
+        chunk_size=4,
+        lookup_timeout_ms=500,
+        block_ms=50,
+        heartbeat_interval_ms=100,
+        heartbeat_ttl_ms=1000,
+    )
     _clean(_failures(cfg))
     client = RedisAsyncLookupClient(cfg, LookupMetadata(engine_id=engine_id, world_size=1))
     try:
@@ -143,9 +148,22 @@ def test_rank_process_output_hides_passwords(
     }
     env = child_env(os.environ, extra)
     argv = [
-        sys.executable, "-m", "workers", "--engine-id", engine_id, "--world-size", "1",
-        "--rank", "0", "--metrics-port", "0", "--connect-timeout", "1", "--log-level", "DEBUG",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "workers",
+        "--engine-id",
+        engine_id,
+        "--world-size",
+        "1",
+        "--rank",
+        "0",
+        "--metrics-port",
+        "0",
+        "--connect-timeout",
+        "1",
+        "--log-level",
+        "DEBUG",
+    ]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 3, done.stderr[-2000:]  # Redis unreachable (refused) at startup
     assert "Redis unreachable" in done.stderr

@@ -59,23 +59,62 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 def _ca(name: str, cwd: Path) -> None:
     _openssl(
-        "req", "-x509", "-new", "-nodes", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
-        "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "2", "-subj", f"/CN={name}",
+        "req",
+        "-x509",
+        "-new",
+        "-nodes",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.crt",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
         cwd=cwd,
-    )  # fmt: skip
+    )
 
 
 def _leaf(name: str, ext: str, cwd: Path) -> None:
     (cwd / f"{name}.ext").write_text(ext)
     _openssl(
-        "req", "-new", "-nodes", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
-        "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=cwd,
-    )  # fmt: skip
-    _openssl(
-        "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-        "-CAcreateserial", "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext",
+        "req",
+        "-new",
+        "-nodes",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        "-subj",
+        f"/CN={name}",
         cwd=cwd,
-    )  # fmt: skip
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        f"{name}.crt",
+        "-days",
+        "2",
+        "-extfile",
+        f"{name}.ext",
+        cwd=cwd,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +129,13 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     for key in d.glob("*.key"):
         key.chmod(0o600)
     return Certs(
-        d / "ca.crt", d / "server.crt", d / "server.key", d / "client.crt", d / "client.key",
+        d / "ca.crt",
+        d / "server.crt",
+        d / "server.key",
+        d / "client.crt",
+        d / "client.key",
         d / "rogue.crt",
-    )  # fmt: skip
+    )
 
 
 def _free_port() -> int:
@@ -103,10 +146,15 @@ def _free_port() -> int:
 
 def _tls_client(port: int, certs: Certs) -> redis.Redis:
     return redis.Redis(
-        host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(certs.ca),
-        ssl_certfile=str(certs.client_cert), ssl_keyfile=str(certs.client_key),
-        socket_timeout=1, socket_connect_timeout=1,
-    )  # fmt: skip
+        host="127.0.0.1",
+        port=port,
+        ssl=True,
+        ssl_ca_certs=str(certs.ca),
+        ssl_certfile=str(certs.client_cert),
+        ssl_keyfile=str(certs.client_key),
+        socket_timeout=1,
+        socket_connect_timeout=1,
+    )
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], port: int, certs: Certs, log: Path) -> None:
@@ -134,11 +182,28 @@ def tls_port(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         _unavailable(f"no {BINARY}")
     port, workdir = _free_port(), tmp_path_factory.mktemp("tls-server")
     argv = [
-        BINARY, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-        "--tls-cert-file", str(certs.server_cert), "--tls-key-file", str(certs.server_key),
-        "--tls-ca-cert-file", str(certs.ca), "--tls-auth-clients", "yes",
-        "--save", "", "--appendonly", "no", "--dir", str(workdir),
-    ]  # fmt: skip
+        BINARY,
+        "--port",
+        "0",
+        "--tls-port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--tls-cert-file",
+        str(certs.server_cert),
+        "--tls-key-file",
+        str(certs.server_key),
+        "--tls-ca-cert-file",
+        str(certs.ca),
+        "--tls-auth-clients",
+        "yes",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+    ]
     log = workdir / "server.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
@@ -162,9 +227,14 @@ def _config(port: int, certs: Certs, **tls: str | None) -> LookupConfig:
         **tls,
     }
     return LookupConfig(
-        redis_url=f"rediss://127.0.0.1:{port}/0", chunk_size=4, lookup_timeout_ms=5000,
-        block_ms=50, heartbeat_interval_ms=100, heartbeat_ttl_ms=1000, **values,
-    )  # fmt: skip
+        redis_url=f"rediss://127.0.0.1:{port}/0",
+        chunk_size=4,
+        lookup_timeout_ms=5000,
+        block_ms=50,
+        heartbeat_interval_ms=100,
+        heartbeat_ttl_ms=1000,
+        **values,
+    )
 
 
 def test_lookup_over_mutual_tls(tls_port: int, certs: Certs, engine_id: str) -> None:
@@ -205,8 +275,11 @@ def test_tls_refuses_what_it_must(
 
 def test_plaintext_to_the_tls_port_fails(tls_port: int) -> None:
     conn = redis.Redis(
-        host="127.0.0.1", port=tls_port, socket_timeout=1, socket_connect_timeout=1,
+        host="127.0.0.1",
+        port=tls_port,
+        socket_timeout=1,
+        socket_connect_timeout=1,
         retry=Retry(NoBackoff(), 0),
-    )  # fmt: skip
+    )
     with pytest.raises(redis.RedisError):
         conn.ping()

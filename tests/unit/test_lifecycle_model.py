@@ -29,9 +29,14 @@ GRACE = 1.0
 
 def _req(lookup_id: str, gen: int) -> LookupRequest:
     return LookupRequest(
-        lookup_id=lookup_id, gen=gen, hashes=[1], offsets=[4], expected=[0], deadline_ms=0,
+        lookup_id=lookup_id,
+        gen=gen,
+        hashes=[1],
+        offsets=[4],
+        expected=[0],
+        deadline_ms=0,
         tokens=4,
-    )  # fmt: skip
+    )
 
 
 class LifecycleModel(RuleBasedStateMachine):

@@ -101,9 +101,10 @@ def test_worker_collector_exports_exactly_the_worker_names() -> None:
 def test_every_declared_name_is_exported_by_one_collector() -> None:
     assert CLIENT_NAMES | WORKER_NAMES == METRIC_NAMES
     assert {n[: -len("_bucket")] for n in METRIC_NAMES if n.endswith("_bucket")} == {
-        name for name, (kind, _) in {**CLIENT_METRICS, **WORKER_METRICS}.items()
+        name
+        for name, (kind, _) in {**CLIENT_METRICS, **WORKER_METRICS}.items()
         if kind == "histogram"
-    }  # fmt: skip
+    }
 
 
 def test_client_values_and_outcome_label() -> None:
