@@ -13,11 +13,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines import InstantEngine
 from helpers import wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
+from broker_lookup.tools.stub_engine import StubEngine
 from broker_lookup.transport.connection import make_factory
 from workers.server import RedisAsyncLookupServer
 
@@ -70,7 +70,9 @@ class Stack:
             meta = LookupMetadata(engine_id=engine_id, world_size=world_size, worker_id=rank)
             factory = make_factory(cfg, f"bl-test-worker-{engine_id}-{rank}")
             servers.append(
-                RedisAsyncLookupServer(InstantEngine(hits), meta, cfg, connection_factory=factory)
+                RedisAsyncLookupServer(
+                    StubEngine("instant", hits=hits), meta, cfg, connection_factory=factory
+                )
             )
         meta = LookupMetadata(engine_id=engine_id, world_size=world_size)
         factory = make_factory(cfg, f"bl-test-client-{engine_id}")

@@ -11,7 +11,6 @@ from typing import Any
 
 import msgspec
 import pytest
-from engines import InstantEngine, ManualEngine
 from faultkit import CHUNK, answer, prompt, ready
 from helpers import Backend, MakeClient, MakeServer, stream_entries, stream_fields, wait_until
 
@@ -19,6 +18,7 @@ from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.errors import ConfigError, InvalidRequest
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
+from broker_lookup.tools.stub_engine import StubEngine
 
 TOKENS = prompt(0, chunks=10)
 LIMITS: dict[str, Any] = {"max_chunks_per_request": 16, "max_request_configs_bytes": 64}
@@ -36,7 +36,7 @@ def test_any_str_id_is_served(
     engine_id: str,
     lookup_id: str,
 ) -> None:
-    engine = InstantEngine(hits=24)
+    engine = StubEngine("instant", hits=24)
     ready(make_server(engine))
     client = make_client()
     wait_until(lambda: not client.stats()["dead_ranks"])
@@ -104,7 +104,7 @@ def test_bad_requests_answer_zero_count_and_log_once(
 def test_a_prompt_over_the_chunk_limit_is_looked_up_by_its_prefix(
     make_server: MakeServer, make_client: MakeClient
 ) -> None:
-    engine = InstantEngine(hits=10_000)
+    engine = StubEngine("instant", hits=10_000)
     ready(make_server(engine, **LIMITS))
     client = make_client(**LIMITS)
     wait_until(lambda: not client.stats()["dead_ranks"])
@@ -209,7 +209,7 @@ def test_rank_dead_letters_bad_entries_and_goes_on(
     make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
 ) -> None:
     ks = KeySpace(engine_id)
-    engines = [InstantEngine(hits=24), InstantEngine(hits=32)]
+    engines = [StubEngine("instant", hits=24), StubEngine("instant", hits=32)]
     servers = [make_server(e, rank=r, world_size=2, **LIMITS) for r, e in enumerate(engines)]
     ready(*servers)
     conn = backend.factory()
@@ -234,7 +234,7 @@ def test_request_for_other_ranks_is_not_served(
     make_server: MakeServer, backend: Backend, engine_id: str
 ) -> None:
     ks = KeySpace(engine_id)
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine, rank=0, world_size=2)
     ready(server)
     backend.factory().xadd(ks.requests, {"m": _lookup(expected=[1])})
@@ -248,7 +248,7 @@ def test_engine_reporting_nonsense_reports_zero(
     make_server: MakeServer, make_client: MakeClient, caplog: pytest.LogCaptureFixture, hits: Any
 ) -> None:
     caplog.set_level(logging.ERROR, logger="workers")
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     ready(server)
     client = make_client()

@@ -5,11 +5,11 @@ nothing queues up, the breaker closes by itself, and hits come back."""
 from __future__ import annotations
 
 import pytest
-from engines import InstantEngine
 from faultkit import prompt, ready
 from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
+from broker_lookup.tools.stub_engine import StubEngine
 
 TOKENS = prompt(0, chunks=10)
 fake_only = pytest.mark.parametrize("backend", ["fake"], indirect=True)
@@ -20,7 +20,7 @@ fake_only = pytest.mark.parametrize("backend", ["fake"], indirect=True)
 def test_a_failing_redis_answers_zero_at_once_then_recovers(
     make_server: MakeServer, make_client: MakeClient, backend: Backend, cls: str
 ) -> None:
-    ready(make_server(InstantEngine(hits=24)))
+    ready(make_server(StubEngine("instant", hits=24)))
     kind = RedisLookupClient if cls == "sync" else RedisAsyncLookupClient
     client = make_client(lookup_timeout_ms=30_000, cls=kind)
     wait_until(lambda: not client.stats()["dead_ranks"])

@@ -10,13 +10,13 @@ resumes once the server is back.
 from __future__ import annotations
 
 import pytest
-from engines import ManualEngine
 from faultkit import answer, config, prompt, ready
 from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.tools.stub_engine import StubEngine
 from workers.server import RedisAsyncLookupServer
 
 TOKENS = prompt(0, chunks=10)
@@ -30,7 +30,7 @@ def _breaker_closed(client: RedisAsyncLookupClient) -> None:
     wait_until(lambda: not client.stats()["breaker_open"], timeout=10, message="breaker closed")
 
 
-def _started(engine: ManualEngine, lookup_id: str) -> None:
+def _started(engine: StubEngine, lookup_id: str) -> None:
     wait_until(lambda: lookup_id in engine.started_ids(), message=f"{lookup_id} started")
 
 
@@ -38,7 +38,7 @@ def _started(engine: ManualEngine, lookup_id: str) -> None:
 def test_connection_lost_during_a_report(
     make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
 ) -> None:
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     ready(server)
     client = make_client(lookup_timeout_ms=800)
@@ -69,7 +69,7 @@ def test_connection_lost_during_a_report(
 def test_connection_lost_during_a_cancel(
     make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
 ) -> None:
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     ready(server)
     client = make_client(lookup_timeout_ms=5000)
@@ -102,7 +102,7 @@ def test_connection_lost_during_a_cancel(
 def test_connection_lost_during_blocking_reads(
     make_server: MakeServer, make_client: MakeClient, backend: Backend
 ) -> None:
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     ready(server)
     client = make_client()
@@ -125,7 +125,7 @@ def test_connection_lost_during_blocking_reads(
 def test_connections_killed_mid_read(
     make_server: MakeServer, make_client: MakeClient, backend: Backend
 ) -> None:
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     ready(server)
     client = make_client()
@@ -146,7 +146,7 @@ def test_connections_killed_mid_read(
 def test_blocking_read_times_out_then_recovers(
     make_client: MakeClient, backend: Backend, engine_id: str
 ) -> None:
-    engine = ManualEngine()
+    engine = StubEngine()
     # Connected by URL, so the config's socket timeout applies; the stall below outlasts
     # it and redis-py's own retries: the rank's XREADGROUP fails with TimeoutError.
     cfg = config(backend.url, socket_timeout_ms=1050, block_ms=50)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-from engines import InstantEngine, ManualEngine
 from faultkit import answer, prompt, ready
 from helpers import MakeClient, MakeServer, wait_until
 
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.tools.stub_engine import StubEngine
 
 TOKENS = prompt(0, chunks=10)
 LONG = 30_000  # a timeout no assertion below ever gets near
@@ -31,7 +31,7 @@ def test_rank_that_never_starts(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="broker_lookup")
-    first = InstantEngine(hits=40)
+    first = StubEngine("instant", hits=40)
     ready(make_server(first, rank=0, world_size=2))
     client = make_client(world_size=2, lookup_timeout_ms=LONG)
     wait_until(lambda: client.stats()["dead_ranks"] == [1], message="rank 1 seen dead")
@@ -45,7 +45,7 @@ def test_rank_that_never_starts(
     assert KeySpace(engine_id).heartbeat(1) in errors[0]
     assert _errors_about(caplog, 0) == []
 
-    ready(make_server(InstantEngine(hits=24), rank=1, world_size=2))
+    ready(make_server(StubEngine("instant", hits=24), rank=1, world_size=2))
     wait_until(lambda: client.stats()["dead_ranks"] == [], message="rank 1 back")
     client.lookup(TOKENS, "back")
     assert answer(client, "back", timeout=10) == 24
@@ -61,7 +61,7 @@ def test_rank_that_stops_heartbeating_mid_lookup(
     make_server: MakeServer, make_client: MakeClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="broker_lookup")
-    engines = [ManualEngine(), ManualEngine()]
+    engines = [StubEngine(), StubEngine()]
     servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]
     ready(*servers)
     client = make_client(world_size=2, lookup_timeout_ms=LONG)
@@ -75,7 +75,7 @@ def test_rank_that_stops_heartbeating_mid_lookup(
     assert len(_errors_about(caplog, 1)) == 1
     wait_until(lambda: engines[0].released == ["inflight"], message="rank 0 told to release")
 
-    engines.append(InstantEngine(hits=36))
+    engines.append(StubEngine("instant", hits=36))
     ready(make_server(engines[2], rank=1, world_size=2))
     wait_until(lambda: client.stats()["dead_ranks"] == [])
     client.lookup(TOKENS, "back")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from engines import ManualEngine
 from faultkit import answer, config, prompt, ready
 from helpers import Backend, MakeClient, MakeServer, stream_entries, stream_fields, wait_until
 
@@ -15,6 +14,7 @@ from broker_lookup.errors import BrokerResponseError, ConfigError
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
 from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
+from broker_lookup.tools.stub_engine import StubEngine
 from broker_lookup.transport.connection import ensure_group
 
 TOKENS = prompt(0, chunks=10)
@@ -40,10 +40,10 @@ def test_busygroup_on_restart_and_other_errors_surface(
     make_server: MakeServer, backend: Backend, engine_id: str
 ) -> None:
     ks = KeySpace(engine_id)
-    first = make_server(ManualEngine())
+    first = make_server(StubEngine())
     ready(first)
     first.close()
-    again = make_server(ManualEngine())  # the group exists: BUSYGROUP is fine
+    again = make_server(StubEngine())  # the group exists: BUSYGROUP is fine
     ready(again)
     assert again.stats()["consumer"]["redis_errors"] == 0
     conn = backend.factory()
@@ -64,7 +64,7 @@ def test_entries_trimmed_while_pending_are_acked_and_dead_lettered(
     # A rank read them and crashed before acking; then the stream was trimmed under them.
     conn.xreadgroup(ks.group(0), ks.consumer(0), {ks.requests: ">"})
     conn.xtrim(ks.requests, maxlen=0)
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     ready(server)
     wait_until(lambda: server.stats()["consumer"]["dead_letters"] == 3)
@@ -86,7 +86,7 @@ def test_duplicate_delivery_does_not_prefetch_twice(
     make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
 ) -> None:
     ks = KeySpace(engine_id)
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     ready(server)
     client = make_client()
@@ -110,7 +110,7 @@ def test_duplicate_delivery_does_not_prefetch_twice(
 def test_script_cache_flushed_mid_traffic(
     make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
 ) -> None:
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     ready(server)
     client = make_client()
@@ -164,7 +164,7 @@ def test_noscript_reload_in_one_pipeline(backend: Backend, engine_id: str) -> No
 
 
 def test_shutdown_while_idle_is_bounded_by_block(make_server: MakeServer) -> None:
-    server = make_server(ManualEngine(), block_ms=1000)
+    server = make_server(StubEngine(), block_ms=1000)
     ready(server)
     started = time.monotonic()
     server.close()

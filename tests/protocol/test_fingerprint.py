@@ -7,7 +7,6 @@ import logging
 import time
 
 import pytest
-from engines import ManualEngine
 from faultkit import CHUNK
 from helpers import Backend, MakeClient, MakeServer, text, wait_until
 from redis import Redis
@@ -15,6 +14,7 @@ from redis import Redis
 from broker_lookup.protocol import fingerprint
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.tools.stub_engine import StubEngine
 
 CLIENT = fingerprint.member("client")
 RANK0 = fingerprint.member("rank0")
@@ -33,7 +33,7 @@ def test_same_hashing_no_mismatch(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     redis = backend.factory()
-    server = make_server(ManualEngine())
+    server = make_server(StubEngine())
     wait_until(lambda: published(redis, engine_id, RANK0), message="server fingerprint")
     client = make_client()
     assert client.fingerprint.mismatches == []
@@ -57,7 +57,7 @@ def test_other_chunk_size_is_a_loud_mismatch(
     caplog.set_level(logging.ERROR)
     redis = backend.factory()
     assert CHUNK == 4  # the client's; the rank below hashes in chunks of 8
-    server = make_server(ManualEngine(), chunk_size=8)
+    server = make_server(StubEngine(), chunk_size=8)
     wait_until(lambda: published(redis, engine_id, RANK0), message="server fingerprint")
     client = make_client()
     assert client.fingerprint.mismatches == [RANK0]

@@ -6,10 +6,10 @@ import logging
 from typing import Any
 
 import pytest
-from engines import InstantEngine
 from helpers import MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
+from broker_lookup.tools.stub_engine import StubEngine
 from workers.server import RedisAsyncLookupServer
 
 TOKENS = list(range(40))
@@ -26,7 +26,7 @@ def test_rank_loop_survives_an_unexpected_error(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    server = make_server(InstantEngine(hits=20))
+    server = make_server(StubEngine("instant", hits=20))
     client = make_client()
     _ready(server, client)
     original = server.tracker.on_request
@@ -51,7 +51,7 @@ def test_rank_loop_survives_an_unexpected_error(
 def test_client_listener_survives_an_unexpected_error(
     make_server: MakeServer, make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = make_server(InstantEngine(hits=20))
+    server = make_server(StubEngine("instant", hits=20))
     client = make_client()
     _ready(server, client)
     table = client._table

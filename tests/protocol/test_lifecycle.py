@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import redis
-from engines import ManualEngine
 from faultkit import answer, prompt, ready
 from helpers import Backend, MakeClient, MakeServer, stream_fields, text, wait_until
 
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
+from broker_lookup.tools.stub_engine import StubEngine
 from workers.server import RedisAsyncLookupServer
 
 TOKENS = prompt(0, chunks=10)
@@ -63,7 +63,7 @@ def _counts(server: RedisAsyncLookupServer) -> dict[str, int]:
 def test_engine_that_never_reports_is_answered_zero_released_and_the_id_reused(
     make_server: MakeServer, make_client: MakeClient
 ) -> None:
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine, worker_watchdog_grace_ms=300)
     ready(server)
     client = make_client(lookup_timeout_ms=800)
@@ -87,7 +87,7 @@ def test_watchdog_reports_zero_itself_and_a_late_report_changes_nothing(
     make_server: MakeServer, backend: Backend, engine_id: str
 ) -> None:
     ks = KeySpace(engine_id)
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine, worker_watchdog_grace_ms=200)
     ready(server)
     conn = backend.factory()
@@ -107,7 +107,7 @@ def test_stale_answer_of_an_old_generation_never_releases_the_new_one(
     make_server: MakeServer, backend: Backend, engine_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ks = KeySpace(engine_id)
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     ready(server)
     reporter = server._reporter
@@ -140,7 +140,7 @@ def test_clock_skew_between_client_and_rank_does_not_drop_work(
     make_server: MakeServer, backend: Backend, engine_id: str
 ) -> None:
     ks = KeySpace(engine_id)
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     ready(server)
     conn = backend.factory()
@@ -159,7 +159,7 @@ def test_group_recreated_after_nogroup_starts_at_zero(
     make_server: MakeServer, backend: Backend, engine_id: str
 ) -> None:
     ks = KeySpace(engine_id)
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     ready(server)
     conn = backend.factory()

@@ -6,13 +6,13 @@ import time
 from typing import Any
 
 import pytest
-from engines import InstantEngine, ManualEngine
 from faultkit import answer
 from helpers import Backend, MakeClient, MakeServer, text, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
+from broker_lookup.tools.stub_engine import StubEngine
 from workers.server import RedisAsyncLookupServer
 
 TOKENS = list(range(40))  # 10 chunks of 4 tokens
@@ -32,7 +32,7 @@ def _alive(client: RedisAsyncLookupClient) -> None:
 def test_unknown_then_pending_then_result_then_cleared(
     make_server: MakeServer, make_client: MakeClient
 ) -> None:
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     _ready(server)
     client = make_client()
@@ -52,7 +52,7 @@ def test_unknown_then_pending_then_result_then_cleared(
 def test_min_over_ranks_that_differ(
     make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
 ) -> None:
-    engines = [ManualEngine(), ManualEngine(), ManualEngine()]
+    engines = [StubEngine(), StubEngine(), StubEngine()]
     servers = [make_server(e, rank=r, world_size=3) for r, e in enumerate(engines)]
     _ready(*servers)
     client = make_client(world_size=3)
@@ -74,7 +74,7 @@ def test_min_over_ranks_that_differ(
 def test_duplicate_report_from_one_rank_does_not_complete(
     make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
 ) -> None:
-    engines = [ManualEngine(), ManualEngine()]
+    engines = [StubEngine(), StubEngine()]
     servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]
     _ready(*servers)
     client = make_client(world_size=2)
@@ -100,7 +100,7 @@ def test_duplicate_report_from_one_rank_does_not_complete(
 def test_timeout_is_terminal_zero_and_cancels(
     make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
 ) -> None:
-    engine = ManualEngine()  # never reports
+    engine = StubEngine()  # never reports
     server = make_server(engine)
     _ready(server)
     client = make_client(lookup_timeout_ms=300)
@@ -125,7 +125,7 @@ def test_timeout_is_terminal_zero_and_cancels(
 
 
 def test_timeout_fires_without_polling(make_server: MakeServer, make_client: MakeClient) -> None:
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     _ready(server)
     client = make_client(lookup_timeout_ms=200)
@@ -143,7 +143,7 @@ def test_timeout_fires_without_polling(make_server: MakeServer, make_client: Mak
 def test_cancel_before_the_rank_starts(
     make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
 ) -> None:
-    engine = ManualEngine()
+    engine = StubEngine()
     client = make_client()
     redis = backend.factory()
     # A heartbeat without a consuming server: the request waits in the stream.
@@ -165,7 +165,7 @@ def test_cancel_before_the_rank_starts(
 def test_cancel_during_prefetch_releases_when_it_finishes(
     make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
 ) -> None:
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     _ready(server)
     client = make_client()
@@ -185,7 +185,7 @@ def test_cancel_during_prefetch_releases_when_it_finishes(
 def test_cancel_after_prefetch_releases_at_once(
     make_server: MakeServer, make_client: MakeClient
 ) -> None:
-    engine = InstantEngine(hits=40)
+    engine = StubEngine("instant", hits=40)
     server = make_server(engine)
     _ready(server)
     client = make_client()
@@ -221,7 +221,7 @@ def test_late_report_after_cancel_resurrects_no_key(
 def test_id_reuse_gets_a_new_generation(
     make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
 ) -> None:
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     _ready(server)
     client = make_client()
@@ -273,7 +273,7 @@ def test_dead_rank_answers_zero_at_once(
 
 
 def test_sync_client_returns_the_int(make_server: MakeServer, make_client: MakeClient) -> None:
-    server = make_server(InstantEngine(hits=20))
+    server = make_server(StubEngine("instant", hits=20))
     _ready(server)
     client = make_client(cls=RedisLookupClient)
     _alive(client)
@@ -286,7 +286,7 @@ def test_cancel_after_clear_still_releases_the_pins(
     make_server: MakeServer, make_client: MakeClient
 ) -> None:
     # vLLM clears a lookup when it allocates the request and cancels it on abort.
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     _ready(server)
     client = make_client()
@@ -348,7 +348,7 @@ def test_lookups_queued_behind_a_slow_sender_are_not_taken_for_vanished(
 ) -> None:
     # A burst keeps the sender over a second behind: the listener's reconcile must not
     # answer those lookups 0 as "vanished from Redis" before they were even written.
-    engine = InstantEngine(hits=20)
+    engine = StubEngine("instant", hits=20)
     _ready(make_server(engine))
     client = make_client(lookup_timeout_ms=5000)
     _alive(client)

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import redis
-from engines import InstantEngine, ManualEngine
 from helpers import command, wait_until
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -21,6 +20,7 @@ from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
+from broker_lookup.tools.stub_engine import StubEngine
 from workers.server import RedisAsyncLookupServer
 
 pytestmark = pytest.mark.real
@@ -114,7 +114,7 @@ def _denials(admin: redis.Redis) -> list[dict[str, Any]]:
 
 def _protocol_run(server: EmbeddedServer, engine_id: str) -> None:
     """Hit, min over ranks, cancel mid-prefetch, timeout, dead letter, shutdown."""
-    engines = [InstantEngine(hits=24), ManualEngine()]
+    engines = [StubEngine("instant", hits=24), StubEngine()]
     ranks = [
         RedisAsyncLookupServer(
             e,

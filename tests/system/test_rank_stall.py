@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import redis
-from engines import ManualEngine
 from faultkit import config, ready
 from helpers import Backend, MakeServer, RealServer, stream_fields, wait_until
 from redis.typing import EncodableT, FieldT
@@ -18,6 +17,7 @@ from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
 from broker_lookup.tools.faultproxy.proxy import FaultProxy
+from broker_lookup.tools.stub_engine import StubEngine
 from workers.server import RedisAsyncLookupServer
 
 
@@ -45,7 +45,7 @@ def test_stalled_redis_pauses_neither_the_read_loop_nor_the_watchdog(
 ) -> None:
     ks = KeySpace(engine_id)
     conn = redis.Redis.from_url(real_server.url)
-    engine = ManualEngine()
+    engine = StubEngine()
     meta = LookupMetadata(engine_id=engine_id, world_size=1)
     cfg = config(fault_proxy.url, worker_watchdog_grace_ms=200)  # socket_timeout_ms 5 s
     with RedisAsyncLookupServer(engine, meta, cfg) as server:
@@ -68,7 +68,7 @@ def test_stalled_redis_pauses_neither_the_read_loop_nor_the_watchdog(
 def test_close_leaves_no_connection_open(real_server: RealServer, engine_id: str) -> None:
     conn = redis.Redis.from_url(real_server.url)
     meta = LookupMetadata(engine_id=engine_id, world_size=1)
-    server = RedisAsyncLookupServer(ManualEngine(), meta, config(real_server.url))
+    server = RedisAsyncLookupServer(StubEngine(), meta, config(real_server.url))
     ready(server)
     # The read loop's at least (the reporter connects on its first report).
     wait_until(lambda: len(_names(conn, engine_id)) >= 1, message="the rank's connections")
@@ -80,7 +80,7 @@ def test_reports_beyond_the_bounded_queue_are_released(
     make_server: MakeServer, backend: Backend, engine_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ks = KeySpace(engine_id)
-    engine = ManualEngine()
+    engine = StubEngine()
     server = make_server(engine)
     ready(server)
     reporter = server._reporter

@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 import redis
-from engines import InstantEngine
 from helpers import wait_until
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
+from broker_lookup.tools.stub_engine import StubEngine
 from broker_lookup.transport.connection import make_factory
 from workers.server import RedisAsyncLookupServer
 
@@ -240,7 +240,7 @@ def _config(port: int, certs: Certs, **tls: str | None) -> LookupConfig:
 def test_lookup_over_mutual_tls(tls_port: int, certs: Certs, engine_id: str) -> None:
     cfg = _config(tls_port, certs)
     rank = RedisAsyncLookupServer(
-        InstantEngine(hits=28), LookupMetadata(engine_id=engine_id, world_size=1), cfg
+        StubEngine("instant", hits=28), LookupMetadata(engine_id=engine_id, world_size=1), cfg
     )
     client = RedisAsyncLookupClient(cfg, LookupMetadata(engine_id=engine_id, world_size=1))
     try:

@@ -11,7 +11,6 @@ from typing import Any
 
 import fakeredis
 import pytest
-from engines import ManualEngine
 from helpers import wait_until
 
 from broker_lookup import (
@@ -28,6 +27,7 @@ from broker_lookup import (
     RedisLookupClient,
     UnknownScheme,
 )
+from broker_lookup.tools.stub_engine import StubEngine
 from workers import RedisAsyncLookupServer, ReferenceEngine
 
 FAST: dict[str, Any] = {"block_ms": 20, "heartbeat_interval_ms": 100, "heartbeat_ttl_ms": 1500}
@@ -203,7 +203,7 @@ def test_wrappers_apply_to_external_and_bypass_clients(scheme: str, made: list[A
 
 def serve(fake: Any, made: list[Any], config: LookupConfig | None, rank: int) -> Any:
     meta = LookupMetadata(engine_id="factory-test", world_size=2, worker_id=rank)
-    engine = ManualEngine()
+    engine = StubEngine()
     server = LookupClientFactory.create_lookup_server(engine, meta, config, connection_factory=fake)
     if server is not None:
         made.append(server)
@@ -219,7 +219,7 @@ def test_server_on_every_rank_by_default(fake: Any, made: list[Any], rank: int) 
 
 def test_server_wires_itself_into_the_engine(fake: Any, made: list[Any]) -> None:
     server = serve(fake, made, cfg(), 0)
-    assert server.engine.server is server  # ManualEngine.post_init(async_lookup_server=...)
+    assert server.engine.server is server  # StubEngine.post_init(async_lookup_server=...)
 
 
 def test_server_only_on_listed_ranks(fake: Any, made: list[Any]) -> None:
@@ -232,7 +232,7 @@ def test_server_with_mla_only_on_rank_zero(fake: Any, made: list[Any]) -> None:
     for rank, expected in ((0, RedisAsyncLookupServer), (1, type(None))):
         meta = LookupMetadata(engine_id="factory-test", world_size=2, worker_id=rank, use_mla=True)
         server = LookupClientFactory.create_lookup_server(
-            ManualEngine(), meta, cfg(), connection_factory=fake
+            StubEngine(), meta, cfg(), connection_factory=fake
         )
         if server is not None:
             made.append(server)
