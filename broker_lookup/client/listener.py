@@ -21,11 +21,12 @@ import redis
 
 from broker_lookup.client.breaker import Breaker
 from broker_lookup.client.table import LookupTable
+from broker_lookup.client.wire import Wire, pack, wire_for
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, MalformedMessage, translate_redis_errors
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import decode_done
+from broker_lookup.protocol.messages import DoneEvent, decode_done
 from broker_lookup.threads import LoopThread
 
 __all__ = ["Listener"]
@@ -66,6 +67,10 @@ class Listener(LoopThread):
         self.errors = 0
         self.connected = False
         self._next = {"hb": 0.0, "reconcile": 0.0, "evict": 0.0}
+        #: The lean connection of the thread's hot reads (None: redis-py's client).
+        self._wire: Wire | None = None
+        self._heartbeat_keys = [self._keys.heartbeat(r) for r in expected]
+        self._mget = pack("MGET", *self._heartbeat_keys) if expected else b""
 
     def prime(self, client: redis.Redis) -> None:
         """Learn liveness and the stream position now, before :meth:`start`."""
@@ -83,6 +88,7 @@ class Listener(LoopThread):
 
     def _run(self) -> None:
         client = self._factory()
+        self._wire = wire_for(client)
         try:
             while not self._stop.is_set():
                 try:
@@ -95,6 +101,8 @@ class Listener(LoopThread):
                 except Exception:  # a bug: counted and logged, never a silent dead thread
                     self.guard()
         finally:
+            if self._wire is not None:
+                self._wire.close()
             client.close()
 
     def _on_error(self, exc: Exception) -> None:
@@ -111,20 +119,38 @@ class Listener(LoopThread):
 
     def _read(self, client: redis.Redis) -> None:
         with translate_redis_errors("reading completions"):
-            resp: Any = client.xread(
-                {self._keys.done: self._last_id}, count=1000, block=self._config.block_ms
-            )
+            wire = self._wire
+            if wire is None:
+                resp: Any = client.xread(
+                    {self._keys.done: self._last_id}, count=1000, block=self._config.block_ms
+                )
+            else:
+                resp = _raise_error(wire.execute([self._xread_command()])[0])
+        if isinstance(resp, dict):  # RESP3 (protocol=3 in the URL): a map of streams
+            resp = list(resp.items())
         for _stream, entries in resp or ():
             for entry_id, fields in entries:
                 self._last_id = entry_id
                 try:
-                    ev = decode_done(fields)
+                    ev = _decode_done(fields)
                 except MalformedMessage as exc:
                     logger.error("ignoring bad completion entry %r: %s", entry_id, exc)
                     continue
                 self._table.finish(
                     ev.lookup_id, ev.gen, ev.result, "hit" if ev.result > 0 else "miss"
                 )
+
+    def _xread_command(self) -> bytes:
+        return pack(
+            "XREAD",
+            "COUNT",
+            1000,
+            "BLOCK",
+            self._config.block_ms,
+            "STREAMS",
+            self._keys.done,
+            self._last_id,
+        )
 
     def _sweep(self, client: redis.Redis) -> None:
         now = time.monotonic()
@@ -144,9 +170,13 @@ class Listener(LoopThread):
 
     def check_heartbeats(self, client: redis.Redis) -> None:
         """Refresh :attr:`dead`; fail the in-flight lookups of ranks that just died."""
-        keys = [self._keys.heartbeat(r) for r in self._expected]
+        keys = self._heartbeat_keys
         with translate_redis_errors("reading heartbeats"):
-            values = client.mget(keys)
+            wire = self._wire
+            if wire is None or not keys:
+                values = client.mget(keys)
+            else:
+                values = _raise_error(wire.execute([self._mget])[0])
         dead = frozenset(r for r, v in zip(self._expected, values, strict=True) if v is None)
         # The first read reports every dead rank, so one that never started is logged.
         newly = dead - self.dead if self._checked else dead
@@ -171,10 +201,7 @@ class Listener(LoopThread):
         if not due:
             return
         with translate_redis_errors("reconciling lookups"):
-            pipe = client.pipeline(transaction=False)
-            for lookup_id, _ in due:
-                pipe.hmget(self._keys.lookup(lookup_id), *lookup_hash.STATUS_FIELDS)
-            rows = pipe.execute()
+            rows = self._status_rows([lookup_id for lookup_id, _ in due], client)
         for (lookup_id, entry), row in zip(due, rows, strict=True):
             status = lookup_hash.decode(dict(zip(lookup_hash.STATUS_FIELDS, row, strict=True)))
             if not status.exists:
@@ -188,3 +215,31 @@ class Listener(LoopThread):
             value = status.done_for(entry.gen)
             if value is not None:
                 self._table.finish(lookup_id, entry.gen, value, "hit" if value > 0 else "miss")
+
+    def _status_rows(self, lookup_ids: list[str], client: redis.Redis) -> list[Any]:
+        """HMGET of each lookup's status fields, in one round trip."""
+        fields = lookup_hash.STATUS_FIELDS
+        wire = self._wire
+        if wire is None:
+            pipe = client.pipeline(transaction=False)
+            for lookup_id in lookup_ids:
+                pipe.hmget(self._keys.lookup(lookup_id), *fields)
+            return list(pipe.execute())
+        rows = wire.execute([pack("HMGET", self._keys.lookup(i), *fields) for i in lookup_ids])
+        return [_raise_error(row) for row in rows]
+
+
+def _raise_error(reply: Any) -> Any:
+    """A wire reply, or raise it if Redis answered an error."""
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
+
+
+def _decode_done(fields: Any) -> DoneEvent:
+    """A completion entry's fields as the wire gives them (a flat name, value list) or as
+    redis-py does (a dict)."""
+    if isinstance(fields, list):
+        it = iter(fields)
+        fields = dict(zip(it, it, strict=False))
+    return decode_done(fields)

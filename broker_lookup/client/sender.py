@@ -10,14 +10,16 @@ A lookup's way out, in order: :meth:`Sender.submit` queues it (the caller's thre
 the :class:`~broker_lookup.transport.batcher.Batcher` loop hands a batch to
 :meth:`Sender._send_batch`, which builds each script call next to its Lua
 (:func:`~broker_lookup.protocol.scripts.submit_call`, ``cancel_call``), runs them in
-one retried round trip, and settles each lookup in the table.
+one retried round trip, and settles each lookup in the table. The round trip goes over
+a :class:`~broker_lookup.client.wire.Wire` (hiredis-packed EVALSHAs on one connection)
+wherever the URL allows one, else through redis-py's pipeline (Redis Cluster, fakeredis).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,7 @@ import redis
 
 from broker_lookup.client.breaker import Breaker
 from broker_lookup.client.table import Entry, LookupTable
+from broker_lookup.client.wire import Wire, pack, run_scripts, wire_for
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, BrokerUnavailable, translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
@@ -37,6 +40,7 @@ __all__ = ["Sender"]
 logger = logging.getLogger(__name__)
 
 _MAX_BATCH = 512
+_PING = pack("PING")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +86,9 @@ class Sender(Batcher[Item]):
         self._breaker = breaker
         self._expected = ""
         self._next_probe = 0.0
+        #: The lean connection, made on the thread's first round trip (None: redis-py's).
+        self._wire: Wire | None = None
+        self._wire_checked = False
         self.batches = 0
         self.lost_cancels = 0
         self.dropped = 0
@@ -103,6 +110,32 @@ class Sender(Batcher[Item]):
         if not self._put(Abort(lookup_id=lookup_id, gen=gen)):
             self._lost_cancel(lookup_id, gen, "the send queue is full")
 
+    def _run(self) -> None:
+        try:
+            super()._run()
+        finally:
+            if self._wire is not None:
+                self._wire.close()
+
+    def _lean(self, client: redis.Redis) -> Wire | None:
+        if not self._wire_checked:
+            self._wire_checked = True
+            self._wire = wire_for(client)
+        return self._wire
+
+    def _run_calls(self, client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
+        wire = self._lean(client)
+        if wire is None:
+            return super()._run_calls(client, calls)
+        return run_scripts(wire, self._scripts, calls)
+
+    def _ping(self, client: redis.Redis) -> None:
+        wire = self._lean(client)
+        if wire is None:
+            client.ping()
+        else:
+            wire.execute([_PING])
+
     def _idle(self, client: redis.Redis) -> None:
         self._breaker.poll()
         # While the breaker is open because of us, nothing is queued to tell us when
@@ -115,7 +148,7 @@ class Sender(Batcher[Item]):
         self._next_probe = now + 0.5
         try:
             with self._breaker.track("sender"), translate_redis_errors("probing Redis"):
-                client.ping()
+                self._ping(client)
         except BrokerLookupError:
             pass  # still down: the breaker stays open; probes are not counted as errors
 

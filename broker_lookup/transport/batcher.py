@@ -1,20 +1,22 @@
 """A thread that drains a queue into one pipelined round trip per batch.
 
 The client's sender and each rank's reporter are this thread with a different
-``_send_batch``: callers only append to a deque and set an event (no I/O, no lock,
-no sleep on their side); the thread owns its connection, retries a failed batch a
-bounded number of times with backoff, and survives unexpected errors loudly.
+``_send_batch``: callers only append to a deque, and ring a doorbell only if the thread
+sleeps (no I/O, no lock, no sleep on their side; a burst costs one wake-up, not one per
+item); the thread owns its connection, retries a failed batch a bounded number of times
+with backoff, and survives unexpected errors loudly.
 
 What a subclass gets and gives, in the order an item travels: its public methods
 queue with :meth:`Batcher._put` (any thread); this loop hands each batch to its
 ``_send_batch`` (this thread), which builds the script calls and runs them with
-:meth:`Batcher._run_with_retries`, then settles each item. Nothing else calls back.
+:meth:`Batcher._run_with_retries` (through ``_run_calls``, which a subclass may send
+another way), then settles each item. Nothing else calls back.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+import queue
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -52,7 +54,10 @@ class Batcher(LoopThread, Generic[T]):
         self._max_batch = max_batch
         self._max_queue = max_queue  #: None: unbounded (the caller bounds what it queues)
         self._queue: deque[T] = deque()
-        self._wake = threading.Event()
+        #: Rung (a token put) to wake the thread; only while it sleeps, see _put.
+        self._bell: queue.SimpleQueue[None] = queue.SimpleQueue()
+        #: True while the thread is about to wait or waits for the bell.
+        self._asleep = False
         self.errors = 0
 
     def _put(self, item: T) -> bool:
@@ -60,7 +65,11 @@ class Batcher(LoopThread, Generic[T]):
         if self._max_queue is not None and len(self._queue) >= self._max_queue:
             return False
         self._queue.append(item)
-        self._wake.set()
+        # A thread that is awake drains the queue before it sleeps again: ringing it
+        # would only cost it a second wake-up for this batch.
+        if self._asleep:
+            self._asleep = False
+            self._bell.put(None)
         return True
 
     @property
@@ -71,15 +80,26 @@ class Batcher(LoopThread, Generic[T]):
     def stop(self, timeout_s: float) -> bool:
         """Send what is queued (best effort), stop, join; False if the join timed out."""
         self._stop.set()
-        self._wake.set()
+        self._bell.put(None)
         return super().stop(timeout_s)
+
+    def _sleep(self) -> None:
+        """Wait for the bell, at most 0.1 s (the idle tick), unless items already wait."""
+        self._asleep = True
+        # Checked after _asleep is set: an item queued before it is seen here, one
+        # queued after it rings the bell.
+        if not self._queue and not self._stop.is_set():
+            try:
+                self._bell.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self._asleep = False
 
     def _run(self) -> None:
         client = self._factory()
         try:
             while not self._stop.is_set():
-                self._wake.wait(0.1)
-                self._wake.clear()
+                self._sleep()
                 try:
                     self._idle(client)
                     self._drain(client)
@@ -102,12 +122,16 @@ class Batcher(LoopThread, Generic[T]):
     def _idle(self, client: redis.Redis) -> None:
         """Called on every wake-up before draining (a probe of a failing server)."""
 
+    def _run_calls(self, client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
+        """One round trip of ``calls`` (per-call errors as values); raises BrokerLookupError."""
+        return self._scripts.run(client, calls)
+
     def _run_with_retries(self, client: redis.Redis, calls: Sequence[Call]) -> list[Any] | None:
         """Script results, or None once ``retries`` attempts failed (each counted and logged)."""
         delay = 0.01
         for attempt in range(1, self._retries + 1):
             try:
-                return self._scripts.run(client, calls)
+                return self._run_calls(client, calls)
             except BrokerLookupError as exc:
                 self.errors += 1
                 logger.warning(
