@@ -35,6 +35,10 @@ from typing import Any, Protocol
 
 import redis
 from redis.exceptions import ResponseError
+from redis.utils import HIREDIS_AVAILABLE
+
+if HIREDIS_AVAILABLE:
+    import hiredis
 
 __all__ = ["ClientLink", "Command", "LeanLink", "Link", "open_link", "pairs"]
 
@@ -126,7 +130,7 @@ class LeanLink:
             return []
         conn = self._connection()
         try:
-            conn.send_packed_command(conn.pack_commands(wire))
+            conn.send_packed_command(self._pack(conn, wire))
             return [self._reply(conn) for _ in commands]
         except BaseException:
             self._drop()
@@ -146,7 +150,7 @@ class LeanLink:
         try:
             if self._deferred is not None:
                 read, self._deferred = self._deferred, None
-                conn.send_packed_command(conn.pack_commands([read]))
+                conn.send_packed_command(self._pack(conn, [read]))
             return conn.read_response(disable_decoding=True)
         except ResponseError:
             raise  # a whole reply was read: the connection stays in step
@@ -179,6 +183,15 @@ class LeanLink:
         if self._conn is None:
             self._conn = self._pool.get_connection()
         return self._conn
+
+    @staticmethod
+    def _pack(conn: Any, commands: Sequence[Command]) -> Any:
+        """The wire bytes of ``commands``: hiredis's packer called directly where redis-py
+        would call it too (a fifth of the cost: redis-py re-checks every argument first)."""
+        if HIREDIS_AVAILABLE and conn.encoder.encoding == "utf-8":
+            packed = [hiredis.pack_command(tuple(c)) for c in commands]  # type: ignore[arg-type]  # its stub says 1-tuple
+            return [b"".join(packed)]
+        return conn.pack_commands(commands)
 
     @staticmethod
     def _reply(conn: Any) -> Any:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 
-import redis
+from redis.exceptions import ResponseError
 
 from broker_lookup.errors import translate_redis_errors
 from broker_lookup.protocol.messages import LookupRequest
+from broker_lookup.transport.lean import Link
 
 __all__ = ["ServerClock", "entry_stamp_ms"]
 
@@ -40,12 +41,15 @@ class ServerClock:
         """Whether a new sample is due at monotonic ``now``."""
         return now >= self._next
 
-    def sample(self, client: redis.Redis) -> None:
+    def sample(self, link: Link) -> None:
         """Ask the server for its time; the midpoint of the round trip is when it answered."""
         before = time.monotonic()
         with translate_redis_errors("reading the server's clock"):
-            seconds, micros = client.time()
+            [reply] = link.call([("TIME",)])
+            if isinstance(reply, ResponseError):
+                raise reply
         after = time.monotonic()
+        seconds, micros = int(reply[0]), int(reply[1])
         self._sample = (seconds * 1000 + micros / 1000, (before + after) / 2)
         self._next = after + SAMPLE_EVERY_S
 

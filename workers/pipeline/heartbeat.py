@@ -15,11 +15,12 @@ import socket
 import time
 from typing import Any
 
-import redis
+from redis.exceptions import ResponseError
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.transport.lean import Link
 
 __all__ = ["Heartbeat"]
 
@@ -40,14 +41,12 @@ class Heartbeat:
         self.last_beat = 0.0
 
     def due(self, now: float) -> bool:
-        """Whether a heartbeat is due at monotonic ``now``; if so, the next is scheduled."""
-        if now < self._next:
-            return False
-        self._next = now + self._interval_s
-        return True
+        """Whether a heartbeat is due at monotonic ``now`` (:meth:`beat` schedules the next)."""
+        return now >= self._next
 
-    def beat(self, client: redis.Redis, info: dict[str, Any]) -> None:
+    def beat(self, link: Link, info: dict[str, Any]) -> None:
         """Write the heartbeat: who this rank is, plus ``info`` (its map sizes, counters)."""
+        self._next = time.monotonic() + self._interval_s
         body = {
             "rank": self._rank,
             "pid": os.getpid(),
@@ -57,13 +56,16 @@ class Heartbeat:
             **info,
         }
         with translate_redis_errors("writing the heartbeat"):
-            client.set(self._key, json.dumps(body), px=self._ttl_ms)
+            [reply] = link.call([("SET", self._key, json.dumps(body), "PX", self._ttl_ms)])
+            if isinstance(reply, ResponseError):
+                raise reply
         self.last_beat = time.time()
 
-    def clear(self, client: redis.Redis) -> None:
+    def clear(self, link: Link) -> None:
         """Delete the heartbeat (shutdown); a failure is logged, not raised."""
         try:
             with translate_redis_errors("deleting the heartbeat"):
-                client.delete(self._key)
+                link.settle_read()
+                link.call([("DEL", self._key)])
         except BrokerLookupError as exc:
             logger.warning("rank %d: heartbeat not deleted at shutdown: %s", self._rank, exc)

@@ -1,16 +1,20 @@
 """The rank's read loop, one thread: read -> decide -> engine -> report -> ack.
 
-Each turn keeps the consumer group and the heartbeat, reads one batch
-(:class:`~workers.pipeline.reader.Reader`), hands each entry to the
-:class:`~workers.pipeline.dispatch.Dispatcher` (the lifecycle decides, the engine
-starts), and sends the reports made meanwhile together with the batch's XACK in one
-round trip. Reports the engine makes later, on its own threads, go through the
-reporter's thread instead.
+Each turn takes one batch (:class:`~workers.pipeline.reader.Reader`), hands each entry
+to the :class:`~workers.pipeline.dispatch.Dispatcher` (the lifecycle decides, the engine
+starts), and writes the reports made meanwhile, the batch's XACK and the next
+XREADGROUP BLOCK at once: one round trip per batch, on a
+:class:`~broker_lookup.transport.lean.LeanLink` (raw commands on one redis-py
+connection; a ``ClientLink`` over redis-py's pipeline for Redis Cluster). The next
+turn starts by taking that read's reply. A turn whose heartbeat is due sends no read
+with its acks: it keeps the group and the heartbeat first. Reports the engine makes
+later, on its own threads, go through the reporter's thread instead.
 
 Errors: a missing group (NOGROUP) is re-created at once; any other Redis error is
 counted and backed off; after either, the own pending entries are read again, so
-nothing read stays unserved. Anything else is a bug, counted and logged by the
-loop's guard, and the loop goes on.
+nothing read stays unserved (a lost reply to the acks or to the read drops the
+connection: what it delivered is still pending, and re-reported idempotently).
+Anything else is a bug, counted and logged by the loop's guard, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -25,15 +29,16 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from broker_lookup.config import LookupConfig
-from broker_lookup.errors import BrokerLookupError, NoGroup
+from broker_lookup.errors import BrokerLookupError, NoGroup, translate_redis_errors
 from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.threads import LoopThread
+from broker_lookup.transport.lean import Link, open_link
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.dispatch import Dispatcher
 from workers.pipeline.heartbeat import Heartbeat
 from workers.pipeline.reader import Batch, Reader
-from workers.pipeline.reporter import Reporter
+from workers.pipeline.reporter import Reporter, Served
 
 __all__ = ["RankLoop"]
 
@@ -84,6 +89,7 @@ class RankLoop(LoopThread):
         #: Set while the group exists and the loop is reading.
         self.ready = threading.Event()
         self._next_group_info = 0.0
+        self._keys = keys
 
     def _run(self) -> None:
         client = self._factory()
@@ -92,20 +98,28 @@ class RankLoop(LoopThread):
             # pending entries) instead of being retried blind, which would multiply the
             # socket timeout and could swallow a delivery.
             client.set_retry(Retry(NoBackoff(), 0))
+        link = open_link(client)
         try:
-            while not self._stop.is_set():
-                self._turn(client)
+            # A read sent with the last batch's acks is still served at a stop: what it
+            # delivers is answered, not left pending until a restart replays it.
+            while not self._stop.is_set() or link.reading:
+                self._turn(link, client)
         finally:
-            self.heartbeat.clear(client)
+            self.heartbeat.clear(link)
+            link.close()
             client.close()
 
-    def _turn(self, client: redis.Redis) -> None:
+    def _turn(self, link: Link, client: redis.Redis) -> None:
         try:
-            if not self.ready.is_set():  # first turn, or after an error: the group may be gone
-                self.reader.ensure_group(client)
-                self.ready.set()
-            self._keep_alive(client)
-            self._serve(client, self.reader.read(client))
+            if not link.reading:
+                if not self.ready.is_set():  # first turn, or after an error: the group may be gone
+                    self.reader.ensure_group(link)
+                    self.ready.set()
+                self._keep_alive(link)
+                link.call([], self.reader.read_command())
+            with translate_redis_errors(f"reading {self._keys.requests}"):
+                reply = link.take_read()
+            self._serve(link, client, self.reader.parse(reply))
             self._fingerprint.tick()
         except NoGroup as exc:
             self.ready.clear()
@@ -118,26 +132,32 @@ class RankLoop(LoopThread):
             self.reader.replay()
             self.guard()
 
-    def _serve(self, client: redis.Redis, batch: Batch) -> None:
-        """Hand each entry to the dispatcher; then its reports and the XACK, one round trip."""
+    def _serve(self, link: Link, client: redis.Redis, batch: Batch) -> None:
+        """Hand each entry to the dispatcher; then its reports, acks and next read, one write.
+
+        The next read rides along unless the heartbeat is due (it goes first, next
+        turn) or the loop stops; its reply is taken at the start of the next turn.
+        """
         if not batch.ack_ids:
             return
         with self._reporter.riding() as reports:
             for msg, remaining_ms in batch.messages:
                 self._dispatcher.handle(msg, remaining_ms)
-        self._reporter.send_with_ack(client, reports, batch.ack_ids)
+        piggyback = not (self._stop.is_set() or self.heartbeat.due(time.monotonic()))
+        read = self.reader.read_command() if piggyback else None
+        self._reporter.send_with_ack(link, client, Served(reports, batch.ack_ids, batch.dead), read)
 
-    def _keep_alive(self, client: redis.Redis) -> None:
+    def _keep_alive(self, link: Link) -> None:
         """The heartbeat when due, with a fresh sample of the server's clock and group info."""
         now = time.monotonic()
         if not self.heartbeat.due(now):
             return
         if self.clock.due(now):
-            self.clock.sample(client)
-        self.heartbeat.beat(client, self._beat_info())
+            self.clock.sample(link)
+        self.heartbeat.beat(link, self._beat_info())
         if now >= self._next_group_info:
             self._next_group_info = now + GROUP_INFO_EVERY_S
-            self.reader.group_info(client)
+            self.reader.group_info(link)
 
     def _beat_info(self) -> dict[str, Any]:
         stats = self.reader.stats

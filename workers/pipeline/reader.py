@@ -2,9 +2,11 @@
 
 The group is created idempotently; then the rank re-reads its own pending entries with
 id ``0`` (a restarted rank finishes what it had been given), then reads new entries
-with ``>`` and a short BLOCK on its own connection. An entry that can't be served is
-dead-lettered as it is read; the others come back as a :class:`Batch` to serve, and
-every id of the batch is acked once it was served.
+with ``>`` and a short BLOCK on its own connection. The reader builds each read
+(:meth:`Reader.read_command`: the loop may send it with the last batch's acks) and
+decodes its raw reply (:meth:`Reader.parse`) into a :class:`Batch`: the entries to
+serve, the ids to ack once served, and the XADDs dead-lettering the entries that
+can't be served (sent with those acks).
 
 Nothing read stays pending (DESIGN rule 10): after any error, and once a second
 anyway, the reader re-reads its own pending entries, so a delivery whose reply was
@@ -21,7 +23,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 from redis.exceptions import ResponseError
 
 from broker_lookup.config import LookupConfig
@@ -33,7 +34,7 @@ from broker_lookup.errors import (
 )
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, LookupRequest, decode_request
-from broker_lookup.transport.connection import ensure_group
+from broker_lookup.transport.lean import Command, Link, pairs
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.entries import entry_problem
 
@@ -56,6 +57,7 @@ class Batch:
     #: so a lookup and its abort read in one batch never reach the engine.
     messages: list[tuple[LookupRequest | Abort, float]]
     ack_ids: list[bytes]  #: every entry read, dead-lettered ones included
+    dead: list[Command]  #: the XADDs dead-lettering the entries that can't be served
 
 
 class Reader:
@@ -78,37 +80,34 @@ class Reader:
         self._name = keys.consumer(rank)
         self._recreate = False  # after NOGROUP: the new group starts at 0
         self._replaying = True
+        self._sent_replaying = True  # what the read in flight asked for
         self._next_replay = 0.0
         #: Counters for ``stats()["consumer"]``, plus the group's pending and lag.
         self.stats: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
 
     # -- the group ------------------------------------------------------------------
 
-    def ensure_group(self, client: redis.Redis) -> None:
+    def ensure_group(self, link: Link) -> None:
         """Create the group (idempotent: BUSYGROUP only); at ``0`` after NOGROUP."""
-        if self._recreate:
-            self._create_at_zero(client)
-        else:
-            ensure_group(client, self._keys.requests, self._group)
-
-    def _create_at_zero(self, client: redis.Redis) -> None:
+        start = "0" if self._recreate else "$"
         stream = self._keys.requests
-        with translate_redis_errors(f"re-creating consumer group {self._group} on {stream}"):
-            try:
-                client.xgroup_create(stream, self._group, id="0", mkstream=True)
-                logger.info("rank %d: re-created group %s at 0", self._rank, self._group)
-            except ResponseError as exc:
-                if not str(exc).startswith("BUSYGROUP"):
-                    raise
+        with translate_redis_errors(f"creating consumer group {self._group} on {stream}"):
+            [reply] = link.call([("XGROUP", "CREATE", stream, self._group, start, "MKSTREAM")])
+            if isinstance(reply, ResponseError) and not str(reply).startswith("BUSYGROUP"):
+                raise reply
+        if self._recreate and not isinstance(reply, ResponseError):
+            logger.info("rank %d: re-created group %s at 0", self._rank, self._group)
         self._recreate = False
 
-    def group_info(self, client: redis.Redis) -> None:
+    def group_info(self, link: Link) -> None:
         """Refresh the group's ``pending`` and ``lag`` in :attr:`stats`."""
         with translate_redis_errors("reading group info"):
-            groups: Any = client.xinfo_groups(self._keys.requests)
-        for g in groups:
-            name = g.get("name")
-            if name in (self._group, self._group.encode()):
+            [groups] = link.call([("XINFO", "GROUPS", self._keys.requests)])
+            if isinstance(groups, ResponseError):
+                raise groups
+        for raw in groups:
+            g = {_text(k): v for k, v in pairs(raw).items()}
+            if _text(g.get("name")) == self._group:
                 self.stats["pending"] = int(g.get("pending") or 0)
                 self.stats["lag"] = int(g.get("lag") or 0)
 
@@ -141,59 +140,76 @@ class Reader:
 
     # -- reading --------------------------------------------------------------------
 
-    def read(self, client: redis.Redis) -> Batch:
-        """One XREADGROUP: the own pending entries when replaying, else new ones (BLOCK)."""
+    def read_command(self) -> Command:
+        """The next XREADGROUP: the own pending entries when replaying, else new ones (BLOCK).
+
+        Its reply goes to :meth:`parse`, before the next command is asked for.
+        """
         now = time.monotonic()
         if now >= self._next_replay:
             self._next_replay = now + REPLAY_EVERY_S
             self._replaying = True
-        replaying = self._replaying
-        with translate_redis_errors(f"reading {self._keys.requests} as {self._group}"):
-            resp: Any = client.xreadgroup(
-                self._group,
-                self._name,
-                {self._keys.requests: "0" if replaying else ">"},
-                count=BATCH_SIZE,
-                block=None if replaying else self._config.block_ms,
-            )
-        entries: list[tuple[bytes, dict[bytes, bytes] | None]] = resp[0][1] if resp else []
-        if replaying:
+        self._sent_replaying = self._replaying
+        head = ("XREADGROUP", "GROUP", self._group, self._name, "COUNT", BATCH_SIZE)
+        if self._replaying:
+            return (*head, "STREAMS", self._keys.requests, "0")
+        return (*head, "BLOCK", self._config.block_ms, "STREAMS", self._keys.requests, ">")
+
+    def parse(self, reply: Any) -> Batch:
+        """The batch of one XREADGROUP reply (raw or redis-py's shape); dead letters named."""
+        entries = _entries(reply)
+        if self._sent_replaying:
             if not entries:
                 self._replaying = False  # nothing of ours is pending: read new entries
             self.stats["replayed"] += len(entries)
         messages: list[tuple[LookupRequest | Abort, float]] = []
+        dead: list[Command] = []
         for entry_id, fields in entries:
-            msg = self._decode(client, entry_id, fields)
+            msg = self._decode(dead, entry_id, fields)
             if isinstance(msg, Abort):
                 messages.append((msg, math.inf))
             elif msg is not None:
                 messages.append((msg, self._clock.remaining_ms(msg, entry_id)))
-        messages.sort(key=lambda pair: not isinstance(pair[0], Abort))  # stable: aborts first
-        return Batch(messages, [entry_id for entry_id, _ in entries])
+        if len(messages) > 1:
+            messages.sort(key=lambda pair: not isinstance(pair[0], Abort))  # stable: aborts first
+        return Batch(messages, [entry_id for entry_id, _ in entries], dead)
 
     def _decode(
-        self, client: redis.Redis, entry_id: bytes, fields: dict[bytes, bytes] | None
+        self, dead: list[Command], entry_id: bytes, fields: dict[bytes, bytes] | None
     ) -> LookupRequest | Abort | None:
         self.stats["entries"] += 1
         try:
             msg = decode_request(fields)
         except MalformedMessage as exc:
-            self._dead_letter(client, entry_id, exc.reason, fields)
+            dead.append(self._dead_letter(entry_id, exc.reason, fields))
             return None
         reason = entry_problem(msg, self._config, self._world_size)
         if reason is not None:
-            self._dead_letter(client, entry_id, reason, fields)
+            dead.append(self._dead_letter(entry_id, reason, fields))
             return None
         return msg
 
-    def _dead_letter(self, client: redis.Redis, entry_id: bytes, reason: str, raw: object) -> None:
-        """Park an entry that can't be served in ``bl:{E}:dead`` with the reason; count it."""
+    def _dead_letter(self, entry_id: bytes, reason: str, raw: object) -> Command:
+        """The XADD parking an entry that can't be served in ``bl:{E}:dead``; counted."""
         self.stats["dead_letters"] += 1
         logger.warning("rank %d: dead-lettering entry %r: %s", self._rank, entry_id, reason)
-        with translate_redis_errors("dead-lettering"):
-            client.xadd(
-                self._keys.dead,
-                {"rank": self._rank, "entry": entry_id, "reason": reason, "raw": repr(raw)[:1024]},
-                maxlen=self._config.dead_maxlen,
-                approximate=True,
-            )
+        fields = ("rank", self._rank, "entry", entry_id, "reason", reason, "raw", repr(raw)[:1024])
+        cap = ("MAXLEN", "~", self._config.dead_maxlen)
+        return ("XADD", self._keys.dead, *cap, "*", *fields)
+
+
+def _entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
+    """(id, fields) of each entry of an XREADGROUP reply: RESP2 lists or RESP3 maps, raw
+    (fields a flat list, None for an entry trimmed while pending) or redis-py's dicts."""
+    if not reply:
+        return []
+    streams = reply.values() if isinstance(reply, dict) else [s[1] for s in reply]
+    out: list[tuple[bytes, dict[bytes, bytes] | None]] = []
+    for entries in streams:
+        for entry_id, fields in entries:
+            out.append((entry_id, None if fields is None else pairs(fields)))
+    return out
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

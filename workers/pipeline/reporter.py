@@ -1,13 +1,14 @@
 """How a rank's reports reach Redis: ``report.lua``, with a batch's XACK or from a queue.
 
 A report made while the read loop serves a batch (an engine that answers inside
-``async_lookup_and_prefetch``: a miss, a memory hit) rides with that batch's XACK in
-one round trip on the loop's connection: no hand-off to another thread. A report made
-at any other time (LMCache's engine calls ``send_response_to_scheduler`` from its
-storage event loop; the watchdog) is queued for this module's thread, which pipelines
-whatever waits, so a slow or unreachable Redis never stalls the engine (LMCache D14).
-The queue is bounded: a report that does not fit is answered ``overflow`` at once, so
-its lookup is released instead of queued without limit while Redis is away.
+``async_lookup_and_prefetch``: a miss, a memory hit) rides with that batch's XACK
+(and the loop's next read) in one write on the loop's link: no hand-off to another
+thread. A report made at any other time (LMCache's engine calls
+``send_response_to_scheduler`` from its storage event loop; the watchdog) is queued
+for this module's thread, which pipelines whatever waits, so a slow or unreachable
+Redis never stalls the engine (LMCache D14). The queue is bounded: a report that does
+not fit is answered ``overflow`` at once, so its lookup is released instead of queued
+without limit while Redis is away.
 
 Every report's answer (the script's, or ``error`` or ``overflow``) goes to ``settle``.
 """
@@ -21,14 +22,16 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import redis
+from redis.exceptions import ResponseError
 
 from broker_lookup.config import LookupConfig
-from broker_lookup.errors import BrokerLookupError
+from broker_lookup.errors import BrokerLookupError, translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.scripts import Call, ScriptSet, report_call
+from broker_lookup.protocol.scripts import Call, ScriptSet, is_noscript, report_call
 from broker_lookup.transport.batcher import Batcher
+from broker_lookup.transport.lean import Command, Link
 
-__all__ = ["Report", "Reporter", "Settle"]
+__all__ = ["Report", "Reporter", "Served", "Settle"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,14 @@ class Report(NamedTuple):
     lookup_id: str
     gen: int
     hits: int
+
+
+class Served(NamedTuple):
+    """What the read loop sends once it served a batch: all in one write."""
+
+    reports: list[Report]  #: made while the batch was served
+    ack_ids: list[bytes]  #: every entry of the batch
+    dead: list[Command]  #: XADDs dead-lettering the entries that could not be served
 
 
 #: Called with each report and its answer: the script's, or ``error`` or ``overflow``.
@@ -107,31 +118,57 @@ class Reporter(Batcher[Report]):
         self._close_window()
 
     def send_with_ack(
-        self, client: redis.Redis, reports: list[Report], ack_ids: list[bytes]
+        self,
+        link: Link,
+        client: redis.Redis,
+        batch: Served,
+        read: Command | None = None,
     ) -> None:
-        """Run ``reports`` and XACK ``ack_ids`` in one round trip on ``client``.
+        """Send ``batch``'s dead letters, reports and XACK, then ``read``, in one write.
 
-        If Redis fails, the reports go to the queue (this reporter's thread retries
-        them) and the error propagates: the entries stay pending and are read again,
-        then deduped.
+        ``read``'s reply stays on ``link`` for the loop. ``client`` (the loop's) reloads
+        the scripts if the server lost them. If Redis fails, the reports go to the queue
+        (this reporter's thread retries them) and the error propagates: the entries stay
+        pending and are read again, then deduped.
         """
-        if not reports and not ack_ids:
+        reports = batch.reports
+        if not reports and not batch.ack_ids and not batch.dead:
+            if read is not None:
+                link.call([], read)
             return
-        stream, group = self._keys.requests, self._keys.group(self._rank)
-
-        def ack(pipe: Any) -> int:
-            if ack_ids:
-                pipe.xack(stream, group, *ack_ids)
-            return 1 if ack_ids else 0
-
+        head: list[Command] = list(batch.dead)
+        if batch.ack_ids:
+            head.append(("XACK", self._keys.requests, self._keys.group(self._rank), *batch.ack_ids))
+        calls = [self._call(r) for r in reports]
+        commands = head + [self._evalsha(c) for c in calls]
         try:
-            results = self._scripts.run(client, [self._call(r) for r in reports], ack)
+            with translate_redis_errors("sending a served batch's reports and acks"):
+                replies = link.call(commands, read)
+                for reply in replies[: len(head)]:
+                    if isinstance(reply, ResponseError):
+                        raise reply
+                results = replies[len(head) :]
+                if any(is_noscript(r) for r in results):
+                    link.settle_read()  # the connection is needed now: take the read's reply
+                    results = self._rerun(link, client, calls, results)
         except BrokerLookupError:
             for report in reports:
                 self._enqueue(report)
             raise
         for report, result in zip(reports, results, strict=True):
             self._settle(report, self._answer(result))
+
+    def _rerun(
+        self, link: Link, client: redis.Redis, calls: list[Call], results: list[Any]
+    ) -> list[Any]:
+        """Reload the scripts and run again the calls that found none (so they did not run)."""
+        self._scripts.load(client)
+        redo = [i for i, r in enumerate(results) if is_noscript(r)]
+        again = link.call([self._evalsha(calls[i]) for i in redo])
+        out = list(results)
+        for i, res in zip(redo, again, strict=True):
+            out[i] = res
+        return out
 
     # -- the queued path (this reporter's thread) -----------------------------------
 
@@ -151,6 +188,9 @@ class Reporter(Batcher[Report]):
             self._settle(report, answer)
 
     # -- the script -------------------------------------------------------------------
+
+    def _evalsha(self, call: Call) -> Command:
+        return ("EVALSHA", self._scripts.sha[call.script], len(call.keys), *call.keys, *call.args)
 
     def _call(self, report: Report) -> Call:
         return report_call(
