@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import redis
 
@@ -41,25 +39,29 @@ class Breaker:
         self.openings = 0
         self._was_open = False
 
-    @contextmanager
-    def track(self, loop: str, expected_s: float = 0.0, tolerate: int = 0) -> Iterator[None]:
-        """Wrap one round trip of ``loop``; ``expected_s`` is time it may legitimately take
-        (a blocking read's BLOCK) before it counts as a stall. ``tolerate`` quick failures
-        in a row do not open the breaker (a loop that redoes them at once on a new
-        connection); a failure after a stall always does."""
-        since = time.monotonic() + expected_s
+    def track(self, loop: str, expected_s: float = 0.0, tolerate: int = 0) -> _RoundTrip:
+        """Wrap one round trip of ``loop`` (``with breaker.track(...):``); ``expected_s`` is
+        time it may legitimately take (a blocking read's BLOCK) before it counts as a stall.
+        ``tolerate`` quick failures in a row do not open the breaker (a loop that redoes
+        them at once on a new connection); a failure after a stall always does."""
+        return _RoundTrip(self, loop, time.monotonic() + expected_s, tolerate)
+
+    def _began(self, loop: str, since: float) -> None:
         self._busy_since[loop] = since
-        try:
-            yield
-        except (BrokerLookupError, redis.RedisError):
+
+    def _ended(self, loop: str, since: float, tolerate: int, failed: bool | None) -> None:
+        """``failed`` None: the round trip ended by another exception (a bug), which
+        neither opens nor closes the breaker."""
+        self._busy_since[loop] = 0.0
+        if failed is None:
+            return
+        if failed:
             self._strikes[loop] += 1
             stalled = time.monotonic() - since > self._open_after_s
             if self._strikes[loop] > tolerate or stalled:
                 self._failed.add(loop)
                 self._note()
-            raise
-        finally:
-            self._busy_since[loop] = 0.0
+            return
         self._strikes[loop] = 0
         if loop in self._failed:
             self._failed.discard(loop)
@@ -99,3 +101,26 @@ class Breaker:
         elif self._was_open and not now_open:
             logger.info("Redis answers again: lookups go to the ranks")
         self._was_open = now_open
+
+
+class _RoundTrip:
+    """The context of :meth:`Breaker.track`: a class, not a generator, since the sender and
+    the listener enter one per round trip."""
+
+    __slots__ = ("_breaker", "_loop", "_since", "_tolerate")
+
+    def __init__(self, breaker: Breaker, loop: str, since: float, tolerate: int) -> None:
+        self._breaker = breaker
+        self._loop = loop
+        self._since = since
+        self._tolerate = tolerate
+
+    def __enter__(self) -> None:
+        self._breaker._began(self._loop, self._since)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: object, tb: object) -> None:
+        # Returns None: never swallows, the loop handles what it caught.
+        failed: bool | None = False
+        if kind is not None:
+            failed = True if issubclass(kind, (BrokerLookupError, redis.RedisError)) else None
+        self._breaker._ended(self._loop, self._since, self._tolerate, failed)

@@ -20,8 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -43,9 +42,12 @@ _MAX_BATCH = 512
 _PING = pack("PING")
 
 
-@dataclass(frozen=True, slots=True)
-class Submit:
-    """A lookup to register in Redis: the table's entry and the request to broadcast."""
+class Submit(NamedTuple):
+    """A lookup to register in Redis: the table's entry and the request to broadcast.
+
+    A NamedTuple, not a frozen dataclass: one is made per ``lookup()``, on the caller's
+    thread, and a frozen dataclass sets each field through ``object.__setattr__``.
+    """
 
     entry: Entry
     request: LookupRequest

@@ -251,9 +251,14 @@ class ChunkedTokenHasher:
         append = out.append  # bound once: this loop runs per chunk of every prompt
         empty = ()  # LMCache's extra_keys: none
         fn = self._hash_fn
-        if fn is not hash or total < _ZIP_MIN_CHUNKS * size:
+        if fn is not hash:
             for start in range(0, end, size):
                 chain = normalize_hash(fn((chain, tuple(seq[start : start + size]), empty)))
+                append(chain)
+            return out
+        if total < _ZIP_MIN_CHUNKS * size:
+            for start in range(0, end, size):  # builtin hash: an int, nothing to normalize
+                chain = hash((chain, tuple(seq[start : start + size]), empty))
                 append(chain)
             return out
         # zip over one shared iterator builds each full chunk's tuple in C; dropping our

@@ -1,0 +1,110 @@
+"""The client's lean connection (client/wire.py): where it serves, and what it keeps.
+
+On a real server the sender and the listener talk over a :class:`Wire`; on fakeredis
+(and Redis Cluster) they keep redis-py's client. Either way the protocol is the same:
+these tests pin what the wire itself must get right (errors as values, NOSCRIPT
+recovery, RESP3 replies, reconnect after a kill, no connection left at close).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fakeredis
+import pytest
+import redis
+from faultkit import config
+from helpers import Backend, MakeClient, MakeServer, wait_until
+
+from broker_lookup.client import RedisAsyncLookupClient
+from broker_lookup.client.wire import Wire, pack, run_scripts, wire_for
+from broker_lookup.config import LookupMetadata
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.scripts import CANCEL, Call, ScriptSet
+from broker_lookup.tools.stub_engine import StubEngine
+
+TOKENS = list(range(40))  # 10 chunks of 4 tokens
+real_only = pytest.mark.parametrize("backend", ["real"], indirect=True)
+
+
+def _ready_pair(make_server: MakeServer, make_client: MakeClient, **overrides: Any) -> Any:
+    engine = StubEngine()
+    server = make_server(engine)
+    wait_until(lambda: server.ready and server.stats()["last_heartbeat"], message="rank ready")
+    client = make_client(**overrides)
+    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the rank")
+    return engine, client
+
+
+def test_a_wire_only_where_the_pool_is_redis_pys_own(backend: Backend) -> None:
+    assert wire_for(fakeredis.FakeRedis()) is None
+    assert wire_for(object()) is None
+    if backend.kind == "real":
+        wire = wire_for(backend.factory())
+        assert isinstance(wire, Wire)
+        wire.close()
+
+
+@real_only
+def test_errors_come_back_as_values_and_the_rest_still_answers(backend: Backend) -> None:
+    wire = wire_for(backend.factory())
+    assert wire is not None
+    try:
+        replies = wire.execute([pack("PING"), pack("NO-SUCH-COMMAND"), pack("ECHO", b"x")])
+        assert replies[0] == b"PONG"
+        assert isinstance(replies[1], redis.ResponseError)
+        assert replies[2] == b"x"
+    finally:
+        wire.close()
+
+
+@real_only
+def test_scripts_are_reloaded_after_a_flush(backend: Backend, engine_id: str) -> None:
+    admin = backend.factory()
+    wire = wire_for(backend.factory())
+    assert wire is not None
+    ks = KeySpace(engine_id)
+    call = Call(CANCEL, (ks.lookup("w1"), ks.requests), [1, 100, "type", "abort"])
+    try:
+        admin.script_flush()
+        assert run_scripts(wire, ScriptSet(), [call]) == [0]  # NOSCRIPT, loaded, run once
+        assert admin.xlen(ks.requests) == 1
+    finally:
+        wire.close()
+
+
+@real_only
+def test_lookups_complete_over_the_wire_and_survive_a_killed_connection(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend
+) -> None:
+    engine, client = _ready_pair(make_server, make_client)
+    client.lookup(TOKENS, "w1")
+    wait_until(lambda: engine.started_ids() == ["w1"])
+    engine.report("w1", 12)
+    assert wait_until(lambda: client.lookup_cache("w1") == 12)
+    assert client._sender._wire is not None and client._listener._wire is not None
+    backend.factory().client_kill_filter(_type="normal", skipme=True)
+    wait_until(lambda: not client.stats()["breaker_open"], timeout=10)
+    client.lookup(TOKENS, "w2")  # the sender's first write finds its connection dead
+    wait_until(lambda: "w2" in engine.started_ids(), timeout=10, message="w2 reached the rank")
+    engine.report("w2", 8)
+    assert wait_until(lambda: client.lookup_cache("w2") == 8, timeout=10)
+
+
+@real_only
+def test_resp3_replies_are_read_too(
+    make_server: MakeServer, backend: Backend, engine_id: str
+) -> None:
+    engine = StubEngine()
+    server = make_server(engine)
+    wait_until(lambda: server.ready and server.stats()["last_heartbeat"], message="rank ready")
+    assert backend.url is not None
+    sep = "&" if "?" in backend.url else "?"
+    url = f"{backend.url}{sep}protocol=3"
+    meta = LookupMetadata(engine_id=engine_id, world_size=1)
+    with RedisAsyncLookupClient(config(url), meta) as client:
+        wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the rank")
+        client.lookup(TOKENS, "r3")
+        wait_until(lambda: engine.started_ids() == ["r3"])
+        engine.report("r3", 16)
+        assert wait_until(lambda: client.lookup_cache("r3") == 16)
