@@ -63,17 +63,24 @@ class Wire:
     def execute(self, commands: Sequence[bytes]) -> list[Any]:
         """Send ``commands`` in one write and read each reply; an error reply comes back as
         its ``ResponseError`` value. A broken or timed-out connection raises redis-py's
-        ConnectionError or TimeoutError, is dropped, and the next call reconnects."""
+        ConnectionError or TimeoutError and is given back; the next call takes a new one."""
         conn = self._conn
         if conn is None:
             conn = self._conn = self._pool.get_connection()
-        conn.send_packed_command([b"".join(commands)])
         out: list[Any] = []
-        for _ in commands:
-            try:
-                out.append(conn.read_response())
-            except ResponseError as exc:  # one command's error: the others' replies follow
-                out.append(exc)
+        try:
+            conn.send_packed_command([b"".join(commands)])
+            for _ in commands:
+                try:
+                    out.append(conn.read_response())
+                except ResponseError as exc:  # one command's error: the others' replies follow
+                    out.append(exc)
+        except BaseException:
+            # Back to the pool and a new one from it next time: the pool's checkout runs
+            # Connection.connect(), where Sentinel finds the current master; a dropped
+            # connection reconnecting by itself would dial the address it had.
+            self.close()
+            raise
         return out
 
     def close(self) -> None:
