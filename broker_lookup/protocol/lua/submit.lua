@@ -9,10 +9,13 @@
 -- generation and changes nothing (no second entry, and the reports fast ranks already
 -- recorded stay). The DEL drops an older generation's hash: its late reports then find
 -- another gen and change nothing.
-if redis.call('HGET', KEYS[1], 'gen') == ARGV[1] then
+local held = redis.call('HGET', KEYS[1], 'gen')
+if held == ARGV[1] then
   return 'duplicate'
 end
-redis.call('DEL', KEYS[1])
+if held then  -- the usual first submit finds no key: nothing to delete
+  redis.call('DEL', KEYS[1])
+end
 redis.call('HSET', KEYS[1], 'state', 'pending', 'gen', ARGV[1], 'expected', ARGV[2],
            'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8])
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
