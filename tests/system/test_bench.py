@@ -21,6 +21,7 @@ from helpers import RealServer
 from broker_lookup.tools.bench.command import BenchOptions, add_bench_parser, cmd_bench, run_bench
 from broker_lookup.tools.bench.lmcache_side import VARIANTS, require_lmcache
 from broker_lookup.tools.bench.measure import BenchError
+from broker_lookup.tools.bench.report import render
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -90,9 +91,25 @@ def _check_ours(ours: dict[str, Any], opts: BenchOptions) -> None:
     assert isinstance(pending["redis_bytes_per_lookup"], float)  # a shared server may blur it
 
 
+_PER_LOOKUP = {"rank_cpu_us_per_rank", "scheduler_cpu_us", "e2e_p50_ms", "e2e_p99_ms"}
+
+
+def _check_figures(side: dict[str, Any], worlds: tuple[int, ...], redis_too: bool) -> None:
+    """Issue 12's per-lookup figures of one side: every world, CPU with 1,000 in flight."""
+    assert set(side["one_in_flight"]) == {str(w) for w in worlds}
+    for world, row in side["one_in_flight"].items():
+        assert _PER_LOOKUP <= set(row) and ("redis_cpu_us" in row) == redis_too
+        _positive(row["scheduler_cpu_us"], f"world {world} scheduler CPU per lookup")
+    cpu = side["in_flight"]["cpu_us_per_lookup"]
+    assert {"caller_thread", "client_threads", "ranks", "total"} <= set(cpu)
+    assert ("redis" in cpu) == redis_too
+    _positive(cpu["total"], "CPU per lookup in flight")
+
+
 def _check_results(results: dict[str, Any], opts: BenchOptions) -> None:
-    assert {"meta", "ours", "hashing", "targets"} <= set(results)
+    assert {"meta", "ours", "hashing", "figures", "targets"} <= set(results)
     _check_ours(results["ours"], opts)
+    _check_figures(results["figures"]["ours"], opts.worlds, redis_too=True)
     assert set(results["hashing"]) == {str(n) for n in opts.hash_sizes}
     for row in results["hashing"].values():
         _positive(row["list_ns_per_token"], "list hashing")
@@ -131,7 +148,8 @@ def test_cli_writes_json_and_table(
     assert set(results["ours"]["latency"]) == {"1"}
     assert results["ours"]["throughput"]["world"] == 1
     table = capsys.readouterr().out
-    assert "End-to-end latency" in table and "Targets" in table
+    for line in ("End-to-end latency", "CPU per lookup, one lookup in flight", "Targets"):
+        assert line in table
 
 
 def test_vs_lmcache_without_lmcache_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -162,7 +180,7 @@ def test_vs_lmcache_measures_both_variants(real_server: RealServer) -> None:
         duration_s=0.3,
         window=50,
         pending=50,
-        hash_sizes=(1024,),
+        hash_sizes=(1024, 8192),
     )
     before = _descendants_and_strays(None)
     results = run_bench(opts)
@@ -172,4 +190,41 @@ def test_vs_lmcache_measures_both_variants(real_server: RealServer) -> None:
         ratio = results["ratios"][name]["latency"]["1"]["p50_ms"]
         _positive(ratio, f"{name} p50 ratio")
     _positive(results["lmcache"]["hashing"]["1024"]["list_ns_per_token"], "LMCache hashing")
+    _check_issue12_shape(results, opts)
     assert _descendants_and_strays(results["meta"]["run_id"]) - before == set()
+
+
+def _check_issue12_shape(results: dict[str, Any], opts: BenchOptions) -> None:
+    """Every issue-12 figure on both sides, its ratio, its target and its line in the table."""
+    for name in VARIANTS:
+        _check_figures(results["figures"]["lmcache"][name], opts.worlds, redis_too=False)
+        ratio = results["ratios"][name]
+        for key in ("rank_cpu_us_per_rank", "scheduler_cpu_us", "p99_ms"):
+            _positive(ratio["latency"]["1"][key], f"{name} {key} ratio")
+        _positive(ratio["throughput"], f"{name} throughput ratio")
+        _positive(ratio["in_flight_cpu_per_lookup"], f"{name} CPU in flight ratio")
+        _positive(ratio["hashing_speedup"]["8192"]["tensor"], f"{name} hashing speed-up")
+    names = " | ".join(t["name"] for t in results["targets"])
+    for part in (
+        "rank CPU per lookup, one in flight, world 1",
+        "scheduler process CPU per lookup, one in flight, world 1",
+        "e2e p50, world 1",
+        "e2e p99, world 1",
+        "throughput, 50 in flight",
+        "total CPU per lookup (Redis included)",
+        "hashing speed-up, list at 8192",
+        "hashing speed-up, tensor at 8192",
+        "lookup_cache (tight loop",
+    ):
+        assert part in names
+    assert all(t["value"] is not None for t in results["targets"]), "a ratio was not measured"
+    table = render(results)
+    for line in (
+        "CPU per lookup, one lookup in flight",
+        "caller's polling loop included on both sides",
+        "CPU per lookup, 50 in flight, world 1",
+        "ours / LMCache backoff0",
+        "LMCache / ours",
+        "Targets (ratios: ours / LMCache backoff0",
+    ):
+        assert line in table

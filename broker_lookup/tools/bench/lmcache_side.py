@@ -196,7 +196,8 @@ def _cpu_per_1000(start: tuple[float, float, float], pids: list[int], n: int) ->
 
 
 def bench_lmcache(opts: BenchOptions, run_id: str) -> dict[str, Any]:
-    """Latency per world size and throughput, for each client variant in :data:`VARIANTS`."""
+    """Latency per world size and throughput, for each client variant in :data:`VARIANTS`
+    (hashing is measured by the caller, in rounds alternating with ours)."""
     lm = require_lmcache()
     ids = {w: f"bench-{run_id}-lm{w}" for w in opts.worlds}
     argv = python_module("broker_lookup.tools.bench.lmcache_side")
@@ -216,7 +217,6 @@ def bench_lmcache(opts: BenchOptions, run_id: str) -> dict[str, Any]:
     finally:
         stop_all([host])
         _remove_sockets(ids.values())
-    out["hashing"] = lmcache_hashing(lm, opts.hash_sizes)
     return out
 
 

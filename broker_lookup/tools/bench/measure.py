@@ -141,18 +141,46 @@ def median_us(samples_ns: list[int]) -> float:
     return statistics.median(samples_ns) / 1e3 if samples_ns else 0.0
 
 
-def cpu_seconds_of(pids: Iterable[int]) -> float:
-    """utime + stime of live processes from ``/proc/<pid>/stat`` (0 for a gone one)."""
+def _stat_seconds(pid: int) -> float | None:
+    """utime + stime of a whole process from ``/proc/<pid>/stat`` (clock ticks: 10 ms)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14, 15)
+
+
+def _schedstat_seconds(pid: int) -> float | None:
+    """Run time of a process's live threads in ns precision (``/proc/<pid>/task/*/schedstat``).
+
+    Ticks are too coarse for what one lookup costs a rank (tens of µs: a 400-lookup run
+    is a few ticks). A thread that exited takes its time with it, which the bench's
+    processes (long-lived threads only) do not do while they are measured.
+    """
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
     total = 0
-    for pid in pids:
+    for tid in tasks:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                text = f.read()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2 :].split()  # the name may hold spaces
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
-    return total / _CLK_TCK
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread exited between the listing and the read
+    return total / 1e9
+
+
+_PRECISE = os.path.exists("/proc/self/task") and os.path.exists("/proc/self/schedstat")
+
+
+def cpu_seconds_of(pids: Iterable[int]) -> float:
+    """CPU seconds of live processes (0 for a gone one): every thread's run time from
+    schedstat where the kernel has it, else utime + stime from ``/proc/<pid>/stat``."""
+    read = _schedstat_seconds if _PRECISE else _stat_seconds
+    return sum(read(pid) or 0.0 for pid in pids)
 
 
 def _pause(poll_s: float) -> None:

@@ -1,101 +1,14 @@
-"""``broker-lookup bench`` results: targets met or missed, ours/LMCache ratios, the table."""
+"""``broker-lookup bench`` results as a table: each figure, ours / LMCache, targets."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["evaluate_targets", "ratios", "render"]
+from broker_lookup.tools.bench.figures import RATIO_VARIANT
 
-#: (name, limit, unit): "<=" targets unless the unit says "/s".
-_E2E_TARGETS = {"4": (0.8, 2.5), "8": (1.5, 4.0)}
-_GROWTH_SLACK = 1.5  #: "nothing grows with pending count": n-pending cost <= 1.5x the 1-pending
+__all__ = ["render"]
 
-
-def _target(name: str, value: float | None, limit: float, at_most: bool = True) -> dict[str, Any]:
-    met = None if value is None else (value <= limit if at_most else value >= limit)
-    return {"name": name, "limit": limit, "value": value, "met": met}
-
-
-def _hash_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    row = results.get("hashing", {}).get("131072")
-    return [
-        _target("hashing list ns/token at 128k", row and row["list_ns_per_token"], 8.0),
-        _target("hashing tensor ns/token at 128k", row and row["tensor_ns_per_token"], 10.0),
-    ]
-
-
-def _growth_targets(pending: dict[str, Any]) -> list[dict[str, Any]]:
-    one = pending["lookup_cache_pending_1_us"]
-    many = pending["lookup_cache_pending_n_us"]
-    first = pending["lookup_call_first_100_us"]
-    last = pending["lookup_call_last_100_us"]
-    n = pending["pending"]
-    return [
-        _target(f"lookup_cache at {n} pending / at 1 (x)", many / one, _GROWTH_SLACK),
-        _target(f"lookup() last 100 / first 100 of {n} pending (x)", last / first, _GROWTH_SLACK),
-    ]
-
-
-def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every target of issue #4 with its measured value; ``met`` is None when not measured."""
-    ours = results["ours"]
-    lat = ours["latency"]
-    pending = ours["pending"]
-    cache_us = max(
-        pending["lookup_cache_pending_1_us"],
-        pending["lookup_cache_pending_n_us"],
-        pending["lookup_cache_unknown_us"],
-    )
-    call_us = max(run["lookup_call_us"] for run in lat.values())
-    out = [
-        _target("lookup_cache µs (tight loop, worst state)", cache_us, 2.0),
-        _target(f"lookup() µs, {results['meta']['options']['tokens']} tokens", call_us, 60.0),
-    ]
-    for world, (p50, p99) in _E2E_TARGETS.items():
-        e2e = lat.get(world, {}).get("e2e")
-        out.append(_target(f"e2e p50 ms, world {world}", e2e and e2e["p50_ms"], p50))
-        out.append(_target(f"e2e p99 ms, world {world}", e2e and e2e["p99_ms"], p99))
-    tput = ours.get("throughput", {})
-    out.append(
-        _target(
-            f"lookups/s, {tput.get('window')} in flight, world {tput.get('world')}",
-            tput.get("lookups_per_s"),
-            10_000.0,
-            at_most=False,
-        )
-    )
-    return out + _hash_targets(results) + _growth_targets(pending)
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if not a or not b else a / b
-
-
-def ratios(results: dict[str, Any]) -> dict[str, Any]:
-    """ours / LMCache for every shared measurement, per LMCache client variant (<1: we win,
-    except throughput, where >1 is a win)."""
-    ours = results["ours"]
-    theirs = results["lmcache"]
-    out: dict[str, Any] = {}
-    for variant in ("default", "backoff0"):
-        lm = theirs[variant]
-        per_world = {}
-        for world, run in ours["latency"].items():
-            other = lm["latency"].get(world)
-            if other is None:
-                continue
-            per_world[world] = {
-                k: _ratio(run["e2e"][k], other["e2e"][k]) for k in ("p50_ms", "p99_ms", "max_ms")
-            }
-            per_world[world]["lookup_call_us"] = _ratio(
-                run["lookup_call_us"], other["lookup_call_us"]
-            )
-        tput = _ratio(
-            ours.get("throughput", {}).get("lookups_per_s"),
-            lm.get("throughput", {}).get("lookups_per_s"),
-        )
-        out[variant] = {"latency": per_world, "throughput": tput}
-    return out
+_LM0 = RATIO_VARIANT
 
 
 def _f(value: float | None, digits: int = 2) -> str:
@@ -114,8 +27,8 @@ def _latency_rows(results: dict[str, Any]) -> list[str]:
         row += f" {_f(run['lookup_call_us'], 1):>7}"
         if lm:
             d = lm["default"]["latency"].get(world, {}).get("e2e", {})
-            z = lm["backoff0"]["latency"].get(world, {}).get("e2e", {})
-            r = results["ratios"]["backoff0"]["latency"].get(world, {})
+            z = lm[_LM0]["latency"].get(world, {}).get("e2e", {})
+            r = results["ratios"][_LM0]["latency"].get(world, {})
             row += f" | {_f(d.get('p50_ms')):>16} {_f(d.get('p99_ms')):>5}"
             row += f" | {_f(z.get('p50_ms')):>13} {_f(z.get('p99_ms')):>6}"
             row += f" | {_f(r.get('p50_ms')):>12} {_f(r.get('p99_ms')):>4}"
@@ -133,6 +46,8 @@ def _throughput_rows(results: dict[str, Any]) -> list[str]:
     for name, run in results.get("lmcache", {}).items():
         if name in ("default", "backoff0") and "throughput" in run:
             rows.append(f"LMCache {name}: {_f(run['throughput']['lookups_per_s'], 0)} lookups/s")
+    if "ratios" in results:
+        rows.append(f"ours / LMCache {_LM0}: {_f(results['ratios'][_LM0]['throughput'])}x")
     for n, run in ours.get("engines", {}).items():
         rows.append(
             f"{n:>3} engine(s) x {run['ranks_per_engine']} rank(s), {run['window_per_engine']} "
@@ -160,15 +75,101 @@ def _cpu_rows(results: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _us(side: dict[str, Any] | None, world: str, key: str) -> float | None:
+    value: float | None = (side or {}).get("one_in_flight", {}).get(world, {}).get(key)
+    return value
+
+
+def _one_in_flight_cpu_rows(results: dict[str, Any]) -> list[str]:
+    figs = results["figures"]
+    ours = figs["ours"]
+    lm0 = figs.get("lmcache", {}).get(_LM0)
+    ratio = results.get("ratios", {}).get(_LM0, {}).get("latency", {})
+    rows = [
+        f"{'world':>5} | {'rank: ours':>10} {'LM0':>6} {'ratio':>5} | "
+        f"{'scheduler process: ours (caller + threads)':>42} {'LM0 (caller + threads)':>22} "
+        f"{'ratio':>5} | {'ours Redis':>10}"
+    ]
+    for w in ours["one_in_flight"]:
+        r = ratio.get(w, {})
+
+        def sched(side: dict[str, Any] | None, world: str = w) -> str:
+            total = _f(_us(side, world, "scheduler_cpu_us"), 0)
+            caller = _f(_us(side, world, "caller_thread_cpu_us"), 0)
+            threads = _f(_us(side, world, "client_threads_cpu_us"), 0)
+            return f"{total} ({caller} + {threads})"
+
+        rows.append(
+            f"{w:>5} | {_f(_us(ours, w, 'rank_cpu_us_per_rank'), 0):>10}"
+            f" {_f(_us(lm0, w, 'rank_cpu_us_per_rank'), 0):>6}"
+            f" {_f(r.get('rank_cpu_us_per_rank')):>5} | {sched(ours):>42} {sched(lm0):>22}"
+            f" {_f(r.get('scheduler_cpu_us')):>5} | {_f(_us(ours, w, 'redis_cpu_us'), 0):>10}"
+        )
+    return rows
+
+
+def _in_flight_cpu_rows(results: dict[str, Any]) -> list[str]:
+    sides = {"ours": results["figures"]["ours"]}
+    for name, side in results["figures"].get("lmcache", {}).items():
+        sides[f"LMCache {name}"] = side
+    rows = []
+    for name, side in sides.items():
+        c = side.get("in_flight", {}).get("cpu_us_per_lookup")
+        if not c:
+            continue
+        redis_part = f" + Redis {_f(c['redis'], 1)}" if "redis" in c else ""
+        rows.append(
+            f"{name}: caller {_f(c['caller_thread'], 1)} + client threads "
+            f"{_f(c['client_threads'], 1)} + ranks {_f(c['ranks'], 1)}{redis_part}"
+            f" = {_f(c['total'], 1)}"
+        )
+    r = results.get("ratios", {}).get(_LM0)
+    if r:
+        rows.append(
+            f"ours / LMCache {_LM0}: {_f(r['in_flight_cpu_per_lookup'])}x with Redis, "
+            f"{_f(r['in_flight_cpu_per_lookup_without_redis'])}x without"
+        )
+    return rows
+
+
 def _hash_rows(results: dict[str, Any]) -> list[str]:
     lm = results.get("lmcache", {}).get("hashing", {})
-    rows = [f"{'tokens':>7} | ours list tensor | LMCache list tensor"]
+    speedup = results.get("ratios", {}).get(_LM0, {}).get("hashing_speedup", {})
+    rows = [f"{'tokens':>7} | ours list tensor | LMCache list tensor | LMCache / ours list tensor"]
     for n, row in results["hashing"].items():
         other = lm.get(n, {})
         rows.append(
             f"{n:>7} | {_f(row['list_ns_per_token'], 1):>9} {_f(row['tensor_ns_per_token'], 1):>6}"
             f" | {_f(other.get('list_ns_per_token'), 1):>12}"
             f" {_f(other.get('tensor_ns_per_token'), 1):>6}"
+            f" | {_f(speedup.get(n, {}).get('list')):>21}"
+            f" {_f(speedup.get(n, {}).get('tensor')):>6}"
+        )
+    return rows
+
+
+def _caller_rows(results: dict[str, Any]) -> list[str]:
+    p = results["ours"]["pending"]
+    return [
+        f"Caller cost (µs): lookup_cache unknown {_f(p['lookup_cache_unknown_us'], 3)}, "
+        f"pending with 1 {_f(p['lookup_cache_pending_1_us'], 3)}, with {p['pending']} "
+        f"{_f(p['lookup_cache_pending_n_us'], 3)}; lookup() first 100 "
+        f"{_f(p['lookup_call_first_100_us'], 1)}, last 100 {_f(p['lookup_call_last_100_us'], 1)}",
+        f"Redis memory per in-flight lookup: {_f(p['key_bytes_per_lookup'], 0)} bytes in keys "
+        f"(hash {_f(p['lookup_hash_bytes'], 0)} + stream entry {_f(p['stream_entry_bytes'], 0)});"
+        f" used_memory grew {_f(p['redis_bytes_per_lookup'], 0)} bytes per lookup",
+    ]
+
+
+def _target_rows(results: dict[str, Any]) -> list[str]:
+    rows = [f"Targets (ratios: ours / LMCache {_LM0} of this run)"]
+    for t in results["targets"]:
+        verdict = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
+        bound = "<=" if t.get("at_most", True) else ">="
+        unit = t.get("unit", "")
+        rows.append(
+            f"  {verdict:>6}  {t['name']}: {_f(t['value'])}{unit} (target {bound} "
+            f"{t['limit']:g}{unit})"
         )
     return rows
 
@@ -176,8 +177,8 @@ def _hash_rows(results: dict[str, Any]) -> list[str]:
 def render(results: dict[str, Any]) -> str:
     """The human-readable table of a results dict."""
     meta = results["meta"]
-    p = results["ours"]["pending"]
     opts = meta["options"]
+    tput = results["ours"].get("throughput", {})
     lines = [
         f"broker-lookup bench ({'quick' if opts['quick'] else 'full'}; {meta['redis']['server']}"
         f" {meta['redis']['kind']}; {meta['cpus']} CPUs; load {meta['loadavg_start'][0]:.1f};"
@@ -186,26 +187,24 @@ def render(results: dict[str, Any]) -> str:
         "End-to-end latency, one lookup in flight (ms)",
         *_latency_rows(results),
         "",
+        "CPU per lookup, one lookup in flight (µs; rank: per rank process; scheduler process:"
+        " the whole client process, the caller's polling loop included on both sides)",
+        *_one_in_flight_cpu_rows(results),
+        "",
         "Throughput",
         *_throughput_rows(results),
         "",
-        f"Caller cost (µs): lookup_cache unknown {_f(p['lookup_cache_unknown_us'], 3)}, "
-        f"pending with 1 {_f(p['lookup_cache_pending_1_us'], 3)}, with {p['pending']} "
-        f"{_f(p['lookup_cache_pending_n_us'], 3)}; lookup() first 100 "
-        f"{_f(p['lookup_call_first_100_us'], 1)}, last 100 {_f(p['lookup_call_last_100_us'], 1)}",
-        f"Redis memory per in-flight lookup: {_f(p['key_bytes_per_lookup'], 0)} bytes in keys "
-        f"(hash {_f(p['lookup_hash_bytes'], 0)} + stream entry {_f(p['stream_entry_bytes'], 0)});"
-        f" used_memory grew {_f(p['redis_bytes_per_lookup'], 0)} bytes per lookup",
+        f"CPU per lookup, {tput.get('window')} in flight, world {tput.get('world')} (µs)",
+        *_in_flight_cpu_rows(results),
         "",
-        "CPU seconds per 1,000 lookups",
+        *_caller_rows(results),
+        "",
+        "CPU seconds per 1,000 lookups (throughput runs)",
         *_cpu_rows(results),
         "",
         "Hashing (ns/token)",
         *_hash_rows(results),
         "",
-        "Targets",
+        *_target_rows(results),
     ]
-    for t in results["targets"]:
-        verdict = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
-        lines.append(f"  {verdict:>6}  {t['name']}: {_f(t['value'])} (target {t['limit']:g})")
     return "\n".join(lines)
