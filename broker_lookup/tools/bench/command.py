@@ -32,9 +32,9 @@ import redis
 
 from broker_lookup.errors import BrokerUnavailable
 from broker_lookup.processes import ExitCode
-from broker_lookup.protocol.hashing import measure_ns_per_token
 from broker_lookup.tools.bench.cluster import add_cluster_args, cmd_cluster_bench
 from broker_lookup.tools.bench.figures import evaluate_targets, figures, ratios
+from broker_lookup.tools.bench.hash_timing import hashing, paired_hashing
 from broker_lookup.tools.bench.measure import BenchError, BenchOptions
 from broker_lookup.tools.bench.report import render
 
@@ -89,39 +89,6 @@ def _delete_keys(url: str, run_id: str) -> None:
             client.unlink(*batch)
     finally:
         client.close()
-
-
-#: Hashing is timed in this many rounds, ours and LMCache's alternating; the fastest of each
-#: counts (load on the box only ever adds time), so the ratio compares like with like.
-HASH_ROUNDS = 5
-
-
-def hashing(sizes: tuple[int, ...]) -> dict[str, dict[str, float]]:
-    """ns per token of our hasher, list and int64 tensor input, per prompt size."""
-    return {
-        str(n): {
-            "list_ns_per_token": measure_ns_per_token(n, "list"),
-            "tensor_ns_per_token": measure_ns_per_token(n, "tensor"),
-        }
-        for n in sizes
-    }
-
-
-def _fastest(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
-    return {n: {k: min(r[n][k] for r in rounds) for k in row} for n, row in rounds[0].items()}
-
-
-def paired_hashing(sizes: tuple[int, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Ours and LMCache's ``process_tokens`` timed in alternating rounds: (ours, LMCache's)."""
-    from broker_lookup.tools.bench.lmcache_side import lmcache_hashing, require_lmcache
-
-    lm = require_lmcache()
-    ours: list[dict[str, dict[str, float]]] = []
-    theirs: list[dict[str, dict[str, float]]] = []
-    for _ in range(HASH_ROUNDS):
-        ours.append(hashing(sizes))
-        theirs.append(lmcache_hashing(lm, sizes))
-    return _fastest(ours), _fastest(theirs)
 
 
 def _ours(opts: BenchOptions, run_id: str, meta: dict[str, Any]) -> dict[str, Any]:
@@ -184,7 +151,10 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         from broker_lookup.tools.bench.lmcache_side import bench_lmcache
 
         results["lmcache"] = bench_lmcache(opts, run_id)
-        results["hashing"], results["lmcache"]["hashing"] = paired_hashing(opts.hash_sizes)
+        from broker_lookup.tools.bench.lmcache_side import require_lmcache
+
+        pair = paired_hashing(require_lmcache(), opts.hash_sizes)
+        results["hashing"], results["lmcache"]["hashing"] = pair
     else:
         results["hashing"] = hashing(opts.hash_sizes)
     results["figures"] = figures(results)

@@ -35,7 +35,7 @@ from broker_lookup.tools.bench.measure import (
 from broker_lookup.tools.bench.rank_host import RankSpec, host_parser, ready, run_host
 from broker_lookup.tools.stub_engine import StubEngine
 
-__all__ = ["VARIANTS", "bench_lmcache", "lmcache_hashing", "main", "require_lmcache"]
+__all__ = ["VARIANTS", "bench_lmcache", "main", "require_lmcache", "token_database"]
 
 logger = logging.getLogger(__name__)
 
@@ -220,23 +220,9 @@ def bench_lmcache(opts: BenchOptions, run_id: str) -> dict[str, Any]:
     return out
 
 
-def lmcache_hashing(lm: SimpleNamespace, sizes: tuple[int, ...]) -> dict[str, dict[str, float]]:
-    """ns per token of LMCache's ``ChunkedTokenDatabase.process_tokens`` (list and tensor)."""
-    database = lm.TokenDatabase(_config(lm, None))
-    out: dict[str, dict[str, float]] = {}
-    for n in sizes:
-        base = Prompts(n).get(0)
-        row = {}
-        for kind, tokens in (("list", base), ("tensor", lm.torch.tensor(base))):
-            runs = []
-            for _ in range(5):
-                t0 = time.perf_counter_ns()
-                for _chunk in database.process_tokens(tokens, make_key=False):
-                    pass
-                runs.append(time.perf_counter_ns() - t0)
-            row[f"{kind}_ns_per_token"] = sorted(runs)[len(runs) // 2] / n
-        out[str(n)] = row
-    return out
+def token_database(lm: SimpleNamespace) -> Any:
+    """LMCache's ``ChunkedTokenDatabase`` as its default config builds it (for hashing)."""
+    return lm.TokenDatabase(_config(lm, None))
 
 
 def _remove_sockets(engine_ids: Any) -> None:
