@@ -150,6 +150,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     if opts.vs_lmcache:
         from broker_lookup.tools.bench.lmcache_side import bench_lmcache
 
+        meta["loadavg_lmcache_start"] = os.getloadavg()  # the sides run one after the other
         results["lmcache"] = bench_lmcache(opts, run_id)
         from broker_lookup.tools.bench.lmcache_side import require_lmcache
 

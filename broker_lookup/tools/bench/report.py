@@ -88,7 +88,7 @@ def _one_in_flight_cpu_rows(results: dict[str, Any]) -> list[str]:
     rows = [
         f"{'world':>5} | {'rank: ours':>10} {'LM0':>6} {'ratio':>5} | "
         f"{'scheduler process: ours (caller + threads)':>42} {'LM0 (caller + threads)':>22} "
-        f"{'ratio':>5} | {'ours Redis':>10}"
+        f"{'ratio':>5} | {'ours Redis':>10} | {'polls: ours':>11} {'LM0':>4}"
     ]
     for w in ours["one_in_flight"]:
         r = ratio.get(w, {})
@@ -104,6 +104,8 @@ def _one_in_flight_cpu_rows(results: dict[str, Any]) -> list[str]:
             f" {_f(_us(lm0, w, 'rank_cpu_us_per_rank'), 0):>6}"
             f" {_f(r.get('rank_cpu_us_per_rank')):>5} | {sched(ours):>42} {sched(lm0):>22}"
             f" {_f(r.get('scheduler_cpu_us')):>5} | {_f(_us(ours, w, 'redis_cpu_us'), 0):>10}"
+            f" | {_f(_us(ours, w, 'polls_per_lookup'), 1):>11}"
+            f" {_f(_us(lm0, w, 'polls_per_lookup'), 1):>4}"
         )
     return rows
 
@@ -148,6 +150,12 @@ def _hash_rows(results: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _load(meta: dict[str, Any]) -> str:
+    ours = f"{meta['loadavg_start'][0]:.1f}"
+    lm = meta.get("loadavg_lmcache_start")
+    return ours if lm is None else f"{ours} at our start, {lm[0]:.1f} at LMCache's"
+
+
 def _caller_rows(results: dict[str, Any]) -> list[str]:
     p = results["ours"]["pending"]
     return [
@@ -181,7 +189,7 @@ def render(results: dict[str, Any]) -> str:
     tput = results["ours"].get("throughput", {})
     lines = [
         f"broker-lookup bench ({'quick' if opts['quick'] else 'full'}; {meta['redis']['server']}"
-        f" {meta['redis']['kind']}; {meta['cpus']} CPUs; load {meta['loadavg_start'][0]:.1f};"
+        f" {meta['redis']['kind']}; {meta['cpus']} CPUs; load {_load(meta)};"
         f" {opts['tokens']} tokens; poll every {opts['poll_us']:g} µs)",
         "",
         "End-to-end latency, one lookup in flight (ms)",
