@@ -60,7 +60,8 @@ class Link(Protocol):
     def call(self, commands: Sequence[Command], read: Command | None = None) -> list[Any]:
         """Send ``commands`` (then ``read``) in one write; their replies, errors as values.
 
-        ``read``'s reply is left for :meth:`take_read`. Raises if a read is outstanding.
+        ``read``'s reply is left for :meth:`take_read`. Raises RuntimeError while a read's
+        reply is still on the wire (:meth:`settle_read` first), or for a second read.
         """
         ...
 
@@ -105,19 +106,19 @@ class LeanLink:
     def __init__(self, pool: redis.ConnectionPool) -> None:
         self._pool = pool
         self._conn: Any = None
-        self._reading = False
-        self._kept: Any = _NO_READ
+        self._on_wire = False  # a read was written and its reply not read yet
+        self._kept: Any = _NO_READ  # a read's reply, read early by settle_read
         self._deferred: Command | None = None  # fakeredis: the read, sent when taken
         self._defer = pool.connection_class.__module__.startswith("fakeredis")
 
     @property
     def reading(self) -> bool:
         """Whether a read was sent and its reply not taken yet."""
-        return self._reading
+        return self._on_wire or self._kept is not _NO_READ or self._deferred is not None
 
     def call(self, commands: Sequence[Command], read: Command | None = None) -> list[Any]:
         """Send ``commands`` (then ``read``) in one write; their replies, errors as values."""
-        if self._reading:
+        if self._on_wire or (read is not None and self.reading):
             raise RuntimeError("LeanLink.call while a read is outstanding")
         wire = list(commands)
         if read is not None:
@@ -125,12 +126,12 @@ class LeanLink:
                 self._deferred = read
             else:
                 wire.append(read)
-            self._reading = True
         if not wire:
             return []
         conn = self._connection()
         try:
             conn.send_packed_command(self._pack(conn, wire))
+            self._on_wire = read is not None and not self._defer
             return [self._reply(conn) for _ in commands]
         except BaseException:
             self._drop()
@@ -138,10 +139,9 @@ class LeanLink:
 
     def take_read(self) -> Any:
         """The reply of the outstanding read (waits for it); an error reply is raised."""
-        if not self._reading:
+        if not self.reading:
             raise RuntimeError("LeanLink.take_read with no read outstanding")
         kept, self._kept = self._kept, _NO_READ
-        self._reading = False
         if kept is not _NO_READ:
             if isinstance(kept, ResponseError):
                 raise kept
@@ -151,6 +151,7 @@ class LeanLink:
             if self._deferred is not None:
                 read, self._deferred = self._deferred, None
                 conn.send_packed_command(self._pack(conn, [read]))
+            self._on_wire = False
             return conn.read_response(disable_decoding=True)
         except ResponseError:
             raise  # a whole reply was read: the connection stays in step
@@ -160,29 +161,31 @@ class LeanLink:
 
     def settle_read(self) -> None:
         """Read the outstanding read's reply now; :meth:`take_read` returns it later."""
-        if not self._reading or self._kept is not _NO_READ:
-            return
+        if not self._on_wire:
+            return  # nothing on the wire: none yet, already kept, or deferred
         try:
             reply = self.take_read()
         except ResponseError as exc:
             reply = exc
         self._kept = reply
-        self._reading = True
 
     def close(self) -> None:
         """Give the connection back to its pool, disconnected. Idempotent."""
         conn, self._conn = self._conn, None
-        self._reading = False
-        self._kept = _NO_READ
-        self._deferred = None
+        self._forget()
         if conn is not None:
             conn.disconnect()
             self._pool.release(conn)
 
     def _connection(self) -> Any:
-        if self._conn is None:
-            self._conn = self._pool.get_connection()
-        return self._conn
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = self._pool.get_connection()  # connected by the pool
+        elif not conn.is_connected:
+            # Through the connection's own connect(): a Sentinel-managed one asks the
+            # sentinels for the master again (a write would reconnect to the old address).
+            conn.connect()
+        return conn
 
     @staticmethod
     def _pack(conn: Any, commands: Sequence[Command]) -> Any:
@@ -200,11 +203,14 @@ class LeanLink:
         except ResponseError as exc:
             return exc
 
-    def _drop(self) -> None:
-        """Disconnect (it reconnects on the next call) and forget every pending reply."""
-        self._reading = False
+    def _forget(self) -> None:
+        self._on_wire = False
         self._kept = _NO_READ
         self._deferred = None
+
+    def _drop(self) -> None:
+        """Disconnect (it reconnects on the next call) and forget every pending reply."""
+        self._forget()
         if self._conn is not None:
             self._conn.disconnect()
 
@@ -215,7 +221,6 @@ class ClientLink:
     def __init__(self, client: redis.Redis) -> None:
         self._client = client
         self._read: Command | None = None
-        self._kept: Any = _NO_READ
 
     @property
     def reading(self) -> bool:
@@ -224,15 +229,16 @@ class ClientLink:
 
     def call(self, commands: Sequence[Command], read: Command | None = None) -> list[Any]:
         """Run ``commands`` in one pipelined round trip; ``read`` runs when it is taken."""
-        if self._read is not None:
-            raise RuntimeError("ClientLink.call while a read is outstanding")
+        if read is not None and self._read is not None:
+            raise RuntimeError("ClientLink.call with a read while one is outstanding")
         results: list[Any] = []
         if commands:
             pipe = self._client.pipeline(transaction=False)
             for command in commands:
                 pipe.execute_command(*command)  # type: ignore[no-untyped-call]  # untyped in redis-py
             results = list(pipe.execute(raise_on_error=False))
-        self._read = read
+        if read is not None:
+            self._read = read
         return results
 
     def take_read(self) -> Any:
@@ -240,11 +246,6 @@ class ClientLink:
         read, self._read = self._read, None
         if read is None:
             raise RuntimeError("ClientLink.take_read with no read outstanding")
-        kept, self._kept = self._kept, _NO_READ
-        if kept is not _NO_READ:
-            if isinstance(kept, ResponseError):
-                raise kept
-            return kept
         return self._client.execute_command(*read)  # type: ignore[no-untyped-call]  # untyped in redis-py
 
     def settle_read(self) -> None:
@@ -253,4 +254,3 @@ class ClientLink:
     def close(self) -> None:
         """Forget the outstanding read; the client is its owner's to close."""
         self._read = None
-        self._kept = _NO_READ

@@ -89,7 +89,7 @@ class RankLoop(LoopThread):
         #: Set while the group exists and the loop is reading.
         self.ready = threading.Event()
         self._next_group_info = 0.0
-        self._keys = keys
+        self._serving = f"serving {keys.requests} as {keys.group(rank)}"
 
     def _run(self) -> None:
         client = self._factory()
@@ -117,9 +117,10 @@ class RankLoop(LoopThread):
                     self.ready.set()
                 self._keep_alive(link)
                 link.call([], self.reader.read_command())
-            with translate_redis_errors(f"reading {self._keys.requests}"):
+            # One translation for the whole hot path (it costs as much as a command).
+            with translate_redis_errors(self._serving):
                 reply = link.take_read()
-            self._serve(link, client, self.reader.parse(reply))
+                self._serve(link, client, self.reader.parse(reply))
             self._fingerprint.tick()
         except NoGroup as exc:
             self.ready.clear()

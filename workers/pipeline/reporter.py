@@ -22,10 +22,10 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import redis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from broker_lookup.config import LookupConfig
-from broker_lookup.errors import BrokerLookupError, translate_redis_errors
+from broker_lookup.errors import BrokerLookupError
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import Call, ScriptSet, is_noscript, report_call
 from broker_lookup.transport.batcher import Batcher
@@ -124,12 +124,13 @@ class Reporter(Batcher[Report]):
         batch: Served,
         read: Command | None = None,
     ) -> None:
-        """Send ``batch``'s dead letters, reports and XACK, then ``read``, in one write.
+        """Send ``batch``'s dead letters, XACK and reports, then ``read``, in one write.
 
         ``read``'s reply stays on ``link`` for the loop. ``client`` (the loop's) reloads
         the scripts if the server lost them. If Redis fails, the reports go to the queue
-        (this reporter's thread retries them) and the error propagates: the entries stay
-        pending and are read again, then deduped.
+        (this reporter's thread retries them) and the error propagates, untranslated
+        (the loop translates its whole turn at once): the entries stay pending and are
+        read again, then deduped.
         """
         reports = batch.reports
         if not reports and not batch.ack_ids and not batch.dead:
@@ -137,21 +138,20 @@ class Reporter(Batcher[Report]):
                 link.call([], read)
             return
         head: list[Command] = list(batch.dead)
+        calls = [self._call(r) for r in reports]
         if batch.ack_ids:
             head.append(("XACK", self._keys.requests, self._keys.group(self._rank), *batch.ack_ids))
-        calls = [self._call(r) for r in reports]
         commands = head + [self._evalsha(c) for c in calls]
         try:
-            with translate_redis_errors("sending a served batch's reports and acks"):
-                replies = link.call(commands, read)
-                for reply in replies[: len(head)]:
-                    if isinstance(reply, ResponseError):
-                        raise reply
-                results = replies[len(head) :]
-                if any(is_noscript(r) for r in results):
-                    link.settle_read()  # the connection is needed now: take the read's reply
-                    results = self._rerun(link, client, calls, results)
-        except BrokerLookupError:
+            replies = link.call(commands, read)
+            for reply in replies[: len(head)]:
+                if isinstance(reply, ResponseError):
+                    raise reply
+            results = replies[len(head) :]
+            if any(is_noscript(r) for r in results):
+                link.settle_read()  # the connection is needed now: take the read's reply
+                results = self._rerun(link, client, calls, results)
+        except (BrokerLookupError, RedisError):
             for report in reports:
                 self._enqueue(report)
             raise

@@ -1,0 +1,117 @@
+"""The lean link the rank's loop runs on: raw replies, a read sent with a write and taken
+later, settling it to send meanwhile, errors that drop the connection; on fakeredis and
+on a real server, plus the ClientLink fallback over redis-py's pipeline."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from helpers import Backend
+
+from broker_lookup.transport.lean import ClientLink, Command, LeanLink, open_link, pairs
+
+
+def _key() -> str:
+    return "lean-" + uuid.uuid4().hex[:8]
+
+
+def _read(stream: str, block_ms: int = 100) -> Command:
+    return ("XREADGROUP", "GROUP", "g", "c", "COUNT", 10, "BLOCK", block_ms, "STREAMS", stream, ">")
+
+
+def _entry_fields(reply: Any) -> list[dict[Any, Any]]:
+    """Each entry's fields of an XREADGROUP reply (RESP3 map or RESP2 list)."""
+    streams = reply.values() if isinstance(reply, dict) else [s[1] for s in reply]
+    return [pairs(fields) for entries in streams for _, fields in entries]
+
+
+def test_a_read_rides_with_a_write_and_is_taken_later(backend: Backend) -> None:
+    stream = _key()
+    link = open_link(backend.factory())
+    assert isinstance(link, LeanLink)
+    try:
+        created, busy = link.call(
+            [("XGROUP", "CREATE", stream, "g", "$", "MKSTREAM")] * 2
+        )  # errors come back as values, in order
+        assert created == b"OK" and isinstance(busy, redis.ResponseError)
+        assert link.call([("XADD", stream, "*", "f", "v")], _read(stream))[0]
+        assert link.reading
+        with pytest.raises(RuntimeError):
+            link.call([], _read(stream))  # one read at a time
+        assert _entry_fields(link.take_read()) == [{b"f": b"v"}]
+        assert not link.reading
+        link.call([], _read(stream, block_ms=50))
+        assert link.take_read() is None  # BLOCK ran out: nothing new
+    finally:
+        link.close()
+
+
+def test_settling_a_read_frees_the_connection_for_other_commands(backend: Backend) -> None:
+    stream = _key()
+    conn = backend.factory()
+    conn.xgroup_create(stream, "g", id="$", mkstream=True)
+    conn.xadd(stream, {"f": "1"})
+    link = open_link(backend.factory())
+    try:
+        link.call([], _read(stream))
+        link.settle_read()
+        assert link.reading
+        assert link.call([("PING",)]) == [b"PONG"]
+        assert _entry_fields(link.take_read()) == [{b"f": b"1"}]
+    finally:
+        link.close()
+
+
+def test_an_error_reply_to_the_read_is_raised_and_the_link_stays_usable(
+    backend: Backend,
+) -> None:
+    link = open_link(backend.factory())
+    try:
+        link.call([], _read(_key()))  # no such group
+        with pytest.raises(redis.ResponseError):  # NOGROUP (fakeredis words it otherwise)
+            link.take_read()
+        assert link.call([("PING",)]) == [b"PONG"]
+    finally:
+        link.close()
+
+
+def test_a_lost_connection_drops_the_read_and_reconnects(backend: Backend) -> None:
+    if backend.kind != "fake":
+        pytest.skip("the fake server can refuse one connection; see test_rank_network")
+    link = open_link(backend.factory())
+    try:
+        assert link.call([("PING",)]) == [b"PONG"]
+        backend.fake.connected = False
+        with pytest.raises(redis.ConnectionError):
+            link.call([("PING",)], _read(_key()))
+        assert not link.reading  # the read's reply can never be taken for a later one
+        backend.fake.connected = True
+        assert link.call([("PING",)]) == [b"PONG"]
+    finally:
+        link.close()
+
+
+def test_client_link_keeps_the_interface_over_the_pipeline(backend: Backend) -> None:
+    stream = _key()
+    conn = backend.factory()
+    conn.xgroup_create(stream, "g", id="$", mkstream=True)
+    link = ClientLink(conn)
+    assert link.call([("XADD", stream, "*", "f", "v")], _read(stream))[0]
+    assert link.call([("PING",)])[0] in (True, b"PONG", "PONG")  # a read may wait meanwhile
+    assert _entry_fields(link.take_read()) == [{b"f": b"v"}]
+    link.close()
+
+
+def test_close_gives_the_connection_back_closed(backend: Backend) -> None:
+    if backend.kind != "real":
+        pytest.skip("CLIENT LIST of the real server")
+    name = "lean-" + uuid.uuid4().hex[:8]
+    admin = backend.factory()
+    link = open_link(backend.factory(client_name=name))
+    link.call([], _read(_key(), block_ms=1000))  # left unread: close must drop it
+    assert [c for c in admin.client_list() if c.get("name") == name]
+    link.close()
+    assert not [c for c in admin.client_list() if c.get("name") == name]
