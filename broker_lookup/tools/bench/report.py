@@ -94,6 +94,8 @@ def _one_in_flight_cpu_rows(results: dict[str, Any]) -> list[str]:
         r = ratio.get(w, {})
 
         def sched(side: dict[str, Any] | None, world: str = w) -> str:
+            if _us(side, world, "scheduler_cpu_us") is None:
+                return "-"
             total = _f(_us(side, world, "scheduler_cpu_us"), 0)
             caller = _f(_us(side, world, "caller_thread_cpu_us"), 0)
             threads = _f(_us(side, world, "client_threads_cpu_us"), 0)
@@ -153,7 +155,13 @@ def _hash_rows(results: dict[str, Any]) -> list[str]:
 def _load(meta: dict[str, Any]) -> str:
     ours = f"{meta['loadavg_start'][0]:.1f}"
     lm = meta.get("loadavg_lmcache_start")
-    return ours if lm is None else f"{ours} at our start, {lm[0]:.1f} at LMCache's"
+    if lm is None:
+        return ours
+    uneven = (
+        lm[0] > 1.5 * meta["loadavg_start"][0] + 1 or meta["loadavg_start"][0] > 1.5 * lm[0] + 1
+    )
+    note = " (uneven: read the ratios with care)" if uneven else ""
+    return f"{ours} at our start, {lm[0]:.1f} at LMCache's{note}"
 
 
 def _caller_rows(results: dict[str, Any]) -> list[str]:
@@ -176,7 +184,8 @@ def _target_rows(results: dict[str, Any]) -> list[str]:
         bound = "<=" if t.get("at_most", True) else ">="
         unit = t.get("unit", "")
         rows.append(
-            f"  {verdict:>6}  {t['name']}: {_f(t['value'])}{unit} (target {bound} "
+            f"  {verdict:>6}  {t['name']}: {_f(t['value'])}{unit if t['value'] is not None else ''}"
+            f" (target {bound} "
             f"{t['limit']:g}{unit})"
         )
     return rows
