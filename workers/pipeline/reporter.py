@@ -83,6 +83,8 @@ class Reporter(Batcher[Report]):
         self._config = config
         self._keys = keys
         self._rank = rank
+        self._stream = keys.requests
+        self._group = keys.group(rank)
         self._settle = settle
         self._lock = threading.Lock()
         self._riding: list[Report] | None = None  # open while the read loop serves a batch
@@ -133,22 +135,20 @@ class Reporter(Batcher[Report]):
         read again, then deduped.
         """
         reports = batch.reports
-        if not reports and not batch.ack_ids and not batch.dead:
-            if read is not None:
-                link.call([], read)
-            return
-        head: list[Command] = list(batch.dead)
-        calls = [self._call(r) for r in reports]
+        commands: list[Command] = list(batch.dead)
         if batch.ack_ids:
-            head.append(("XACK", self._keys.requests, self._keys.group(self._rank), *batch.ack_ids))
-        commands = head + [self._evalsha(c) for c in calls]
+            commands.append(("XACK", self._stream, self._group, *batch.ack_ids))
+        ahead = len(commands)
+        calls = [self._call(r) for r in reports]
+        commands += [self._evalsha(c) for c in calls]
         try:
             replies = link.call(commands, read)
-            for reply in replies[: len(head)]:
+            for reply in replies[:ahead]:
                 if isinstance(reply, ResponseError):
                     raise reply
-            results = replies[len(head) :]
-            if any(is_noscript(r) for r in results):
+            results = replies[ahead:]
+            # A script's answer is a bulk string; only something else can be NOSCRIPT.
+            if any(type(r) is not bytes and is_noscript(r) for r in results):
                 link.settle_read()  # the connection is needed now: take the read's reply
                 results = self._rerun(link, client, calls, results)
         except (BrokerLookupError, RedisError):
@@ -204,7 +204,7 @@ class Reporter(Batcher[Report]):
         )
 
     def _answer(self, result: object) -> str:
-        if isinstance(result, bytes):
+        if type(result) is bytes:
             return result.decode()
         if isinstance(result, str):
             return result
