@@ -85,8 +85,8 @@ class Dispatcher:
         """Serve one entry; ``remaining_ms`` is how long it stays worth answering."""
         now = time.monotonic()
         if isinstance(msg, Abort):
-            self.count("aborts")
-            self._apply(msg.lookup_id, self._tracker.on_abort(msg.lookup_id, msg.gen, now))
+            step = self._tracker.on_abort(msg.lookup_id, msg.gen, now)
+            self._apply(msg.lookup_id, step, "aborts")
             return
         if self._rank not in msg.expected:
             self.count("not_expected")
@@ -97,8 +97,7 @@ class Dispatcher:
         # Local and monotonic from here on; capped so no wire value outlives the pin TTL.
         deadline = now + min(remaining_ms / 1000, self._pin_ttl_s)
         decision, step = self._tracker.on_request(msg, now, deadline)
-        self.count(decision)
-        self._apply(msg.lookup_id, step)
+        self._apply(msg.lookup_id, step, decision)
 
     # -- from the engine (any thread) -------------------------------------------------
 
@@ -118,8 +117,7 @@ class Dispatcher:
             return
         self._observe(now - job.started)
         if outcome == "skipped":  # aborted or superseded: nobody wants the answer
-            self.count("report_skipped_aborted")
-            self._apply(lookup_id, step)
+            self._apply(lookup_id, step, "report_skipped_aborted")
             return
         self.reporter.put(Report(lookup_id, job.gen, self._valid_hits(job, hits)))
 
@@ -127,11 +125,10 @@ class Dispatcher:
 
     def settle(self, report: Report, answer: str) -> None:
         """Redis answered ``report``: hold its generation's pins, or release them."""
-        self.count("report_" + answer)
         step = self._tracker.on_settled(
             report.lookup_id, report.gen, answer in _KEEP, time.monotonic()
         )
-        self._apply(report.lookup_id, step)
+        self._apply(report.lookup_id, step, "report_" + answer)
 
     # -- from the sweeper's clock ----------------------------------------------------
 
@@ -167,15 +164,29 @@ class Dispatcher:
 
     # -- the engine --------------------------------------------------------------------
 
-    def _apply(self, lookup_id: str, step: Step) -> None:
-        """Carry out a lifecycle step: release the engine's generation, then start the next."""
-        if step.release:
-            self._release(lookup_id)
-        if step.start is not None:
-            self._start(step.start)
+    def _apply(self, lookup_id: str, step: Step, counted: str | None = None) -> None:
+        """Carry out a lifecycle step: release the engine's generation, then start the next.
+
+        ``counted`` (the decision that led here) and the step's own counters are added
+        under one acquisition of the lock: this runs several times per lookup.
+        """
+        release = step.release
+        start = step.start
+        with self._lock:
+            counts = self._counts
+            if counted is not None:
+                counts[counted] = counts.get(counted, 0) + 1
+            if release:
+                counts["released"] = counts.get("released", 0) + 1
+            if start is not None:
+                counts["requests"] = counts.get("requests", 0) + 1
+        if release:
+            self._cleanup(lookup_id)
+        if start is not None:
+            self._start(start)
 
     def _start(self, req: LookupRequest) -> None:
-        self.count("requests")
+        """Hand ``req`` to the engine (counted as a request by the caller)."""
         try:
             self._engine.async_lookup_and_prefetch(
                 req.lookup_id,
@@ -193,6 +204,10 @@ class Dispatcher:
 
     def _release(self, lookup_id: str) -> None:
         self.count("released")
+        self._cleanup(lookup_id)
+
+    def _cleanup(self, lookup_id: str) -> None:
+        """The engine's release of ``lookup_id`` (counted as released by the caller)."""
         try:
             self._engine.cleanup_memory_objs(lookup_id)
         except Exception:  # engine bug: count and log, the loop must go on

@@ -162,22 +162,25 @@ class Reader:
             if not entries:
                 self._replaying = False  # nothing of ours is pending: read new entries
             self.stats["replayed"] += len(entries)
+        self.stats["entries"] += len(entries)
         messages: list[tuple[LookupRequest | Abort, float]] = []
         dead: list[Command] = []
+        remaining_ms = self._clock.remaining_ms
+        aborts = False
         for entry_id, fields in entries:
             msg = self._decode(dead, entry_id, fields)
-            if isinstance(msg, Abort):
-                messages.append((msg, math.inf))
+            if type(msg) is LookupRequest:  # the common case first (decoded: never a subclass)
+                messages.append((msg, remaining_ms(msg, entry_id)))
             elif msg is not None:
-                messages.append((msg, self._clock.remaining_ms(msg, entry_id)))
-        if len(messages) > 1:
+                messages.append((msg, math.inf))
+                aborts = True
+        if aborts and len(messages) > 1:
             messages.sort(key=lambda pair: not isinstance(pair[0], Abort))  # stable: aborts first
         return Batch(messages, [entry_id for entry_id, _ in entries], dead)
 
     def _decode(
         self, dead: list[Command], entry_id: bytes, fields: dict[bytes, bytes] | None
     ) -> LookupRequest | Abort | None:
-        self.stats["entries"] += 1
         try:
             msg = decode_request(fields)
         except MalformedMessage as exc:
