@@ -8,6 +8,10 @@ lookups past their deadline end as 0 and are cancelled even if nobody polls them
 whose completion event was missed (a reconnect, a flushed stream) are reconciled
 from their hash, once Redis confirmed their submit (a lookup still queued behind a
 burst is never taken for vanished).
+
+Its commands go over the transport's :class:`~broker_lookup.transport.lean.LeanLink`
+(raw replies, no redis-py callbacks) except on Redis Cluster, where redis-py's client
+routes them by slot.
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ import redis
 
 from broker_lookup.client.breaker import Breaker
 from broker_lookup.client.table import LookupTable
-from broker_lookup.client.wire import Wire, pack, wire_for
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, MalformedMessage, translate_redis_errors
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import DoneEvent, decode_done
 from broker_lookup.threads import LoopThread
+from broker_lookup.transport.lean import Command, LeanLink, open_link
 
 __all__ = ["Listener"]
 
@@ -68,9 +72,9 @@ class Listener(LoopThread):
         self.connected = False
         self._next = {"hb": 0.0, "reconcile": 0.0, "evict": 0.0}
         #: The lean connection of the thread's hot reads (None: redis-py's client).
-        self._wire: Wire | None = None
+        self._link: LeanLink | None = None
         self._heartbeat_keys = [self._keys.heartbeat(r) for r in expected]
-        self._mget = pack("MGET", *self._heartbeat_keys) if expected else b""
+        self._mget: Command = ("MGET", *self._heartbeat_keys)
 
     def prime(self, client: redis.Redis) -> None:
         """Learn liveness and the stream position now, before :meth:`start`."""
@@ -88,7 +92,9 @@ class Listener(LoopThread):
 
     def _run(self) -> None:
         client = self._factory()
-        self._wire = wire_for(client)
+        link = open_link(client)
+        # Redis Cluster's client routes by slot: the listener keeps it there.
+        self._link = link if isinstance(link, LeanLink) else None
         try:
             while not self._stop.is_set():
                 try:
@@ -101,8 +107,8 @@ class Listener(LoopThread):
                 except Exception:  # a bug: counted and logged, never a silent dead thread
                     self.guard()
         finally:
-            if self._wire is not None:
-                self._wire.close()
+            if self._link is not None:
+                self._link.close()
             client.close()
 
     def _on_error(self, exc: Exception) -> None:
@@ -119,13 +125,14 @@ class Listener(LoopThread):
 
     def _read(self, client: redis.Redis) -> None:
         with translate_redis_errors("reading completions"):
-            wire = self._wire
-            if wire is None:
+            link = self._link
+            if link is None:
                 resp: Any = client.xread(
                     {self._keys.done: self._last_id}, count=1000, block=self._config.block_ms
                 )
             else:
-                resp = _raise_error(wire.execute([self._xread_command()])[0])
+                # A plain call, not a piggy-backed read: nothing rides with it.
+                resp = _raise_error(link.call([self._xread_command()])[0])
         if isinstance(resp, dict):  # RESP3 (protocol=3 in the URL): a map of streams
             resp = list(resp.items())
         for _stream, entries in resp or ():
@@ -140,8 +147,8 @@ class Listener(LoopThread):
                     ev.lookup_id, ev.gen, ev.result, "hit" if ev.result > 0 else "miss"
                 )
 
-    def _xread_command(self) -> bytes:
-        return pack(
+    def _xread_command(self) -> Command:
+        return (
             "XREAD",
             "COUNT",
             1000,
@@ -172,11 +179,11 @@ class Listener(LoopThread):
         """Refresh :attr:`dead`; fail the in-flight lookups of ranks that just died."""
         keys = self._heartbeat_keys
         with translate_redis_errors("reading heartbeats"):
-            wire = self._wire
-            if wire is None or not keys:
+            link = self._link
+            if link is None or not keys:
                 values = client.mget(keys)
             else:
-                values = _raise_error(wire.execute([self._mget])[0])
+                values = _raise_error(link.call([self._mget])[0])
         dead = frozenset(r for r, v in zip(self._expected, values, strict=True) if v is None)
         # The first read reports every dead rank, so one that never started is logged.
         newly = dead - self.dead if self._checked else dead
@@ -219,18 +226,18 @@ class Listener(LoopThread):
     def _status_rows(self, lookup_ids: list[str], client: redis.Redis) -> list[Any]:
         """HMGET of each lookup's status fields, in one round trip."""
         fields = lookup_hash.STATUS_FIELDS
-        wire = self._wire
-        if wire is None:
+        link = self._link
+        if link is None:
             pipe = client.pipeline(transaction=False)
             for lookup_id in lookup_ids:
                 pipe.hmget(self._keys.lookup(lookup_id), *fields)
             return list(pipe.execute())
-        rows = wire.execute([pack("HMGET", self._keys.lookup(i), *fields) for i in lookup_ids])
+        rows = link.call([("HMGET", self._keys.lookup(i), *fields) for i in lookup_ids])
         return [_raise_error(row) for row in rows]
 
 
 def _raise_error(reply: Any) -> Any:
-    """A wire reply, or raise it if Redis answered an error."""
+    """A raw reply, or raise it if Redis answered an error."""
     if isinstance(reply, Exception):
         raise reply
     return reply

@@ -11,8 +11,9 @@ the :class:`~broker_lookup.transport.batcher.Batcher` loop hands a batch to
 :meth:`Sender._send_batch`, which builds each script call next to its Lua
 (:func:`~broker_lookup.protocol.scripts.submit_call`, ``cancel_call``), runs them in
 one retried round trip, and settles each lookup in the table. The round trip goes over
-a :class:`~broker_lookup.client.wire.Wire` (hiredis-packed EVALSHAs on one connection)
-wherever the URL allows one, else through redis-py's pipeline (Redis Cluster, fakeredis).
+the transport's :class:`~broker_lookup.transport.lean.LeanLink` (hiredis-packed EVALSHAs
+on one pooled connection, raw replies) wherever :func:`~broker_lookup.transport.lean.open_link`
+gives one, else through redis-py's pipeline (Redis Cluster: routing by slot is its client's).
 """
 
 from __future__ import annotations
@@ -26,20 +27,20 @@ import redis
 
 from broker_lookup.client.breaker import Breaker
 from broker_lookup.client.table import Entry, LookupTable
-from broker_lookup.client.wire import Wire, pack, run_scripts, wire_for
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, BrokerUnavailable, translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, LookupRequest
-from broker_lookup.protocol.scripts import Call, ScriptSet, cancel_call, submit_call
+from broker_lookup.protocol.scripts import Call, ScriptSet, cancel_call, is_noscript, submit_call
 from broker_lookup.transport.batcher import Batcher
+from broker_lookup.transport.lean import Command, LeanLink, open_link
 
-__all__ = ["Sender"]
+__all__ = ["Sender", "run_scripts"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_BATCH = 512
-_PING = pack("PING")
+_PING: Command = ("PING",)
 
 
 class Submit(NamedTuple):
@@ -89,8 +90,8 @@ class Sender(Batcher[Item]):
         self._expected = ""
         self._next_probe = 0.0
         #: The lean connection, made on the thread's first round trip (None: redis-py's).
-        self._wire: Wire | None = None
-        self._wire_checked = False
+        self._link: LeanLink | None = None
+        self._link_checked = False
         self.batches = 0
         self.lost_cancels = 0
         self.dropped = 0
@@ -116,27 +117,28 @@ class Sender(Batcher[Item]):
         try:
             super()._run()
         finally:
-            if self._wire is not None:
-                self._wire.close()
+            if self._link is not None:
+                self._link.close()
 
-    def _lean(self, client: redis.Redis) -> Wire | None:
-        if not self._wire_checked:
-            self._wire_checked = True
-            self._wire = wire_for(client)
-        return self._wire
+    def _lean(self, client: redis.Redis) -> LeanLink | None:
+        if not self._link_checked:
+            self._link_checked = True
+            link = open_link(client)
+            self._link = link if isinstance(link, LeanLink) else None
+        return self._link
 
     def _run_calls(self, client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
-        wire = self._lean(client)
-        if wire is None:
+        link = self._lean(client)
+        if link is None:
             return super()._run_calls(client, calls)
-        return run_scripts(wire, self._scripts, calls)
+        return run_scripts(link, self._scripts, calls)
 
     def _ping(self, client: redis.Redis) -> None:
-        wire = self._lean(client)
-        if wire is None:
+        link = self._lean(client)
+        if link is None:
             client.ping()
         else:
-            wire.execute([_PING])
+            link.call([_PING])
 
     def _idle(self, client: redis.Redis) -> None:
         self._breaker.poll()
@@ -216,3 +218,25 @@ class Sender(Batcher[Item]):
             gen,
             why,
         )
+
+
+def run_scripts(link: LeanLink, scripts: ScriptSet, calls: Sequence[Call]) -> list[Any]:
+    """:meth:`ScriptSet.run` over a lean link: one round trip, per-call errors as values,
+    the scripts loaded again on the same connection and the calls that found none re-run
+    once (they did not run)."""
+    with translate_redis_errors("running Lua scripts"):
+        results = link.call([_evalsha(scripts, c) for c in calls])
+        redo = [i for i, res in enumerate(results) if is_noscript(res)]
+        if redo:
+            loaded = link.call([("SCRIPT", "LOAD", text) for text in scripts.source.values()])
+            for res in loaded:
+                if isinstance(res, Exception):
+                    raise res
+            again = link.call([_evalsha(scripts, calls[i]) for i in redo])
+            for i, res in zip(redo, again, strict=True):
+                results[i] = res
+    return results
+
+
+def _evalsha(scripts: ScriptSet, call: Call) -> Command:
+    return ("EVALSHA", scripts.sha[call.script], len(call.keys), *call.keys, *call.args)

@@ -3,6 +3,7 @@
 redis-py spends tens of µs per command above the socket: the client and pipeline
 objects, retries, observability hooks, and per-command response callbacks (XREADGROUP's
 builds tuples and dicts in Python). A loop that sends a few known commands per wake-up
+(the rank's loop in ``workers/pipeline``, the client's sender and listener threads)
 skips all that with :class:`LeanLink`: it holds one ``Connection`` of the client's pool,
 which keeps what the pool sets up (AUTH and ACL user, TLS, unix sockets, Sentinel's
 master discovery and READONLY handling, CLIENT SETNAME, socket timeouts, health
@@ -47,6 +48,9 @@ Arg = str | bytes | int | float
 Command = Sequence[Arg]
 
 _NO_READ: Any = object()  # no read reply kept
+
+#: hiredis' packer where installed (its stub types the argument as a 1-tuple, it takes any).
+_pack_command: Any = hiredis.pack_command if HIREDIS_AVAILABLE else None
 
 
 class Link(Protocol):
@@ -110,6 +114,9 @@ class LeanLink:
         self._kept: Any = _NO_READ  # a read's reply, read early by settle_read
         self._deferred: Command | None = None  # fakeredis: the read, sent when taken
         self._defer = pool.connection_class.__module__.startswith("fakeredis")
+        # Fixed per pool, so decided once: hiredis packs str as UTF-8, nothing else.
+        encoding = pool.connection_kwargs.get("encoding", "utf-8")
+        self._hiredis = HIREDIS_AVAILABLE and encoding == "utf-8"
 
     @property
     def reading(self) -> bool:
@@ -120,19 +127,29 @@ class LeanLink:
         """Send ``commands`` (then ``read``) in one write; their replies, errors as values."""
         if self._on_wire or (read is not None and self.reading):
             raise RuntimeError("LeanLink.call while a read is outstanding")
-        wire = list(commands)
+        wire = commands
         if read is not None:
             if self._defer:
                 self._deferred = read
             else:
-                wire.append(read)
+                wire = [*commands, read]
         if not wire:
             return []
-        conn = self._connection()
+        conn = self._conn
+        if conn is None or not conn.is_connected:
+            conn = self._connection()
         try:
             conn.send_packed_command(self._pack(conn, wire))
             self._on_wire = read is not None and not self._defer
-            return [self._reply(conn) for _ in commands]
+            # Inline, not a helper per reply: this loop is most of a small call's cost.
+            reply = conn.read_response
+            out: list[Any] = []
+            for _ in commands:
+                try:
+                    out.append(reply(disable_decoding=True))
+                except ResponseError as exc:
+                    out.append(exc)
+            return out
         except BaseException:
             self._drop()
             raise
@@ -141,16 +158,20 @@ class LeanLink:
         """The reply of the outstanding read (waits for it); an error reply is raised."""
         if not self.reading:
             raise RuntimeError("LeanLink.take_read with no read outstanding")
-        kept, self._kept = self._kept, _NO_READ
+        kept = self._kept
         if kept is not _NO_READ:
+            self._kept = _NO_READ
             if isinstance(kept, ResponseError):
                 raise kept
             return kept
-        conn = self._connection()
+        conn = self._conn
+        if conn is None or not conn.is_connected:
+            conn = self._connection()
         try:
-            if self._deferred is not None:
-                read, self._deferred = self._deferred, None
-                conn.send_packed_command(self._pack(conn, [read]))
+            deferred = self._deferred
+            if deferred is not None:
+                self._deferred = None
+                conn.send_packed_command(self._pack(conn, [deferred]))
             self._on_wire = False
             return conn.read_response(disable_decoding=True)
         except ResponseError:
@@ -171,13 +192,15 @@ class LeanLink:
 
     def close(self) -> None:
         """Give the connection back to its pool, disconnected. Idempotent."""
-        conn, self._conn = self._conn, None
+        conn = self._conn
+        self._conn = None
         self._forget()
         if conn is not None:
             conn.disconnect()
             self._pool.release(conn)
 
     def _connection(self) -> Any:
+        """The connection, checked out of the pool the first time, reconnected after a drop."""
         conn = self._conn
         if conn is None:
             conn = self._conn = self._pool.get_connection()  # connected by the pool
@@ -187,21 +210,14 @@ class LeanLink:
             conn.connect()
         return conn
 
-    @staticmethod
-    def _pack(conn: Any, commands: Sequence[Command]) -> Any:
+    def _pack(self, conn: Any, commands: Sequence[Command]) -> Any:
         """The wire bytes of ``commands``: hiredis's packer called directly where redis-py
         would call it too (a fifth of the cost: redis-py re-checks every argument first)."""
-        if HIREDIS_AVAILABLE and conn.encoder.encoding == "utf-8":
-            packed = [hiredis.pack_command(tuple(c)) for c in commands]  # type: ignore[arg-type]  # its stub says 1-tuple
-            return [b"".join(packed)]
-        return conn.pack_commands(commands)
-
-    @staticmethod
-    def _reply(conn: Any) -> Any:
-        try:
-            return conn.read_response(disable_decoding=True)
-        except ResponseError as exc:
-            return exc
+        if not self._hiredis:
+            return conn.pack_commands(commands)
+        if len(commands) == 1:
+            return [_pack_command(tuple(commands[0]))]
+        return [b"".join([_pack_command(tuple(c)) for c in commands])]
 
     def _forget(self) -> None:
         self._on_wire = False

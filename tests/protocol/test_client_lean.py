@@ -1,14 +1,14 @@
-"""The client's lean connection (client/wire.py): where it serves, and what it keeps.
+"""The client's sender and listener over the transport's lean link (transport/lean.py).
 
-On a real server the sender and the listener talk over a :class:`Wire`; on fakeredis
-(and Redis Cluster) they keep redis-py's client. Either way the protocol is the same:
-these tests pin what the wire itself must get right (errors as values, NOSCRIPT
-recovery, RESP3 replies, reconnect after a kill, no connection left at close).
+On fakeredis and a real server they talk over a :class:`LeanLink`; on Redis Cluster
+they keep redis-py's client. These tests pin what the client needs of the link (errors
+as values, NOSCRIPT recovery on the sender's own connection, RESP3 replies, reconnect
+after a kill, no connection left at close).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import fakeredis
 import pytest
@@ -17,11 +17,12 @@ from faultkit import config
 from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
-from broker_lookup.client.wire import Wire, pack, run_scripts, wire_for
+from broker_lookup.client.sender import run_scripts
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import CANCEL, Call, ScriptSet
 from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.transport.lean import ClientLink, LeanLink, open_link
 
 TOKENS = list(range(40))  # 10 chunks of 4 tokens
 real_only = pytest.mark.parametrize("backend", ["real"], indirect=True)
@@ -36,45 +37,41 @@ def _ready_pair(make_server: MakeServer, make_client: MakeClient, **overrides: A
     return engine, client
 
 
-def test_a_wire_only_where_the_pool_is_redis_pys_own(backend: Backend) -> None:
-    assert wire_for(fakeredis.FakeRedis()) is None
-    assert wire_for(object()) is None
-    if backend.kind == "real":
-        wire = wire_for(backend.factory())
-        assert isinstance(wire, Wire)
-        wire.close()
+def test_a_lean_link_wherever_the_client_has_a_plain_pool(backend: Backend) -> None:
+    assert isinstance(open_link(fakeredis.FakeRedis()), LeanLink)
+    assert isinstance(open_link(cast(redis.Redis, object())), ClientLink)
+    link = open_link(backend.factory())
+    assert isinstance(link, LeanLink)
+    link.close()
 
 
-@real_only
 def test_errors_come_back_as_values_and_the_rest_still_answers(backend: Backend) -> None:
-    wire = wire_for(backend.factory())
-    assert wire is not None
+    link = open_link(backend.factory())
     try:
-        replies = wire.execute([pack("PING"), pack("NO-SUCH-COMMAND"), pack("ECHO", b"x")])
+        replies = link.call([("PING",), ("NO-SUCH-COMMAND",), ("ECHO", b"x")])
         assert replies[0] == b"PONG"
         assert isinstance(replies[1], redis.ResponseError)
         assert replies[2] == b"x"
     finally:
-        wire.close()
+        link.close()
 
 
-@real_only
 def test_scripts_are_reloaded_after_a_flush(backend: Backend, engine_id: str) -> None:
     admin = backend.factory()
-    wire = wire_for(backend.factory())
-    assert wire is not None
+    link = open_link(backend.factory())
+    assert isinstance(link, LeanLink)
     ks = KeySpace(engine_id)
     call = Call(CANCEL, (ks.lookup("w1"), ks.requests), [1, 100, "type", "abort"])
     try:
         admin.script_flush()
-        assert run_scripts(wire, ScriptSet(), [call]) == [0]  # NOSCRIPT, loaded, run once
+        assert run_scripts(link, ScriptSet(), [call]) == [0]  # NOSCRIPT, loaded, run once
         assert admin.xlen(ks.requests) == 1
     finally:
-        wire.close()
+        link.close()
 
 
 @real_only
-def test_lookups_complete_over_the_wire_and_survive_a_killed_connection(
+def test_lookups_complete_over_the_link_and_survive_a_killed_connection(
     make_server: MakeServer, make_client: MakeClient, backend: Backend
 ) -> None:
     engine, client = _ready_pair(make_server, make_client)
@@ -82,7 +79,7 @@ def test_lookups_complete_over_the_wire_and_survive_a_killed_connection(
     wait_until(lambda: engine.started_ids() == ["w1"])
     engine.report("w1", 12)
     assert wait_until(lambda: client.lookup_cache("w1") == 12)
-    assert client._sender._wire is not None and client._listener._wire is not None
+    assert client._sender._link is not None and client._listener._link is not None
     backend.factory().client_kill_filter(_type="normal", skipme=True)
     wait_until(lambda: not client.stats()["breaker_open"], timeout=10)
     client.lookup(TOKENS, "w2")  # the sender's first write finds its connection dead
