@@ -31,11 +31,11 @@ from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, BrokerUnavailable, translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, LookupRequest
-from broker_lookup.protocol.scripts import Call, ScriptSet, cancel_call, is_noscript, submit_call
+from broker_lookup.protocol.scripts import Call, ScriptSet, cancel_call, submit_call
 from broker_lookup.transport.batcher import Batcher
 from broker_lookup.transport.lean import Command, LeanLink, open_link
 
-__all__ = ["Sender", "run_scripts"]
+__all__ = ["Sender"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class Sender(Batcher[Item]):
         link = self._lean(client)
         if link is None:
             return super()._run_calls(client, calls)
-        return run_scripts(link, self._scripts, calls)
+        return self._scripts.run_link(link, calls)
 
     def _ping(self, client: redis.Redis) -> None:
         link = self._lean(client)
@@ -218,25 +218,3 @@ class Sender(Batcher[Item]):
             gen,
             why,
         )
-
-
-def run_scripts(link: LeanLink, scripts: ScriptSet, calls: Sequence[Call]) -> list[Any]:
-    """:meth:`ScriptSet.run` over a lean link: one round trip, per-call errors as values,
-    the scripts loaded again on the same connection and the calls that found none re-run
-    once (they did not run)."""
-    with translate_redis_errors("running Lua scripts"):
-        results = link.call([_evalsha(scripts, c) for c in calls])
-        redo = [i for i, res in enumerate(results) if is_noscript(res)]
-        if redo:
-            loaded = link.call([("SCRIPT", "LOAD", text) for text in scripts.source.values()])
-            for res in loaded:
-                if isinstance(res, Exception):
-                    raise res
-            again = link.call([_evalsha(scripts, calls[i]) for i in redo])
-            for i, res in zip(redo, again, strict=True):
-                results[i] = res
-    return results
-
-
-def _evalsha(scripts: ScriptSet, call: Call) -> Command:
-    return ("EVALSHA", scripts.sha[call.script], len(call.keys), *call.keys, *call.args)

@@ -21,6 +21,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from broker_lookup.errors import translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, LookupRequest, request_fields
+from broker_lookup.transport.lean import Command, Link
 
 __all__ = [
     "CANCEL",
@@ -177,6 +178,32 @@ class ScriptSet:
             for text in self.source.values():
                 client.script_load(text)
 
+    def command(self, call: Call) -> Command:
+        """The ``EVALSHA`` command that runs ``call``."""
+        return ("EVALSHA", self.sha[call.script], len(call.keys), *call.keys, *call.args)
+
+    def run_link(self, link: Link, calls: Sequence[Call]) -> list[Any]:
+        """:meth:`run` over a lean link: one round trip, per-call errors as values."""
+        with translate_redis_errors("running Lua scripts"):
+            results = link.call([self.command(c) for c in calls])
+            return self.rerun_missing(link, calls, results)
+
+    def rerun_missing(self, link: Link, calls: Sequence[Call], results: list[Any]) -> list[Any]:
+        """``results`` of ``calls``, with the ones that found no script run again once after
+        loading the scripts on ``link``'s connection (a NOSCRIPT call did not run, so
+        running it again cannot apply anything twice)."""
+        redo = [i for i, res in enumerate(results) if is_noscript(res)]
+        if not redo:
+            return results
+        for res in link.call([("SCRIPT", "LOAD", text) for text in self.source.values()]):
+            if isinstance(res, Exception):
+                raise res
+        again = link.call([self.command(calls[i]) for i in redo])
+        out = list(results)
+        for i, res in zip(redo, again, strict=True):
+            out[i] = res
+        return out
+
     def call(self, client: redis.Redis, call: Call) -> Any:
         """Run one script now; reload and retry once if the server lost it."""
         return self.run(client, [call])[0]
@@ -209,9 +236,9 @@ class ScriptSet:
             for c in calls:
                 # execute_command, not pipe.evalsha: redis-py's ClusterPipeline blocks its
                 # evalsha method (it cannot reload scripts), and we handle NOSCRIPT here.
-                pipe.execute_command(  # type: ignore[no-untyped-call]  # untyped in redis-py
-                    "EVALSHA", self.sha[c.script], len(c.keys), *c.keys, *c.args
-                )
+                # execute_command, not pipe.evalsha: redis-py's ClusterPipeline blocks its
+                # evalsha method (it cannot reload scripts), and we handle NOSCRIPT here.
+                pipe.execute_command(*self.command(c))  # type: ignore[no-untyped-call]
             results = list(pipe.execute(raise_on_error=False))
             for res in results[:ahead]:
                 if isinstance(res, Exception):

@@ -17,7 +17,6 @@ from faultkit import config
 from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
-from broker_lookup.client.sender import run_scripts
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import CANCEL, Call, ScriptSet
@@ -64,7 +63,7 @@ def test_scripts_are_reloaded_after_a_flush(backend: Backend, engine_id: str) ->
     call = Call(CANCEL, (ks.lookup("w1"), ks.requests), [1, 100, "type", "abort"])
     try:
         admin.script_flush()
-        assert run_scripts(link, ScriptSet(), [call]) == [0]  # NOSCRIPT, loaded, run once
+        assert ScriptSet().run_link(link, [call]) == [0]  # NOSCRIPT, loaded, run once
         assert admin.xlen(ks.requests) == 1
     finally:
         link.close()

@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import redis
 from redis.exceptions import RedisError, ResponseError
@@ -122,14 +122,13 @@ class Reporter(Batcher[Report]):
     def send_with_ack(
         self,
         link: Link,
-        client: redis.Redis,
         batch: Served,
         read: Command | None = None,
     ) -> None:
         """Send ``batch``'s dead letters, XACK and reports, then ``read``, in one write.
 
-        ``read``'s reply stays on ``link`` for the loop. ``client`` (the loop's) reloads
-        the scripts if the server lost them. If Redis fails, the reports go to the queue
+        ``read``'s reply stays on ``link`` for the loop; scripts the server lost are
+        loaded again on ``link``'s connection. If Redis fails, the reports go to the queue
         (this reporter's thread retries them) and the error propagates, untranslated
         (the loop translates its whole turn at once): the entries stay pending and are
         read again, then deduped.
@@ -140,7 +139,7 @@ class Reporter(Batcher[Report]):
             commands.append(("XACK", self._stream, self._group, *batch.ack_ids))
         ahead = len(commands)
         calls = [self._call(r) for r in reports]
-        commands += [self._evalsha(c) for c in calls]
+        commands += [self._scripts.command(c) for c in calls]
         try:
             replies = link.call(commands, read)
             for reply in replies[:ahead]:
@@ -150,25 +149,13 @@ class Reporter(Batcher[Report]):
             # A script's answer is a bulk string; only something else can be NOSCRIPT.
             if any(type(r) is not bytes and is_noscript(r) for r in results):
                 link.settle_read()  # the connection is needed now: take the read's reply
-                results = self._rerun(link, client, calls, results)
+                results = self._scripts.rerun_missing(link, calls, results)
         except (BrokerLookupError, RedisError):
             for report in reports:
                 self._enqueue(report)
             raise
         for report, result in zip(reports, results, strict=True):
             self._settle(report, self._answer(result))
-
-    def _rerun(
-        self, link: Link, client: redis.Redis, calls: list[Call], results: list[Any]
-    ) -> list[Any]:
-        """Reload the scripts and run again the calls that found none (so they did not run)."""
-        self._scripts.load(client)
-        redo = [i for i, r in enumerate(results) if is_noscript(r)]
-        again = link.call([self._evalsha(calls[i]) for i in redo])
-        out = list(results)
-        for i, res in zip(redo, again, strict=True):
-            out[i] = res
-        return out
 
     # -- the queued path (this reporter's thread) -----------------------------------
 
@@ -188,9 +175,6 @@ class Reporter(Batcher[Report]):
             self._settle(report, answer)
 
     # -- the script -------------------------------------------------------------------
-
-    def _evalsha(self, call: Call) -> Command:
-        return ("EVALSHA", self._scripts.sha[call.script], len(call.keys), *call.keys, *call.args)
 
     def _call(self, report: Report) -> Call:
         return report_call(
