@@ -131,7 +131,7 @@ class Sender(Batcher[Item]):
         link = self._lean(client)
         if link is None:
             return super()._run_calls(client, calls)
-        return self._scripts.run_link(link, calls)
+        return self._scripts.run_link(link, client, calls)
 
     def _ping(self, client: redis.Redis) -> None:
         link = self._lean(client)

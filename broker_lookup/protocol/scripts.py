@@ -182,23 +182,24 @@ class ScriptSet:
         """The ``EVALSHA`` command that runs ``call``."""
         return ("EVALSHA", self.sha[call.script], len(call.keys), *call.keys, *call.args)
 
-    def run_link(self, link: Link, calls: Sequence[Call]) -> list[Any]:
+    def run_link(self, link: Link, client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
         """:meth:`run` over a lean link: one round trip, per-call errors as values."""
         with translate_redis_errors("running Lua scripts"):
             results = link.call([self.command(c) for c in calls])
-            return self.rerun_missing(link, calls, results)
+        return self.rerun_missing(link, client, calls, results)
 
-    def rerun_missing(self, link: Link, calls: Sequence[Call], results: list[Any]) -> list[Any]:
-        """``results`` of ``calls``, with the ones that found no script run again once after
-        loading the scripts on ``link``'s connection (a NOSCRIPT call did not run, so
-        running it again cannot apply anything twice)."""
+    def rerun_missing(
+        self, link: Link, client: redis.Redis, calls: Sequence[Call], results: list[Any]
+    ) -> list[Any]:
+        """``results`` of ``calls`` run over ``link``, with the ones that found no script run
+        again once after :meth:`load` through ``client`` (which reaches every primary of a
+        cluster). A NOSCRIPT call did not run, so running it again applies nothing twice."""
         redo = [i for i, res in enumerate(results) if is_noscript(res)]
         if not redo:
             return results
-        for res in link.call([("SCRIPT", "LOAD", text) for text in self.source.values()]):
-            if isinstance(res, Exception):
-                raise res
-        again = link.call([self.command(calls[i]) for i in redo])
+        self.load(client)
+        with translate_redis_errors("running Lua scripts"):
+            again = link.call([self.command(calls[i]) for i in redo])
         out = list(results)
         for i, res in zip(redo, again, strict=True):
             out[i] = res

@@ -57,13 +57,14 @@ def test_errors_come_back_as_values_and_the_rest_still_answers(backend: Backend)
 
 def test_scripts_are_reloaded_after_a_flush(backend: Backend, engine_id: str) -> None:
     admin = backend.factory()
-    link = open_link(backend.factory())
+    client = backend.factory()
+    link = open_link(client)
     assert isinstance(link, LeanLink)
     ks = KeySpace(engine_id)
     call = Call(CANCEL, (ks.lookup("w1"), ks.requests), [1, 100, "type", "abort"])
     try:
         admin.script_flush()
-        assert ScriptSet().run_link(link, [call]) == [0]  # NOSCRIPT, loaded, run once
+        assert ScriptSet().run_link(link, client, [call]) == [0]  # NOSCRIPT, loaded, run once
         assert admin.xlen(ks.requests) == 1
     finally:
         link.close()

@@ -103,13 +103,13 @@ class RankLoop(LoopThread):
             # A read sent with the last batch's acks is still served at a stop: what it
             # delivers is answered, not left pending until a restart replays it.
             while not self._stop.is_set() or link.reading:
-                self._turn(link)
+                self._turn(link, client)
         finally:
             self.heartbeat.clear(link)
             link.close()
             client.close()
 
-    def _turn(self, link: Link) -> None:
+    def _turn(self, link: Link, client: redis.Redis) -> None:
         try:
             if not link.reading:
                 if not self.ready.is_set():  # first turn, or after an error: the group may be gone
@@ -120,7 +120,7 @@ class RankLoop(LoopThread):
             # One translation for the whole hot path (it costs as much as a command).
             with translate_redis_errors(self._serving):
                 reply = link.take_read()
-                self._serve(link, self.reader.parse(reply))
+                self._serve(link, client, self.reader.parse(reply))
             self._fingerprint.tick()
         except NoGroup as exc:
             self.ready.clear()
@@ -133,7 +133,7 @@ class RankLoop(LoopThread):
             self.reader.replay()
             self.guard()
 
-    def _serve(self, link: Link, batch: Batch) -> None:
+    def _serve(self, link: Link, client: redis.Redis, batch: Batch) -> None:
         """Hand each entry to the dispatcher; then its reports, acks and next read, one write.
 
         The next read rides along unless the heartbeat is due (it goes first, next
@@ -146,7 +146,7 @@ class RankLoop(LoopThread):
                 self._dispatcher.handle(msg, remaining_ms)
         piggyback = not (self._stop.is_set() or self.heartbeat.due(time.monotonic()))
         read = self.reader.read_command() if piggyback else None
-        self._reporter.send_with_ack(link, Served(reports, batch.ack_ids, batch.dead), read)
+        self._reporter.send_with_ack(link, client, Served(reports, batch.ack_ids, batch.dead), read)
 
     def _keep_alive(self, link: Link) -> None:
         """The heartbeat when due, with a fresh sample of the server's clock and group info."""

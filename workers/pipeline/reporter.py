@@ -122,13 +122,14 @@ class Reporter(Batcher[Report]):
     def send_with_ack(
         self,
         link: Link,
+        client: redis.Redis,
         batch: Served,
         read: Command | None = None,
     ) -> None:
         """Send ``batch``'s dead letters, XACK and reports, then ``read``, in one write.
 
-        ``read``'s reply stays on ``link`` for the loop; scripts the server lost are
-        loaded again on ``link``'s connection. If Redis fails, the reports go to the queue
+        ``read``'s reply stays on ``link`` for the loop. ``client`` (the loop's) reloads
+        the scripts if the server lost them. If Redis fails, the reports go to the queue
         (this reporter's thread retries them) and the error propagates, untranslated
         (the loop translates its whole turn at once): the entries stay pending and are
         read again, then deduped.
@@ -149,7 +150,7 @@ class Reporter(Batcher[Report]):
             # A script's answer is a bulk string; only something else can be NOSCRIPT.
             if any(type(r) is not bytes and is_noscript(r) for r in results):
                 link.settle_read()  # the connection is needed now: take the read's reply
-                results = self._scripts.rerun_missing(link, calls, results)
+                results = self._scripts.rerun_missing(link, client, calls, results)
         except (BrokerLookupError, RedisError):
             for report in reports:
                 self._enqueue(report)
