@@ -29,9 +29,9 @@ from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, MalformedMessage, translate_redis_errors
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import DoneEvent, decode_done
+from broker_lookup.protocol.messages import decode_done
 from broker_lookup.threads import LoopThread
-from broker_lookup.transport.lean import Command, LeanLink, open_link
+from broker_lookup.transport.lean import Command, LeanLink, open_link, stream_entries
 
 __all__ = ["Listener"]
 
@@ -133,19 +133,14 @@ class Listener(LoopThread):
             else:
                 # A plain call, not a piggy-backed read: nothing rides with it.
                 resp = _raise_error(link.call([self._xread_command()])[0])
-        if isinstance(resp, dict):  # RESP3 (protocol=3 in the URL): a map of streams
-            resp = list(resp.items())
-        for _stream, entries in resp or ():
-            for entry_id, fields in entries:
-                self._last_id = entry_id
-                try:
-                    ev = _decode_done(fields)
-                except MalformedMessage as exc:
-                    logger.error("ignoring bad completion entry %r: %s", entry_id, exc)
-                    continue
-                self._table.finish(
-                    ev.lookup_id, ev.gen, ev.result, "hit" if ev.result > 0 else "miss"
-                )
+        for entry_id, fields in stream_entries(resp):
+            self._last_id = entry_id
+            try:
+                ev = decode_done(fields or {})
+            except MalformedMessage as exc:
+                logger.error("ignoring bad completion entry %r: %s", entry_id, exc)
+                continue
+            self._table.finish(ev.lookup_id, ev.gen, ev.result, "hit" if ev.result > 0 else "miss")
 
     def _xread_command(self) -> Command:
         return (
@@ -241,12 +236,3 @@ def _raise_error(reply: Any) -> Any:
     if isinstance(reply, Exception):
         raise reply
     return reply
-
-
-def _decode_done(fields: Any) -> DoneEvent:
-    """A completion entry's fields as the wire gives them (a flat name, value list) or as
-    redis-py does (a dict)."""
-    if isinstance(fields, list):
-        it = iter(fields)
-        fields = dict(zip(it, it, strict=False))
-    return decode_done(fields)

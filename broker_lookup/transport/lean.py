@@ -101,6 +101,19 @@ def pairs(flat: Any) -> dict[Any, Any]:
     return dict(zip(it, it, strict=True))
 
 
+def stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
+    """(id, fields) of each entry of an XREAD or XREADGROUP reply: RESP2 lists or RESP3 maps, raw
+    (fields a flat list, None for an entry trimmed while pending) or redis-py's dicts."""
+    if not reply:
+        return []
+    streams = reply.values() if isinstance(reply, dict) else [s[1] for s in reply]
+    out: list[tuple[bytes, dict[bytes, bytes] | None]] = []
+    for entries in streams:
+        for entry_id, fields in entries:
+            out.append((entry_id, None if fields is None else pairs(fields)))
+    return out
+
+
 class LeanLink:
     """One connection of a redis-py pool, used raw (see the module docstring).
 

@@ -34,7 +34,7 @@ from broker_lookup.errors import (
 )
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, LookupRequest, decode_request
-from broker_lookup.transport.lean import Command, Link, pairs
+from broker_lookup.transport.lean import Command, Link, pairs, stream_entries
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.entries import entry_problem
 
@@ -157,7 +157,7 @@ class Reader:
 
     def parse(self, reply: Any) -> Batch:
         """The batch of one XREADGROUP reply (raw or redis-py's shape); dead letters named."""
-        entries = _entries(reply)
+        entries = stream_entries(reply)
         if self._sent_replaying:
             if not entries:
                 self._replaying = False  # nothing of ours is pending: read new entries
@@ -199,19 +199,6 @@ class Reader:
         fields = ("rank", self._rank, "entry", entry_id, "reason", reason, "raw", repr(raw)[:1024])
         cap = ("MAXLEN", "~", self._config.dead_maxlen)
         return ("XADD", self._keys.dead, *cap, "*", *fields)
-
-
-def _entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
-    """(id, fields) of each entry of an XREADGROUP reply: RESP2 lists or RESP3 maps, raw
-    (fields a flat list, None for an entry trimmed while pending) or redis-py's dicts."""
-    if not reply:
-        return []
-    streams = reply.values() if isinstance(reply, dict) else [s[1] for s in reply]
-    out: list[tuple[bytes, dict[bytes, bytes] | None]] = []
-    for entries in streams:
-        for entry_id, fields in entries:
-            out.append((entry_id, None if fields is None else pairs(fields)))
-    return out
 
 
 def _text(value: object) -> str:
