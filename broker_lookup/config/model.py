@@ -40,7 +40,8 @@ _POSITIVE = (
     "chunk_size lookup_timeout_ms socket_timeout_ms block_ms heartbeat_interval_ms "
     "heartbeat_ttl_ms stream_maxlen done_maxlen dead_maxlen max_pending "
     "max_lookup_id_length max_chunks_per_request max_request_configs_bytes worker_pin_ttl_ms "
-    "worker_dedupe_capacity redis_retries breaker_open_ms worker_watchdog_grace_ms"
+    "worker_dedupe_capacity redis_retries breaker_open_ms worker_watchdog_grace_ms "
+    "partial_answer_wait_ms"
 ).split()
 
 
@@ -94,7 +95,9 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     # LMCache's names (LMCacheEngineConfig).
     chunk_size: int = 256  #: tokens per chunk
     save_unfull_chunk: bool = False  #: hash the trailing partial chunk too
-    lookup_timeout_ms: int = 3000  #: a lookup not answered by then returns 0 (terminal)
+    #: a lookup not answered by its deadline returns 0 (terminal); this is the deadline's
+    #: base, which ``lookup_timeout_per_1k_tokens_ms`` scales with the prompt
+    lookup_timeout_ms: int = 3000
     lookup_server_worker_ids: tuple[int, ...] | None = None  #: ranks asked; None = LMCache's rule
     enable_async_loading: bool = False  #: factory: async client instead of the sync one
     enable_scheduler_bypass_lookup: bool = False  #: factory: scheduler asks its own engine
@@ -134,6 +137,27 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     worker_pin_ttl_ms: int = 60000  #: a worker releases a completed lookup's pins after this
     worker_dedupe_capacity: int = 100_000  #: (id, gen) pairs a worker remembers
     redis_retries: int = 3  #: attempts for one write before it counts as failed
+    #: added to a lookup's deadline per 1,000 prompt tokens (SGLang HiCache's base +
+    #: per-1k rule): a 128k-token prompt may load for longer than a 1k one. 0: a flat
+    #: deadline, as LMCache's
+    lookup_timeout_per_1k_tokens_ms: int = 10
+    #: ceiling of the scaled deadline. None: ``min(4 x lookup_timeout_ms, (lookup_timeout_ms
+    #: + worker_pin_ttl_ms) / 2)``, so the longest deadline always fits in the pin TTL
+    lookup_timeout_max_ms: int | None = None
+    #: per-rank report latency, last-to-report and hit divergence (the report script
+    #: stamps each rank's report on the server's clock); False: none of it is recorded
+    rank_insights: bool = True
+    #: a WARNING (rate-limited) names a lookup whose ranks' hits differ by more than
+    #: this share of its prompt tokens
+    rank_spread_warn_share: float = 0.5
+    #: at the deadline, answer the prefix every expected rank confirmed loaded and
+    #: pinned (engines that report progress) instead of 0; ranks keep exactly that
+    #: prefix pinned. Off by default: DESIGN rule 2 answers 0 at the deadline at once,
+    #: and this waits up to ``partial_answer_wait_ms`` for one more round trip
+    partial_answers: bool = False
+    #: how long past its deadline a lookup may wait for the partial answer before it
+    #: answers 0 (the deciding round trip failed or is stalled)
+    partial_answer_wait_ms: int = 250
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f}={_shown(f, getattr(self, f))}" for f in self.__struct_fields__)
@@ -172,14 +196,37 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             f"must exceed lookup_timeout_ms={self.lookup_timeout_ms} "
             "(pins must outlive the lookup)",
         )
+        per_1k = self.lookup_timeout_per_1k_tokens_ms
+        _require(per_1k >= 0, "lookup_timeout_per_1k_tokens_ms", per_1k, "must be >= 0")
+        ceiling = self.lookup_timeout_max_ms
+        _require(
+            ceiling is None
+            or self.lookup_timeout_ms <= ceiling < self.worker_pin_ttl_ms - self.wait_ms,
+            "lookup_timeout_max_ms",
+            ceiling,
+            f"must be at least lookup_timeout_ms={self.lookup_timeout_ms} and, plus "
+            f"partial_answer_wait_ms when partial_answers is on, under "
+            f"worker_pin_ttl_ms={self.worker_pin_ttl_ms} (pins must outlive every lookup)",
+        )
+        longest = self.longest_timeout_ms
+        _require(
+            self.worker_pin_ttl_ms > longest,
+            "worker_pin_ttl_ms",
+            self.worker_pin_ttl_ms,
+            f"must exceed the longest deadline ({longest} ms, partial_answer_wait_ms "
+            "included when partial_answers is on): pins must outlive every lookup",
+        )
         retention = self.result_retention_ms
         _require(
-            retention is None or 0 < retention <= self.worker_pin_ttl_ms - self.lookup_timeout_ms,
+            retention is None or 0 < retention <= self.worker_pin_ttl_ms - longest,
             "result_retention_ms",
             retention,
-            f"must be > 0 and, plus lookup_timeout_ms={self.lookup_timeout_ms}, not exceed "
-            f"worker_pin_ttl_ms={self.worker_pin_ttl_ms} (a result must not outlive its pins)",
+            f"must be > 0 and, plus the longest deadline ({longest} ms: see "
+            f"lookup_timeout_max_ms), not exceed worker_pin_ttl_ms={self.worker_pin_ttl_ms} "
+            "(a result must not outlive its pins)",
         )
+        share = self.rank_spread_warn_share
+        _require(0.0 < share <= 1.0, "rank_spread_warn_share", share, "must be > 0 and at most 1")
         ratio = self.hit_miss_ratio
         _require(
             ratio is None or 0.0 <= ratio <= 1.0, "hit_miss_ratio", ratio, "must be between 0 and 1"
@@ -193,17 +240,40 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         )
 
     @property
+    def wait_ms(self) -> int:
+        """How long past its deadline a lookup may stay unanswered (the partial answer)."""
+        return self.partial_answer_wait_ms if self.partial_answers else 0
+
+    @property
+    def longest_timeout_ms(self) -> int:
+        """The ceiling of every lookup's deadline, waiting for a partial answer included:
+        ``lookup_timeout_max_ms``, or by default what fits the pin TTL (see the field)."""
+        ceiling = self.lookup_timeout_max_ms
+        if ceiling is None:
+            base = self.lookup_timeout_ms
+            ceiling = max(base, min(4 * base, (base + self.worker_pin_ttl_ms) // 2 - self.wait_ms))
+        return ceiling + self.wait_ms
+
+    def lookup_budget_ms(self, tokens: int) -> int:
+        """A lookup's deadline, in ms after it was submitted, for a prompt of ``tokens``:
+        ``lookup_timeout_ms`` plus ``lookup_timeout_per_1k_tokens_ms`` per 1,000 tokens,
+        at most the ceiling (``longest_timeout_ms`` less the partial answer's wait)."""
+        scaled = self.lookup_timeout_ms + self.lookup_timeout_per_1k_tokens_ms * tokens // 1000
+        return min(scaled, self.longest_timeout_ms - self.wait_ms)
+
+    @property
     def retention_ms(self) -> int:
         """How long the client keeps a finished, uncleared result: ``result_retention_ms``,
-        or by default 30 s cut to what the ranks' pin TTL leaves after the timeout."""
+        or by default 30 s cut to what the ranks' pin TTL leaves after the longest deadline."""
         if self.result_retention_ms is not None:
             return self.result_retention_ms
-        return min(30_000, self.worker_pin_ttl_ms - self.lookup_timeout_ms)
+        return min(30_000, self.worker_pin_ttl_ms - self.longest_timeout_ms)
 
     @property
     def key_ttl_ms(self) -> int:
-        """PEXPIRE of a lookup hash: its timeout plus grace."""
-        return self.lookup_timeout_ms + self.key_grace_ms
+        """PEXPIRE of a lookup hash with the longest deadline: that deadline plus grace
+        (each submit sets its own lookup's deadline plus grace)."""
+        return self.longest_timeout_ms + self.key_grace_ms
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "mapping") -> LookupConfig:

@@ -18,6 +18,13 @@ field           value (plain ASCII, so ``redis-cli HGETALL`` reads it)
 ``created_ms``  client's epoch ms when the submit was built
 ``deadline_ms`` client's epoch ms after which the answer is worthless
 ``tokens``      prompt tokens looked up: the largest valid hit count
+``submitted_us`` server's clock (epoch µs) when ``submit.lua`` ran
+``l<rank>``     µs from the submit to that rank's report, on the server's clock
+                (see :func:`latency_field`; only with ``rank_insights``)
+``p<rank>``     prefix tokens that rank confirmed loaded and pinned so far
+                (``progress.lua``; see :func:`progress_field`)
+``partial``     ``1`` once ``deadline.lua`` answered the lookup at its deadline
+                with the prefix every expected rank confirmed (``result``)
 ==============  ==========================================================
 """
 
@@ -33,13 +40,17 @@ __all__ = [
     "EXPECTED",
     "GEN",
     "ID",
+    "PARTIAL",
     "PENDING",
     "RESULT",
     "STATE",
     "STATUS_FIELDS",
+    "SUBMITTED_US",
     "TOKENS",
     "LookupHash",
     "decode",
+    "latency_field",
+    "progress_field",
     "rank_field",
 ]
 
@@ -51,6 +62,8 @@ RESULT = "result"
 CREATED_MS = "created_ms"
 DEADLINE_MS = "deadline_ms"
 TOKENS = "tokens"
+SUBMITTED_US = "submitted_us"
+PARTIAL = "partial"
 
 #: Values of ``state``.
 PENDING = "pending"
@@ -61,6 +74,8 @@ DONE = "done"
 STATUS_FIELDS = (STATE, GEN, RESULT)
 
 _RANK_PREFIX = "r"
+_LATENCY_PREFIX = "l"
+_PROGRESS_PREFIX = "p"
 
 
 def rank_field(rank: int) -> str:
@@ -68,11 +83,22 @@ def rank_field(rank: int) -> str:
     return f"{_RANK_PREFIX}{rank}"
 
 
+def latency_field(rank: int) -> str:
+    """Field holding µs from the submit to one rank's report: ``l<rank>``."""
+    return f"{_LATENCY_PREFIX}{rank}"
+
+
+def progress_field(rank: int) -> str:
+    """Field holding the prefix one rank confirmed loaded and pinned so far: ``p<rank>``."""
+    return f"{_PROGRESS_PREFIX}{rank}"
+
+
 @dataclass(frozen=True, slots=True)
 class LookupHash:
     """What one lookup hash says; a field that is absent or not a number is None.
 
-    ``hits`` holds the expected ranks that reported; ``missing`` the ones still awaited.
+    ``hits`` holds the expected ranks that reported; ``missing`` the ones still awaited;
+    ``progress`` the prefix each rank confirmed loaded so far (engines that report it).
     """
 
     lookup_id: str | None = None
@@ -84,6 +110,8 @@ class LookupHash:
     created_ms: int | None = None
     deadline_ms: int | None = None
     tokens: int | None = None
+    progress: dict[int, int | None] = field(default_factory=dict)
+    partial: bool = False
 
     @property
     def exists(self) -> bool:
@@ -129,6 +157,7 @@ def decode(raw: Mapping[str, object] | Mapping[bytes, object]) -> LookupHash:
             fields[_text(name)] = _text(value)
     expected = tuple(int(r) for r in fields.get(EXPECTED, "").split(",") if r.isdigit())
     hits = {r: _int(fields[rank_field(r)]) for r in expected if rank_field(r) in fields}
+    progress = {r: _int(fields[progress_field(r)]) for r in expected if progress_field(r) in fields}
     return LookupHash(
         lookup_id=fields.get(ID),
         state=fields.get(STATE),
@@ -139,4 +168,6 @@ def decode(raw: Mapping[str, object] | Mapping[bytes, object]) -> LookupHash:
         created_ms=_int(fields.get(CREATED_MS)),
         deadline_ms=_int(fields.get(DEADLINE_MS)),
         tokens=_int(fields.get(TOKENS)),
+        progress=progress,
+        partial=fields.get(PARTIAL) == "1",
     )

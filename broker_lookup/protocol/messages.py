@@ -2,12 +2,13 @@
 
 Request stream entry (``bl:{E}:requests``), written by the scheduler's client::
 
-    type         "lookup" | "abort"           readable copy for redis-cli
+    type         "lookup" | "abort" | "keep"  readable copy for redis-cli
     id           lookup id                    readable copy
     gen          generation (int)             readable copy
     deadline_ms  epoch ms (lookups only)      readable copy (client's clock; ranks use budget_ms)
     chunks       number of chunks (lookups)   readable copy
-    m            msgpack of LookupRequest | Abort (tagged union): the only field decoded
+    tokens       prefix to keep (keeps)       readable copy
+    m            msgpack of LookupRequest | Abort | Keep (tagged union): the only field decoded
 
 Completion entry (``bl:{E}:done``), written by ``report.lua``: ``id``, ``gen``, ``result``.
 Dead letter (``bl:{E}:dead``): ``rank``, ``entry`` (stream id), ``reason``, ``raw``.
@@ -28,6 +29,7 @@ __all__ = [
     "Abort",
     "ConfigsProblem",
     "DoneEvent",
+    "Keep",
     "LookupRequest",
     "Request",
     "check_lookup_id",
@@ -68,7 +70,16 @@ class Abort(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
     gen: int
 
 
-Request = LookupRequest | Abort
+class Keep(msgspec.Struct, tag="keep", frozen=True, kw_only=True):
+    """The lookup was answered at its deadline with ``tokens`` (a partial answer): keep
+    exactly that prefix pinned and release the rest (``deadline.lua`` decided it)."""
+
+    lookup_id: str
+    gen: int
+    tokens: int
+
+
+Request = LookupRequest | Abort | Keep
 
 
 class DoneEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,12 +94,12 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Request)
 
 
-def encode_request(msg: LookupRequest | Abort) -> bytes:
+def encode_request(msg: Request) -> bytes:
     """msgpack bytes of a request, for the ``m`` field."""
     return _ENCODER.encode(msg)
 
 
-def request_fields(msg: LookupRequest | Abort) -> dict[str, bytes | str | int]:
+def request_fields(msg: Request) -> dict[str, bytes | str | int]:
     """All fields of the stream entry for ``msg``: readable copies plus ``m``."""
     if isinstance(msg, LookupRequest):
         return {
@@ -99,10 +110,18 @@ def request_fields(msg: LookupRequest | Abort) -> dict[str, bytes | str | int]:
             "chunks": len(msg.hashes),
             "m": _ENCODER.encode(msg),
         }
+    if isinstance(msg, Keep):
+        return {
+            "type": "keep",
+            "id": msg.lookup_id,
+            "gen": msg.gen,
+            "tokens": msg.tokens,
+            "m": _ENCODER.encode(msg),
+        }
     return {"type": "abort", "id": msg.lookup_id, "gen": msg.gen, "m": _ENCODER.encode(msg)}
 
 
-def decode_request(fields: dict[bytes, bytes] | None) -> LookupRequest | Abort:
+def decode_request(fields: dict[bytes, bytes] | None) -> Request:
     """Decode a request entry's fields; raise MalformedMessage saying why it can't be."""
     if fields is None:
         raise MalformedMessage("entry was trimmed while pending (nil payload)")

@@ -20,18 +20,24 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from broker_lookup.errors import translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import Abort, LookupRequest, request_fields
+from broker_lookup.protocol.messages import Abort, Keep, LookupRequest, request_fields
 from broker_lookup.transport.lean import Command, Link
 
 __all__ = [
     "CANCEL",
+    "DEADLINE",
+    "KEEP",
+    "PROGRESS",
     "REPORT",
     "SUBMIT",
     "Call",
     "ScriptSet",
     "cancel_args",
     "cancel_call",
+    "deadline_call",
     "is_noscript",
+    "keep_call",
+    "progress_call",
     "report_args",
     "report_call",
     "submit_args",
@@ -41,6 +47,9 @@ __all__ = [
 SUBMIT = "submit"
 REPORT = "report"
 CANCEL = "cancel"
+PROGRESS = "progress"
+DEADLINE = "deadline"
+KEEP = "keep"
 
 Arg = str | bytes | int
 #: Queues extra commands on a pipeline ahead of the scripts; returns how many.
@@ -113,6 +122,29 @@ def cancel_call(keys: KeySpace, abort: Abort, *, maxlen: int) -> Call:
     return Call(CANCEL, (keys.lookup(abort.lookup_id), keys.requests), args)
 
 
+def deadline_call(keys: KeySpace, abort: Abort, *, maxlen: int, ttl_ms: int) -> Call:
+    """The ``deadline.lua`` call answering ``abort``'s generation at its deadline with the
+    prefix every expected rank confirmed (a partial answer), or cancelling it if that is 0.
+
+    ``ttl_ms`` is the hash's PEXPIRE once answered; ``abort`` is the entry sent if it is 0.
+    """
+    args: list[Arg] = [abort.gen, maxlen, ttl_ms, *_pairs(request_fields(abort))]
+    return Call(DEADLINE, (keys.lookup(abort.lookup_id), keys.requests), args)
+
+
+def keep_call(keys: KeySpace, keep: Keep, *, maxlen: int) -> Call:
+    """The ``keep.lua`` call telling every rank to keep ``keep.tokens`` of a partial answer
+    pinned and release the rest (sent once ``deadline.lua`` answered it)."""
+    args: list[Arg] = [keep.gen, maxlen, *_pairs(request_fields(keep))]
+    return Call(KEEP, (keys.lookup(keep.lookup_id), keys.requests), args)
+
+
+def progress_call(keys: KeySpace, lookup_id: str, *, rank: int, gen: int, tokens: int) -> Call:
+    """The ``progress.lua`` call recording that ``rank`` holds ``tokens`` of the prefix of
+    (``lookup_id``, ``gen``) loaded and pinned so far."""
+    return Call(PROGRESS, (keys.lookup(lookup_id),), [rank, gen, tokens])
+
+
 def _pairs(fields: dict[str, Arg]) -> list[Arg]:
     """A stream entry's fields as the flat name, value, ... list XADD takes."""
     out: list[Arg] = []
@@ -165,7 +197,7 @@ def is_noscript(result: object) -> bool:
 class ScriptSet:
     """The protocol's scripts, loaded from ``broker_lookup/protocol/lua/*.lua``."""
 
-    NAMES = (SUBMIT, REPORT, CANCEL)
+    NAMES = (SUBMIT, REPORT, CANCEL, PROGRESS, DEADLINE, KEEP)
 
     def __init__(self) -> None:
         base = resources.files("broker_lookup.protocol") / "lua"

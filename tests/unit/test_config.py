@@ -38,7 +38,7 @@ def test_keyword_construction_defaults_every_other_field() -> None:
     cfg = LookupConfig(redis_url="redis://h:6380/1", lookup_timeout_ms=1500)
     assert cfg.redis_url == "redis://h:6380/1" and cfg.lookup_timeout_ms == 1500
     assert cfg.chunk_size == 256 and cfg.block_ms == 200
-    assert cfg.key_ttl_ms == 1500 + cfg.key_grace_ms
+    assert cfg.key_ttl_ms == cfg.longest_timeout_ms + cfg.key_grace_ms
     m = LookupMetadata(engine_id="vllm-0", world_size=2)
     assert (m.worker_id, m.use_mla, m.kv_connector_extra_config) == (0, False, None)
 

@@ -30,7 +30,7 @@ from broker_lookup.config import LookupConfig
 from broker_lookup.engine import LookupEngine
 from broker_lookup.ops.histogram import LATENCY_BUCKETS
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import Abort, LookupRequest
+from broker_lookup.protocol.messages import Abort, Keep, LookupRequest, Request
 from workers.pipeline.lifecycle import Job, Lifecycle, Step
 from workers.pipeline.reporter import Report, Reporter
 from workers.pipeline.watchdog import RateLimitedLog
@@ -81,12 +81,15 @@ class Dispatcher:
 
     # -- from the read loop ---------------------------------------------------------
 
-    def handle(self, msg: LookupRequest | Abort, remaining_ms: float) -> None:
+    def handle(self, msg: Request, remaining_ms: float) -> None:
         """Serve one entry; ``remaining_ms`` is how long it stays worth answering."""
         now = time.monotonic()
         if isinstance(msg, Abort):
             step = self._tracker.on_abort(msg.lookup_id, msg.gen, now)
             self._apply(msg.lookup_id, step, "aborts")
+            return
+        if isinstance(msg, Keep):
+            self.count("keeps")
             return
         if self._rank not in msg.expected:
             self.count("not_expected")

@@ -33,7 +33,7 @@ from broker_lookup.errors import (
     translate_redis_errors,
 )
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import Abort, LookupRequest, decode_request
+from broker_lookup.protocol.messages import Abort, LookupRequest, Request, decode_request
 from broker_lookup.transport.lean import Command, Link, pairs, stream_entries
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.entries import entry_problem
@@ -53,9 +53,10 @@ BATCH_SIZE = 100
 class Batch:
     """The entries of one read: what to serve, in order, and the ids to ack once served."""
 
-    #: Each message with the ms it stays worth answering (inf for aborts); aborts first,
-    #: so a lookup and its abort read in one batch never reach the engine.
-    messages: list[tuple[LookupRequest | Abort, float]]
+    #: Each message with the ms it stays worth answering (inf for aborts and keeps);
+    #: aborts first, so a lookup and its abort read in one batch never reach the engine
+    #: (a keep stays after its lookup: it only means something once that runs).
+    messages: list[tuple[Request, float]]
     ack_ids: list[bytes]  #: every entry read, dead-lettered ones included
     dead: list[Command]  #: the XADDs dead-lettering the entries that can't be served
 
@@ -163,7 +164,7 @@ class Reader:
                 self._replaying = False  # nothing of ours is pending: read new entries
             self.stats["replayed"] += len(entries)
         self.stats["entries"] += len(entries)
-        messages: list[tuple[LookupRequest | Abort, float]] = []
+        messages: list[tuple[Request, float]] = []
         dead: list[Command] = []
         remaining_ms = self._clock.remaining_ms
         aborts = False
@@ -173,14 +174,14 @@ class Reader:
                 messages.append((msg, remaining_ms(msg, entry_id)))
             elif msg is not None:
                 messages.append((msg, math.inf))
-                aborts = True
+                aborts = aborts or type(msg) is Abort
         if aborts and len(messages) > 1:
             messages.sort(key=lambda pair: not isinstance(pair[0], Abort))  # stable: aborts first
         return Batch(messages, [entry_id for entry_id, _ in entries], dead)
 
     def _decode(
         self, dead: list[Command], entry_id: bytes, fields: dict[bytes, bytes] | None
-    ) -> LookupRequest | Abort | None:
+    ) -> Request | None:
         try:
             msg = decode_request(fields)
         except MalformedMessage as exc:

@@ -4,6 +4,7 @@
 -- ARGV: rank, gen, hits, done maxlen, lookup id, ttl ms once done
 -- Returns: complete | recorded | dropped (no key: cancelled, timed out, expired)
 --          | stale (another generation) | duplicate (rank already reported)
+--          | settled (deadline.lua answered it at its deadline: nothing changes)
 --          | unknown_rank | invalid (hits not in 0..tokens)
 -- Never creates the key, so a late report cannot resurrect a lookup without a TTL.
 local st = redis.call('HMGET', KEYS[1], 'state', 'gen', 'expected', 'tokens')
@@ -17,6 +18,10 @@ if not known then return 'unknown_rank' end
 local hits = tonumber(ARGV[3])
 if hits == nil or hits < 0 or hits > tonumber(st[4]) or hits ~= math.floor(hits) then
   return 'invalid'
+end
+if st[1] ~= 'pending' then
+  if redis.call('HEXISTS', KEYS[1], 'r' .. ARGV[1]) == 1 then return 'duplicate' end
+  return 'settled'  -- a partial answer decided it: a late report must not complete it again
 end
 if redis.call('HSETNX', KEYS[1], 'r' .. ARGV[1], ARGV[3]) == 0 then return 'duplicate' end
 local min = nil
