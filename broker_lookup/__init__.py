@@ -15,7 +15,13 @@ from broker_lookup.client.wrappers import (
     HitLimitLookupClient,
 )
 from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.engine import LookupEngine, ResponseSink, SyncLookupEngine
+from broker_lookup.engine import (
+    LookupEngine,
+    PartialEngine,
+    ProgressSink,
+    ResponseSink,
+    SyncLookupEngine,
+)
 from broker_lookup.errors import (
     BrokerLookupError,
     BrokerResponseError,
@@ -48,6 +54,8 @@ __all__ = [
     "LookupEngine",
     "LookupMetadata",
     "MalformedMessage",
+    "PartialEngine",
+    "ProgressSink",
     "RedisAsyncLookupClient",
     "RedisLookupClient",
     "ResponseSink",

@@ -5,13 +5,28 @@ The contract is LMCache's (``LMCacheEngine.async_lookup_and_prefetch`` and
 reports the number of prefix tokens it actually loaded through the server's
 ``send_response_to_scheduler(lookup_id, num_hit_tokens)``. The generation of a
 lookup travels beside the id in Redis, never inside it.
+
+Two optional additions let a lookup that misses its deadline be answered with what
+is already loaded instead of 0 (``partial_answers``); an engine without them (LMCache's)
+behaves as LMCache's does:
+
+* progress: while it loads, the engine may call the server's
+  ``send_progress_to_scheduler(lookup_id, num_loaded_tokens)`` (:class:`ProgressSink`)
+  with the prefix it holds loaded *and pinned* so far: the part already in memory at
+  once, then after each chunk it loads. The final ``send_response_to_scheduler`` call
+  is still due, exactly once.
+* keeping a prefix: ``keep_memory_objs(lookup_id, num_tokens)`` (:class:`PartialEngine`)
+  keeps the first ``num_tokens`` pinned, releases the rest, and stops loading beyond
+  them. The server calls it when the lookup was answered ``num_tokens`` at its
+  deadline; ``cleanup_memory_objs`` later releases the kept prefix as usual. An engine
+  without it keeps everything it loaded until that release.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["LookupEngine", "ResponseSink", "SyncLookupEngine"]
+__all__ = ["LookupEngine", "PartialEngine", "ProgressSink", "ResponseSink", "SyncLookupEngine"]
 
 
 @runtime_checkable
@@ -20,6 +35,14 @@ class ResponseSink(Protocol):
 
     def send_response_to_scheduler(self, lookup_id: str, num_hit_tokens: int) -> None:
         """Report that ``num_hit_tokens`` prefix tokens of ``lookup_id`` are loaded and pinned."""
+
+
+@runtime_checkable
+class ProgressSink(ResponseSink, Protocol):
+    """A sink that also takes progress (the lookup server does): optional for engines."""
+
+    def send_progress_to_scheduler(self, lookup_id: str, num_loaded_tokens: int) -> None:
+        """Report that ``num_loaded_tokens`` prefix tokens are loaded and pinned so far."""
 
 
 @runtime_checkable
@@ -44,6 +67,14 @@ class LookupEngine(Protocol):
 
     def cleanup_memory_objs(self, lookup_id: str) -> None:
         """Release the memory a lookup pinned (abort, timeout, or superseded)."""
+
+
+@runtime_checkable
+class PartialEngine(LookupEngine, Protocol):
+    """An engine that can keep a prefix of what it loaded (optional: see the module)."""
+
+    def keep_memory_objs(self, lookup_id: str, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` of ``lookup_id`` pinned; release and stop the rest."""
 
 
 @runtime_checkable

@@ -109,6 +109,13 @@ class RedisAsyncLookupServer:
         """The engine finished prefetching ``lookup_id``: report its loaded prefix."""
         self._dispatcher.report(lookup_id, num_hit_tokens)
 
+    def send_progress_to_scheduler(self, lookup_id: str, num_loaded_tokens: int) -> None:
+        """Optional, for engines that load in steps: ``num_loaded_tokens`` of ``lookup_id``'s
+        prefix are loaded and pinned so far. With ``partial_answers`` on, a lookup that
+        misses its deadline is answered the prefix every expected rank confirmed this way
+        (the final report still comes through :meth:`send_response_to_scheduler`)."""
+        self._dispatcher.progress(lookup_id, num_loaded_tokens)
+
     def close(self) -> None:
         """Ordered shutdown: stop reading, flush reports, release every pin; idempotent."""
         if self._closed:

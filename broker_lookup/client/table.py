@@ -22,13 +22,24 @@ from broker_lookup.ops.histogram import Histogram
 __all__ = ["Entry", "LookupTable", "Outcome"]
 
 Outcome = Literal[
-    "hit", "miss", "timeout", "cancelled", "dead_rank", "error", "unavailable", "rejected"
+    "hit",
+    "miss",
+    "partial",
+    "timeout",
+    "cancelled",
+    "dead_rank",
+    "error",
+    "unavailable",
+    "rejected",
 ]
-#: ``unavailable``: answered 0 at once because the circuit breaker was open (Redis failing
-#: or stalled); ``rejected``: a request the protocol cannot carry (see client.admit).
+#: ``partial``: answered at the deadline with the prefix every rank confirmed loaded
+#: (``partial_answers``); ``unavailable``: answered 0 at once because the circuit breaker
+#: was open (Redis failing or stalled); ``rejected``: a request the protocol cannot carry
+#: (see client.admit).
 OUTCOMES: tuple[Outcome, ...] = (
     "hit",
     "miss",
+    "partial",
     "timeout",
     "cancelled",
     "dead_rank",
@@ -50,6 +61,7 @@ class Entry:
         "outcome",
         "result",
         "sent",
+        "settling",
         "started",
         "tokens",
     )
@@ -75,12 +87,17 @@ class Entry:
         #: ``result``; the table sets ``result`` then checks ``sent``): a generation
         #: that was never sent needs no cancel.
         self.sent = False
+        #: Past its deadline, its partial answer asked for (``partial_answers``).
+        self.settling = False
         self.event = threading.Event() if with_event else None
 
 
 #: Called (outside the lock) with (lookup_id, gen) for every generation that must be
 #: cancelled in Redis so workers release its pins.
 CancelSink = Callable[[str, int], None]
+#: Called (outside the lock) with (lookup_id, entry) of a sent generation whose deadline
+#: passed, to ask Redis for its partial answer (``partial_answers``); None: answer 0.
+DeadlineSink = Callable[[str, "Entry"], None]
 
 #: How long after a successful submit a lookup is first reconciled from its hash, and
 #: how often after that while it is still in flight.
@@ -90,7 +107,15 @@ RECONCILE_AFTER_S = 0.5
 class LookupTable:
     """Entries by lookup id, plus the subset still in flight, plus counters."""
 
-    def __init__(self, cancel: CancelSink, max_pending: int, retention_s: float) -> None:
+    def __init__(
+        self,
+        cancel: CancelSink,
+        max_pending: int,
+        retention_s: float,
+        *,
+        deadline: DeadlineSink | None = None,
+        wait_s: float = 0.0,
+    ) -> None:
         self.entries: dict[str, Entry] = {}
         self.inflight: dict[str, Entry] = {}
         #: (deadline, gen, lookup_id) of every generation sent; finished ones are skipped
@@ -107,6 +132,8 @@ class LookupTable:
         #: after clear_lookup_status still tells the ranks to release their pins.
         self._cleared: OrderedDict[str, int] = OrderedDict()
         self._cancel = cancel
+        self._deadline = deadline
+        self._wait_s = wait_s
         self._max_pending = max_pending
         self._retention_s = retention_s
         self._lock = threading.Lock()
@@ -158,6 +185,30 @@ class LookupTable:
         if entry.sent:  # never sent: nothing in Redis to cancel
             self._cancel(lookup_id, entry.gen)
         return 0
+
+    def on_deadline(self, lookup_id: str, entry: Entry, now: float) -> int | None:
+        """``entry``'s deadline passed: its answer now, or None while Redis is asked for its
+        partial answer (``partial_answers``: at most ``wait_s`` more, then 0).
+
+        Without partial answers, or for a generation never sent, this is :meth:`expire`.
+        """
+        if self._deadline is None or not entry.sent:
+            return self.expire(lookup_id, entry)
+        with self._lock:
+            if entry.result is not None:
+                return entry.result
+            ask = not entry.settling
+            if ask:
+                entry.settling = True
+                # The sweep answers 0 once the wait is over, if Redis never answered.
+                waited = (entry.deadline + self._wait_s, entry.gen, lookup_id)
+                heapq.heappush(self._deadlines, waited)
+        if ask:
+            self._deadline(lookup_id, entry)
+            return None
+        if now < entry.deadline + self._wait_s:
+            return None
+        return self.expire(lookup_id, entry)
 
     def _finish_locked(self, lookup_id: str, entry: Entry, result: int, outcome: Outcome) -> None:
         now = time.monotonic()

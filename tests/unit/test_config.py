@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name, expected_ranks
@@ -195,3 +197,47 @@ def test_errors_hide_passwords() -> None:
     with pytest.raises(ConfigError) as err:
         LookupConfig(redis_password=1234)  # type: ignore[arg-type]
     assert "1234" not in str(err.value) and "***" in str(err.value)
+
+
+def test_the_deadline_scales_with_the_prompt_up_to_its_ceiling() -> None:
+    cfg = LookupConfig(lookup_timeout_ms=3000, lookup_timeout_per_1k_tokens_ms=10)
+    assert cfg.lookup_budget_ms(1_000) == 3010
+    assert cfg.lookup_budget_ms(128_000) == 4280  # a 128k prompt waits 1.28 s longer
+    assert cfg.longest_timeout_ms == 12_000  # 4 x the base, under the pin TTL
+    assert cfg.lookup_budget_ms(4_000_000) == 12_000
+    assert cfg.key_ttl_ms == 12_000 + cfg.key_grace_ms
+    flat = LookupConfig(lookup_timeout_per_1k_tokens_ms=0)
+    assert flat.lookup_budget_ms(128_000) == flat.lookup_timeout_ms
+
+
+def test_the_default_ceiling_fits_a_short_pin_ttl() -> None:
+    cfg = LookupConfig(lookup_timeout_ms=500, worker_pin_ttl_ms=2000)
+    assert cfg.longest_timeout_ms == 1250  # halfway between the base and the pin TTL
+    assert cfg.retention_ms == 750  # what the pins leave after the longest deadline
+    ceiling = LookupConfig(lookup_timeout_ms=500, lookup_timeout_max_ms=800)
+    assert ceiling.lookup_budget_ms(10**6) == 800
+
+
+def test_partial_answers_wait_counts_in_the_longest_deadline() -> None:
+    cfg = LookupConfig(partial_answers=True, partial_answer_wait_ms=300)
+    assert cfg.longest_timeout_ms == 12_000 + 300
+    assert cfg.lookup_budget_ms(10**7) == 12_000  # the wait comes after the deadline
+    with pytest.raises(ConfigError, match=r"worker_pin_ttl_ms=600 .*partial_answer_wait_ms"):
+        LookupConfig(partial_answers=True, lookup_timeout_ms=500, worker_pin_ttl_ms=600)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("lookup_timeout_per_1k_tokens_ms", -1),
+        ("lookup_timeout_max_ms", 100),  # under lookup_timeout_ms
+        ("lookup_timeout_max_ms", 60_000),  # not under the pin TTL
+        ("rank_spread_warn_share", 0.0),
+        ("rank_spread_warn_share", 1.5),
+        ("partial_answer_wait_ms", 0),
+    ],
+)
+def test_issue_13_fields_are_validated_by_name(field: str, value: Any) -> None:
+    values: dict[str, Any] = {field: value}
+    with pytest.raises(ConfigError, match=f"{field}={value!r}"):
+        LookupConfig(**values)

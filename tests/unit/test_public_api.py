@@ -32,6 +32,8 @@ BROKER_LOOKUP_ALL = [
     "LookupEngine",
     "LookupMetadata",
     "MalformedMessage",
+    "PartialEngine",
+    "ProgressSink",
     "RedisAsyncLookupClient",
     "RedisLookupClient",
     "ResponseSink",

@@ -69,6 +69,8 @@ class Dispatcher:
         self._rank = rank
         self._pin_ttl_s = config.worker_pin_ttl_ms / 1000
         self._grace_ms = config.worker_watchdog_grace_ms
+        #: Progress is only worth a Redis write where the deadline may answer with it.
+        self._progress_on = config.partial_answers
         #: Sends the reports (its thread is started and stopped by the server).
         self.reporter = Reporter(config, keys, rank, factory, self.settle)
         self._lock = threading.Lock()  # counts and the engine histogram: every thread
@@ -89,7 +91,8 @@ class Dispatcher:
             self._apply(msg.lookup_id, step, "aborts")
             return
         if isinstance(msg, Keep):
-            self.count("keeps")
+            decision, step = self._tracker.on_keep(msg.lookup_id, msg.gen, msg.tokens)
+            self._apply(msg.lookup_id, step, "keep_" + decision)
             return
         if self._rank not in msg.expected:
             self.count("not_expected")
@@ -122,12 +125,29 @@ class Dispatcher:
         if outcome == "skipped":  # aborted or superseded: nobody wants the answer
             self._apply(lookup_id, step, "report_skipped_aborted")
             return
+        if outcome == "kept":  # answered at the deadline: held, nothing to send
+            self.count("report_after_keep")
+            return
         self.reporter.put(Report(lookup_id, job.gen, self._valid_hits(job, hits)))
+
+    def progress(self, lookup_id: str, tokens: object) -> None:
+        """The engine confirmed ``tokens`` of ``lookup_id``'s prefix loaded and pinned (any
+        thread). Only remembered here: the sweeper sends what grew, so a lookup that ends
+        before the next sweep costs no Redis write for its progress."""
+        if not self._progress_on:
+            return
+        if type(tokens) is not int or tokens <= 0:
+            self.count("progress_invalid")
+            return
+        self._tracker.on_progress(lookup_id, tokens)
 
     # -- from the reporter -----------------------------------------------------------
 
     def settle(self, report: Report, answer: str) -> None:
         """Redis answered ``report``: hold its generation's pins, or release them."""
+        if report.progress:  # nothing to decide: the lookup runs on
+            self.count("progress_" + answer)
+            return
         step = self._tracker.on_settled(
             report.lookup_id, report.gen, answer in _KEEP, time.monotonic()
         )
@@ -143,6 +163,9 @@ class Dispatcher:
             self._apply(job.lookup_id, step)
         for lookup_id in self._tracker.expired_holds(now):
             self._release(lookup_id)
+        for job in self._tracker.take_progress():
+            if job.progress <= job.tokens:
+                self.reporter.put(Report(job.lookup_id, job.gen, job.progress, progress=True))
 
     def _on_watchdog(self, job: Job) -> None:
         """The engine never reported ``job`` (LMCache D9): answer 0 for it ourselves."""
@@ -175,6 +198,8 @@ class Dispatcher:
         """
         release = step.release
         start = step.start
+        if step.keep is not None:
+            self._keep(lookup_id, step.keep)
         with self._lock:
             counts = self._counts
             if counted is not None:
@@ -204,6 +229,18 @@ class Dispatcher:
                 "rank %d: engine failed to start %s; reporting 0", self._rank, req.lookup_id
             )
             self.report(req.lookup_id, 0)
+
+    def _keep(self, lookup_id: str, tokens: int) -> None:
+        """The engine keeps ``tokens`` of ``lookup_id``'s prefix pinned, releases the rest."""
+        keep = getattr(self._engine, "keep_memory_objs", None)
+        if not callable(keep):  # optional: such an engine holds all it loaded until release
+            self.count("keep_unsupported")
+            return
+        try:
+            keep(lookup_id, tokens)
+        except Exception:
+            self.count("engine_errors")
+            logger.exception("rank %d: engine failed to keep %s", self._rank, lookup_id)
 
     def _release(self, lookup_id: str) -> None:
         self.count("released")
@@ -245,6 +282,18 @@ class Dispatcher:
     def sizes(self) -> dict[str, int]:
         """Size of every map of the lifecycle (running, held, waiting, memos, timers)."""
         return self._tracker.sizes()
+
+    def engine_pins(self) -> int | None:
+        """Chunks the engine holds pinned, if it says (``stats()["pinned_chunks"]``, as
+        ReferenceEngine's): for the heartbeat, so an operator sees what pins cost."""
+        stats = getattr(self._engine, "stats", None)
+        if not callable(stats):
+            return None
+        try:
+            value = stats().get("pinned_chunks")
+        except Exception:  # an engine's stats must never stop the heartbeat
+            return None
+        return value if type(value) is int else None
 
     def _observe(self, seconds: float) -> None:
         with self._lock:

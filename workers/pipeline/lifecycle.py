@@ -7,6 +7,12 @@ States of the generation of an id that the engine holds (DESIGN rule 11)::
                   |    \\--aborted / superseded---\\--not kept, aborted, newer gen waits--> released
                   \\--watchdog: no report by deadline + grace (the server reports 0)-----> released
 
+Engines that report progress (the prefix confirmed loaded and pinned so far) leave it
+on the running job; the sweeper takes what grew and sends it (``progress.lua``). A
+lookup answered at its deadline with a partial prefix sends a keep: the engine keeps
+that prefix and releases the rest (``keep_memory_objs``), and the generation is held
+once the engine reports, without sending that report (the answer is decided).
+
 The engine never holds two generations of one id: a newer generation that arrives
 while one is running or reporting waits in a single slot per id (a still newer one
 replaces it; the replaced one is superseded), and starts when the engine's generation
@@ -56,6 +62,12 @@ class Job:
     state: State = "running"
     aborted: bool = False  #: release instead of holding once it reports
     superseded: bool = False  #: a newer generation waits: release instead of reporting
+    #: prefix the engine confirmed loaded and pinned so far (engines that report progress)
+    progress: int = 0
+    progress_sent: int = 0  #: the largest progress handed to the reporter
+    #: the prefix a partial answer at the deadline kept (a keep entry): the engine's own
+    #: report is then not sent, only awaited, and the job is held with this prefix
+    kept: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +76,8 @@ class Step:
 
     release: bool = False  #: ``cleanup_memory_objs(id)``: the engine's generation is done
     start: LookupRequest | None = None  #: then hand this generation to the engine
+    #: ``keep_memory_objs(id, keep)``: keep that prefix pinned, release the rest
+    keep: int | None = None
 
 
 NOTHING = Step()
@@ -94,6 +108,7 @@ class Lifecycle:
         self._jobs: dict[str, Job] = {}
         self._waiting: dict[str, _Waiting] = {}
         self._held: OrderedDict[str, float] = OrderedDict()  # id -> until; TTL order
+        self._progressed: dict[str, Job] = {}  # running jobs with progress not yet taken
         self._timers: list[tuple[float, int, str, int, State]] = []  # lazily deleted
         self._seq = itertools.count()
         self._seen: Memo[tuple[str, int]] = Memo(capacity)
@@ -150,6 +165,9 @@ class Lifecycle:
                 return ("late" if self._late.discard(lookup_id) else "unknown"), None, NOTHING
             if job.aborted or job.superseded:
                 return "skipped", job, self._finish(job, now)
+            if job.kept is not None:  # answered at the deadline: hold the kept prefix
+                self._hold(job, now)
+                return "kept", job, NOTHING
             self._move(job, "reporting")
             self._timer(now + self._pin_ttl_s, job)  # a report that never settles
             return "report", job, NOTHING
@@ -161,10 +179,49 @@ class Lifecycle:
             if job is None or job.gen != gen or job.state != "reporting":
                 return NOTHING  # already released (watchdog, close) or a detached report
             if keep and not job.aborted and lookup_id not in self._waiting:
-                self._move(job, "held")
-                self._held[lookup_id] = now + self._pin_ttl_s
+                self._hold(job, now)
                 return NOTHING
             return self._finish(job, now)
+
+    def on_progress(self, lookup_id: str, tokens: int) -> bool:
+        """The engine confirmed ``tokens`` of ``lookup_id``'s prefix loaded and pinned.
+
+        True if that is news worth sending (the generation runs and ``tokens`` is above
+        what it confirmed before); :meth:`take_progress` then hands it out.
+        """
+        with self._lock:
+            job = self._jobs.get(lookup_id)
+            if job is None or job.state != "running" or tokens <= job.progress:
+                return False
+            job.progress = tokens
+            self._progressed[lookup_id] = job
+            return True
+
+    def take_progress(self) -> list[Job]:
+        """Running jobs whose progress grew since they were last taken (each then marked
+        sent). The map is swapped under the lock; the scan runs outside it."""
+        with self._lock:
+            taken, self._progressed = self._progressed, {}
+        out: list[Job] = []
+        for job in taken.values():
+            if job.state == "running" and job.progress > job.progress_sent and job.kept is None:
+                job.progress_sent = job.progress
+                out.append(job)
+        return out
+
+    def on_keep(self, lookup_id: str, gen: int, tokens: int) -> tuple[str, Step]:
+        """The lookup (``lookup_id``, ``gen``) was answered ``tokens`` at its deadline.
+
+        ``kept``: the engine keeps that prefix and releases the rest (the step); a running
+        generation is held once the engine reports. ``unknown``: this rank holds no such
+        generation (released, superseded, aborted, or never started): nothing to keep.
+        """
+        with self._lock:
+            job = self._jobs.get(lookup_id)
+            if job is None or job.gen != gen or job.aborted or job.superseded:
+                return "unknown", NOTHING
+            job.kept = tokens if job.kept is None else min(job.kept, tokens)
+            return "kept", Step(keep=job.kept)
 
     def on_abort(self, lookup_id: str, gen: int, now: float) -> Step:
         """Cancel (``lookup_id``, ``gen``) in whatever state it is, or before it arrives."""
@@ -221,7 +278,7 @@ class Lifecycle:
         """Every id whose generation the engine holds (shutdown); forgets everything."""
         with self._lock:
             ids = list(self._jobs)
-            for store in (self._jobs, self._waiting, self._held):
+            for store in (self._jobs, self._waiting, self._held, self._progressed):
                 store.clear()
             self._states = dict.fromkeys(_STATES, 0)
             self._timers.clear()
@@ -242,6 +299,7 @@ class Lifecycle:
                 "aborted": len(self._aborted),
                 "late": len(self._late),
                 "timers": len(self._timers),
+                "progressed": len(self._progressed),
             }
 
     # -- transitions (lock held) --------------------------------------------------------
@@ -266,9 +324,15 @@ class Lifecycle:
 
     def _drop(self, job: Job) -> None:
         del self._jobs[job.lookup_id]
+        if self._progressed.get(job.lookup_id) is job:
+            del self._progressed[job.lookup_id]
         self._states[job.state] -= 1
         if job.state == "held":
             del self._held[job.lookup_id]
+
+    def _hold(self, job: Job, now: float) -> None:
+        self._move(job, "held")
+        self._held[job.lookup_id] = now + self._pin_ttl_s
 
     def _move(self, job: Job, state: State) -> None:
         self._states[job.state] -= 1

@@ -164,6 +164,7 @@ class RankLoop(LoopThread):
         stats = self.reader.stats
         return {
             **self._dispatcher.sizes(),
+            "engine_pinned_chunks": self._dispatcher.engine_pins(),
             "requests": self._dispatcher.counts().get("requests", 0),
             "replayed": stats["replayed"],  # deliveries read again: lost ones among them
             "redis_errors": stats["redis_errors"],

@@ -27,7 +27,13 @@ from redis.exceptions import RedisError, ResponseError
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.scripts import Call, ScriptSet, is_noscript, report_call
+from broker_lookup.protocol.scripts import (
+    Call,
+    ScriptSet,
+    is_noscript,
+    progress_call,
+    report_call,
+)
 from broker_lookup.transport.batcher import Batcher
 from broker_lookup.transport.lean import Command, Link
 
@@ -42,11 +48,12 @@ MAX_BATCH = 256
 
 
 class Report(NamedTuple):
-    """One rank's answer for one generation of a lookup."""
+    """One rank's answer for one generation of a lookup, or its progress so far."""
 
     lookup_id: str
     gen: int
-    hits: int
+    hits: int  #: tokens loaded and pinned: the final count, or so far when ``progress``
+    progress: bool = False  #: ``progress.lua`` (a prefix confirmed so far), not the report
 
 
 class Served(NamedTuple):
@@ -178,6 +185,10 @@ class Reporter(Batcher[Report]):
     # -- the script -------------------------------------------------------------------
 
     def _call(self, report: Report) -> Call:
+        if report.progress:
+            return progress_call(
+                self._keys, report.lookup_id, rank=self._rank, gen=report.gen, tokens=report.hits
+            )
         return report_call(
             self._keys,
             report.lookup_id,

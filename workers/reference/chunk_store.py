@@ -196,6 +196,39 @@ class ChunkStore:
                     self._pins.pop(key, None)
             return len(entry[1])
 
+    def keep_prefix(self, owner: str, tokens: int) -> int:
+        """Keep ``owner``'s pins on its first chunks holding at most ``tokens`` tokens (in
+        the order it pinned them: prompt order); release the rest. Return how many."""
+        with self._lock:
+            entry = self._owners.get(owner)
+            if entry is None:
+                return 0
+            keys = entry[1]
+            kept = 0
+            total = 0
+            for key in keys:
+                total += self._memory[key].shape[0]  # pinned: never evicted
+                if total > tokens:
+                    break
+                kept += 1
+            for key in keys[kept:]:
+                left = self._pins.get(key, 0) - 1
+                if left > 0:
+                    self._pins[key] = left
+                else:
+                    self._pins.pop(key, None)
+            released = len(keys) - kept
+            del keys[kept:]
+            return released
+
+    def pinned_tokens(self, owner: str) -> int:
+        """Tokens of the chunks ``owner`` holds pinned (what a partial answer may count on)."""
+        with self._lock:
+            entry = self._owners.get(owner)
+            if entry is None:
+                return 0
+            return sum(self._memory[key].shape[0] for key in entry[1])
+
     def release_all(self) -> int:
         """Release every pin of every owner; return how many owners held pins."""
         with self._lock:

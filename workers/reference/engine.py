@@ -34,7 +34,16 @@ logger = logging.getLogger(__name__)
 _NOT_WIRED = (
     "ReferenceEngine is not wired to a lookup server: call post_init(async_lookup_server=...) first"
 )
-_COUNTERS = ("loads", "load_failures", "reports", "report_errors", "prefetch_errors", "stores")
+_COUNTERS = (
+    "loads",
+    "load_failures",
+    "reports",
+    "report_errors",
+    "prefetch_errors",
+    "stores",
+    "progress_reports",
+    "kept_released",
+)
 Configs = Mapping[str, Any] | None
 Chunks = list[tuple[ChunkKey, int]]  # (key, token count) per chunk, in prompt order
 
@@ -102,6 +111,8 @@ class ReferenceEngine:
         self._lock = threading.Lock()
         self._inflight: dict[str, int] = {}
         self._pending_cleanup: set[str] = set()
+        #: Prefixes a partial answer kept, of prefetches still running: they stop there.
+        self._caps: dict[str, int] = {}
         self._futures: set[Future[None]] = set()
         self._counters = dict.fromkeys((*_COUNTERS, "pins_expired"), 0)
         self._closing = threading.Event()
@@ -199,6 +210,15 @@ class ReferenceEngine:
                 return
         self._store.release(lookup_id)
 
+    def keep_memory_objs(self, lookup_id: str, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` of ``lookup_id`` pinned and release the rest; a
+        prefetch still running stops there (a partial answer was given at the deadline)."""
+        with self._lock:
+            if lookup_id in self._inflight:
+                self._caps[lookup_id] = num_tokens
+        released = self._store.keep_prefix(lookup_id, num_tokens)
+        self._count("kept_released", released)
+
     def release_expired_pins(self) -> int:
         """Release pins older than ``pin_timeout_s`` (a PinMonitor, run on every lookup)."""
         with self._lock:
@@ -233,8 +253,11 @@ class ReferenceEngine:
 
     def _prefetch(self, sink: ResponseSink, lookup_id: str, chunks: Chunks, pin: bool) -> None:
         loaded = 0
+        # Progress only means something for pinned chunks: they are what a partial
+        # answer promises the scheduler.
+        progress = getattr(sink, "send_progress_to_scheduler", None) if pin else None
         try:
-            for tokens in self._walk(lookup_id, chunks, pin):
+            for tokens in self._walk(lookup_id, chunks, pin, progress):
                 loaded += tokens
         except Exception:
             logger.exception("prefetch of %s failed after %d tokens", lookup_id, loaded)
@@ -245,15 +268,43 @@ class ReferenceEngine:
             finally:
                 self._report(sink, lookup_id, loaded)
 
-    def _walk(self, lookup_id: str, chunks: Chunks, pin: bool) -> Iterator[int]:
-        """Yield the token count of each chunk made resident, stopping at the first miss."""
+    def _walk(
+        self, lookup_id: str, chunks: Chunks, pin: bool, progress: Any = None
+    ) -> Iterator[int]:
+        """Yield the token count of each chunk made resident, stopping at the first miss
+        (or at a kept prefix). ``progress`` hears the prefix held in memory when the first
+        chunk has to be loaded, then the prefix after each chunk loaded."""
         owner = lookup_id if pin else None
+        loaded = 0
+        told = False  # whether the memory prefix was reported
         for key, tokens in chunks:
-            if self._closing.is_set() or not (
-                self._store.pin_if_in_memory(key, owner) or self._load(key, tokens, owner)
-            ):
+            if self._closing.is_set() or not self._fits(lookup_id, loaded + tokens):
+                return
+            if not self._store.pin_if_in_memory(key, owner):
+                if loaded and progress is not None and not told:
+                    self._progress(progress, lookup_id, loaded)  # the memory prefix, at once
+                told = True
+                if not self._load(key, tokens, owner):
+                    return
+                if progress is not None:
+                    self._progress(progress, lookup_id, loaded + tokens)
+            loaded += tokens
+            if not self._fits(lookup_id, loaded):  # kept meanwhile: drop what went beyond
+                self._store.keep_prefix(lookup_id, self._caps.get(lookup_id, loaded))
                 return
             yield tokens
+
+    def _fits(self, lookup_id: str, tokens: int) -> bool:
+        cap = self._caps.get(lookup_id)
+        return cap is None or tokens <= cap
+
+    def _progress(self, progress: Any, lookup_id: str, tokens: int) -> None:
+        self._count("progress_reports")
+        try:
+            progress(lookup_id, tokens)
+        except Exception:
+            logger.exception("response sink failed on progress of %s", lookup_id)
+            self._count("report_errors")
 
     def _load(self, key: ChunkKey, tokens: int, owner: str | None) -> bool:
         """Load a disk chunk into memory (pinned for ``owner``); False on a miss or a failure."""
@@ -286,6 +337,7 @@ class ReferenceEngine:
             else:
                 cleanup = lookup_id in self._pending_cleanup
                 self._pending_cleanup.discard(lookup_id)
+                self._caps.pop(lookup_id, None)
         if cleanup or self._closing.is_set():
             self._store.release(lookup_id)
 

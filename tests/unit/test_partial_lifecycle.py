@@ -1,0 +1,103 @@
+"""Progress and keeps in the rank's lifecycle (issue 13, partial answers): no Redis, no
+engine; what each input decides and which engine step follows."""
+
+from __future__ import annotations
+
+from broker_lookup.protocol.messages import LookupRequest
+from workers.pipeline.lifecycle import NOTHING, Lifecycle, Step
+
+PIN_TTL = 10.0
+
+
+def req(lookup_id: str = "a", gen: int = 1, tokens: int = 16) -> LookupRequest:
+    chunks = tokens // 4
+    return LookupRequest(
+        lookup_id=lookup_id,
+        gen=gen,
+        hashes=list(range(chunks)),
+        offsets=[4] * chunks,
+        expected=[0],
+        deadline_ms=0,
+        tokens=tokens,
+    )
+
+
+def running(lookup_id: str = "a", gen: int = 1) -> Lifecycle:
+    t = Lifecycle(capacity=100, pin_ttl_s=PIN_TTL, memo_ttl_s=5.0, grace_s=2.0)
+    decision, step = t.on_request(req(lookup_id, gen), 0.0, 3.0)
+    assert decision == "start" and step.start is not None
+    return t
+
+
+def test_progress_is_taken_once_and_only_when_it_grew() -> None:
+    t = running()
+    assert t.on_progress("a", 4)
+    assert not t.on_progress("a", 4)  # not above what it confirmed
+    assert not t.on_progress("a", 3)
+    assert t.on_progress("a", 8)
+    [job] = t.take_progress()
+    assert (job.lookup_id, job.gen, job.progress) == ("a", 1, 8)
+    assert t.take_progress() == []  # nothing grew since
+    assert t.on_progress("a", 12)
+    assert [j.progress for j in t.take_progress()] == [12]
+
+
+def test_progress_of_an_id_that_does_not_run_is_ignored() -> None:
+    t = running()
+    assert not t.on_progress("other", 4)
+    t.on_report("a", 1.0)  # reporting now: its final answer is on the way
+    assert not t.on_progress("a", 4)
+    assert t.take_progress() == []
+    assert t.sizes()["progressed"] == 0
+
+
+def test_progress_map_forgets_released_jobs() -> None:
+    t = running()
+    t.on_progress("a", 4)
+    assert t.sizes()["progressed"] == 1
+    assert t.on_abort("a", 1, 1.0) == NOTHING  # running: released once it reports
+    outcome, _, step = t.on_report("a", 1.5)
+    assert outcome == "skipped" and step.release
+    assert t.sizes()["progressed"] == 0
+    assert t.take_progress() == []
+
+
+def test_keep_of_a_running_job_trims_then_holds_it_without_a_report() -> None:
+    t = running()
+    t.on_progress("a", 8)
+    decision, step = t.on_keep("a", 1, 8)
+    assert decision == "kept" and step == Step(keep=8)
+    assert t.take_progress() == []  # decided: its progress is worth nothing now
+    outcome, job, step = t.on_report("a", 2.0)  # the engine stops at the kept prefix
+    assert outcome == "kept" and job is not None and step == NOTHING
+    assert t.sizes()["held"] == 1 and t.sizes()["running"] == 0
+    assert t.on_abort("a", 1, 3.0) == Step(release=True)  # cancel releases the kept prefix
+    assert t.sizes()["held"] == 0
+
+
+def test_keep_of_a_held_job_trims_and_pin_ttl_still_releases_it() -> None:
+    t = running()
+    outcome, _, _ = t.on_report("a", 1.0)
+    assert outcome == "report"
+    assert t.on_settled("a", 1, True, 1.0) == NOTHING
+    assert t.on_keep("a", 1, 4) == ("kept", Step(keep=4))
+    assert t.on_keep("a", 1, 8) == ("kept", Step(keep=4))  # never widens what it kept
+    assert t.expired_holds(1.0 + PIN_TTL) == ["a"]
+
+
+def test_keep_while_the_report_is_in_flight_holds_once_it_settles() -> None:
+    t = running()
+    t.on_report("a", 1.0)
+    assert t.on_keep("a", 1, 8) == ("kept", Step(keep=8))
+    assert t.on_settled("a", 1, True, 1.5) == NOTHING
+    assert t.sizes()["held"] == 1
+
+
+def test_keep_of_another_generation_or_an_unknown_id_changes_nothing() -> None:
+    t = running(gen=2)
+    assert t.on_keep("a", 1, 8) == ("unknown", NOTHING)
+    assert t.on_keep("b", 2, 8) == ("unknown", NOTHING)
+    t.on_abort("a", 2, 1.0)
+    assert t.on_keep("a", 2, 8) == ("unknown", NOTHING)  # aborted: released, not kept
+    outcome, _, _ = t.on_report("a", 1.5)
+    assert outcome == "skipped"
