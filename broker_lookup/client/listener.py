@@ -24,6 +24,7 @@ from typing import Any
 import redis
 
 from broker_lookup.client.breaker import Breaker
+from broker_lookup.client.insights import RankInsights
 from broker_lookup.client.table import LookupTable
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, MalformedMessage, translate_redis_errors
@@ -75,6 +76,10 @@ class Listener(LoopThread):
         self._link: LeanLink | None = None
         self._heartbeat_keys = [self._keys.heartbeat(r) for r in expected]
         self._mget: Command = ("MGET", *self._heartbeat_keys)
+        #: Per-rank latency and disagreement (``rank_insights``); None when it is off.
+        self.insights = (
+            RankInsights(expected, config.rank_spread_warn_share) if config.rank_insights else None
+        )
 
     def prime(self, client: redis.Redis) -> None:
         """Learn liveness and the stream position now, before :meth:`start`."""
@@ -133,6 +138,7 @@ class Listener(LoopThread):
             else:
                 # A plain call, not a piggy-backed read: nothing rides with it.
                 resp = _raise_error(link.call([self._xread_command()])[0])
+        insights = self.insights
         for entry_id, fields in stream_entries(resp):
             self._last_id = entry_id
             try:
@@ -140,6 +146,12 @@ class Listener(LoopThread):
             except MalformedMessage as exc:
                 logger.error("ignoring bad completion entry %r: %s", entry_id, exc)
                 continue
+            if ev.last is not None and insights is not None:
+                # Only our own lookups (other clients of the engine share the stream),
+                # read before finish takes the entry out of flight.
+                entry = self._table.inflight.get(ev.lookup_id)
+                if entry is not None and entry.gen == ev.gen:
+                    insights.record(ev, entry.tokens)
             self._table.finish(ev.lookup_id, ev.gen, ev.result, "hit" if ev.result > 0 else "miss")
 
     def _xread_command(self) -> Command:

@@ -243,6 +243,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and tests; cheap, takes no lock."""
         t = self._table
+        insights = self._listener.insights
         return {
             "outcomes": dict(t.counts),
             "hit_tokens": t.hit_tokens,
@@ -260,6 +261,8 @@ class RedisAsyncLookupClient(LookupClientInterface):
             "dead_ranks": sorted(self._listener.dead),
             "latency_counts": list(t.latency.counts),
             "latency_sum": t.latency.total,
+            # Per-rank latency, last to report, disagreement (empty: rank_insights off).
+            "rank_insights": insights.snapshot() if insights is not None else {},
         }
 
     def close(self) -> None:

@@ -186,6 +186,7 @@ class Sender(Batcher[Item]):
             created_ms=int(time.time() * 1000),
             ttl_ms=cfg.key_ttl_ms,
             maxlen=cfg.stream_maxlen,
+            insights=cfg.rank_insights,
         )
 
     def _round_trip(self, client: redis.Redis, calls: list[Call]) -> list[Any]:

@@ -80,6 +80,13 @@ def _setup_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watch", type=float, metavar="SECONDS", help="repeat until Ctrl-C")
     p.add_argument("--limit", type=int, default=50, help="in-flight lookups shown (default 50)")
     p.add_argument(
+        "--recent",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="completions read for the per-rank latency and last-to-report share (default 1000)",
+    )
+    p.add_argument(
         "--check",
         action="store_true",
         help="exit 1 unless every expected rank has a heartbeat and a consumer group",
@@ -101,6 +108,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
             watch_s=args.watch,
             check=args.check,
             limit=args.limit,
+            recent=args.recent,
         )
     except ConfigError as exc:
         print(f"broker-lookup inspect: {exc}", file=sys.stderr)

@@ -2,8 +2,10 @@
 
 In-flight lookups (state, age, per-rank hits, missing ranks, TTL), rank liveness from
 the heartbeat keys, per-group lag and pending, stream lengths, the last dead letters
-and hashing fingerprints. ``--check`` turns it into a probe: exit 0 iff every expected
-rank has a heartbeat and a consumer group. Read-only: it never writes a key.
+and hashing fingerprints, and per rank, over the last ``recent`` completions (those
+``rank_insights`` timed), p50/p99 of the submit-to-report latency on the server's clock
+and the share of lookups it reported last. ``--check`` turns it into a probe: exit 0
+iff every expected rank has a heartbeat and a consumer group. Read-only: it never writes a key.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from broker_lookup.config import LookupConfig, redact_url
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import DoneEvent, decode_done
 from broker_lookup.transport.connection import make_factory
 
-__all__ = ["check", "render", "run_inspect", "snapshot"]
+__all__ = ["RECENT", "check", "rank_latency", "render", "run_inspect", "snapshot"]
 
 Snapshot = dict[str, Any]
+
+#: Completion entries read for the per-rank latency by default.
+RECENT = 1000
 
 
 def _s(value: object) -> str:
@@ -94,8 +100,72 @@ def _groups(client: redis.Redis, keys: KeySpace) -> list[Snapshot]:
     return [{_s(k): (_s(v) if isinstance(v, bytes) else v) for k, v in g.items()} for g in groups]
 
 
-def snapshot(client: redis.Redis, keys: KeySpace, world_size: int | None, limit: int) -> Snapshot:
+def _percentile(ordered: list[int], q: float) -> int:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def rank_latency(entries: list[tuple[Any, Any]], read: int | None = None) -> Snapshot:
+    """Per rank: p50/p99 of submit-to-report latency (ms) and the share of lookups it
+    reported last, over the completion entries ``entries`` (XREVRANGE's reply).
+
+    Entries without insights (``rank_insights`` off, older scripts) are skipped; the
+    window is the span of the entries' stream ids (the server's clock).
+    """
+    events: list[DoneEvent] = []
+    stamps: list[int] = []
+    for entry_id, fields in entries:
+        stamp = _int(_s(entry_id).split("-", 1)[0])
+        if stamp is not None:
+            stamps.append(stamp)
+        raw = {
+            (k if isinstance(k, bytes) else str(k).encode()): (
+                v if isinstance(v, bytes) else str(v).encode()
+            )
+            for k, v in fields.items()
+        }
+        try:
+            ev = decode_done(raw)
+        except BrokerLookupError:
+            continue
+        if ev.last is not None:
+            events.append(ev)
+    samples: dict[int, list[int]] = {}
+    last: dict[int, int] = {}
+    for ev in events:
+        last[ev.last or 0] = last.get(ev.last or 0, 0) + 1
+        for rank, micros in zip(ev.ranks, ev.latency_us, strict=False):
+            samples.setdefault(rank, [])
+            if micros is not None:
+                samples[rank].append(micros)
+    ranks: dict[int, Snapshot] = {}
+    for rank in sorted(set(samples) | set(last)):
+        got = sorted(samples.get(rank, []))
+        ranks[rank] = {
+            "samples": len(got),
+            "p50_ms": _percentile(got, 0.5) / 1000 if got else None,
+            "p99_ms": _percentile(got, 0.99) / 1000 if got else None,
+            "last": last.get(rank, 0),
+            "last_share": last.get(rank, 0) / len(events) if events else None,
+        }
+    return {
+        "read": len(entries) if read is None else read,
+        "timed": len(events),
+        "window_s": (max(stamps) - min(stamps)) / 1000 if stamps else None,
+        "newest_ms": max(stamps) if stamps else None,
+        "ranks": ranks,
+    }
+
+
+def snapshot(
+    client: redis.Redis,
+    keys: KeySpace,
+    world_size: int | None,
+    limit: int,
+    recent: int = RECENT,
+) -> Snapshot:
     """Everything ``inspect`` shows, as plain JSON-able data.
+
+    ``recent``: completion entries read (newest first) for the per-rank latency.
 
     Raises:
         BrokerUnavailable: Redis could not be reached.
@@ -108,7 +178,8 @@ def snapshot(client: redis.Redis, keys: KeySpace, world_size: int | None, limit:
             pipe.xlen(stream)
         pipe.xrevrange(keys.dead, count=5)
         pipe.hgetall(keys.fingerprint)
-        req, done, dead, letters, fps = pipe.execute()
+        pipe.xrevrange(keys.done, count=max(1, recent))
+        req, done, dead, letters, fps, completions = pipe.execute()
         snap: Snapshot = {
             "engine_id": keys.engine_id,
             "time_ms": now_ms,
@@ -120,6 +191,7 @@ def snapshot(client: redis.Redis, keys: KeySpace, world_size: int | None, limit:
                 {"id": _s(i), **{_s(k): _s(v) for k, v in f.items()}} for i, f in letters
             ],
             "fingerprints": {_s(k): _s(v) for k, v in fps.items()},
+            "rank_latency": rank_latency(completions),
         }
     names = [str(g.get("name", "")) for g in groups]
     in_groups = [int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit()]
@@ -178,6 +250,35 @@ def _render_lookups(snap: Snapshot, lines: list[str]) -> None:
         )
 
 
+def _fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}ms"
+
+
+def _render_rank_latency(snap: Snapshot, lines: list[str]) -> None:
+    rl = snap.get("rank_latency")
+    if not rl:
+        return
+    window = rl["window_s"]
+    span = f" over {window:.1f}s" if window is not None else ""
+    lines.append(
+        f"RANK LATENCY (submit to report, server clock; {rl['timed']} of the last "
+        f"{rl['read']} completions{span})"
+    )
+    if not rl["ranks"]:
+        lines.append("  none timed: rank_insights is off, or no lookup completed yet")
+        lines.append("")
+        return
+    lines.append(f"  {'rank':<6}{'p50':<11}{'p99':<11}{'samples':<9}last to report")
+    for rank, row in sorted(rl["ranks"].items()):
+        share = row["last_share"]
+        shown = f"{share * 100:.0f}% ({row['last']})" if share is not None else "-"
+        lines.append(
+            f"  {rank!s:<6}{_fmt_ms(row['p50_ms']):<11}{_fmt_ms(row['p99_ms']):<11}"
+            f"{row['samples']!s:<9}{shown}"
+        )
+    lines.append("")
+
+
 def render(snap: Snapshot, url: str, reasons: list[str] | None) -> str:
     """The human-readable report (``reasons`` is None unless ``--check``)."""
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snap["time_ms"] / 1000))
@@ -191,6 +292,7 @@ def render(snap: Snapshot, url: str, reasons: list[str] | None) -> str:
             f"{g.get('lag')!s:<7}{g.get('last-delivered-id')}"
         )
     lines += ["", "STREAMS  " + "  ".join(f"{k} {v}" for k, v in snap["streams"].items()), ""]
+    _render_rank_latency(snap, lines)
     _render_lookups(snap, lines)
     lines += ["", f"DEAD LETTERS (last {len(snap['dead_letters'])})"]
     for d in snap["dead_letters"]:
@@ -207,7 +309,7 @@ def render(snap: Snapshot, url: str, reasons: list[str] | None) -> str:
 def _once(
     client: redis.Redis, keys: KeySpace, config: LookupConfig, opts: dict[str, Any], out: TextIO
 ) -> int:
-    snap = snapshot(client, keys, opts["world_size"], opts["limit"])
+    snap = snapshot(client, keys, opts["world_size"], opts["limit"], opts["recent"])
     reasons = check(snap, keys)
     if opts["as_json"]:
         snap["check"] = {"ok": not reasons, "reasons": reasons}
@@ -227,16 +329,25 @@ def run_inspect(
     watch_s: float | None = None,
     check: bool = False,
     limit: int = 50,
+    recent: int = RECENT,
     out: TextIO | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """Print one report, or one every ``watch_s`` seconds until Ctrl-C; return the exit code.
 
+    ``recent``: completion entries read for the per-rank latency (newest first).
+
     Exit codes: 0 ok, 1 ``check`` failed, 3 Redis unreachable.
     """
     stream = out or sys.stdout
     keys = KeySpace(engine_id)
-    opts = {"world_size": world_size, "limit": limit, "as_json": as_json, "check": check}
+    opts = {
+        "world_size": world_size,
+        "limit": limit,
+        "recent": recent,
+        "as_json": as_json,
+        "check": check,
+    }
     client = make_factory(config, "bl-inspect")()
     code = 0
     try:

@@ -3,7 +3,8 @@
 Counters live as plain integers inside the client and the server (nothing is
 added to the scheduler's hot path); :class:`ClientCollector` and
 :class:`ServerCollector` read their ``stats()`` at scrape time. No metric carries
-a per-lookup label: client series have at most ``outcome``, worker series carry
+a per-lookup label: client series have at most ``outcome`` (or ``rank``, for the
+``rank_*`` series of ``rank_insights``: one per expected rank), worker series carry
 ``rank`` (plus ``result``/``reason``/``state`` where the help says so).
 
 >>> registry = CollectorRegistry()                  # doctest: +SKIP
@@ -26,6 +27,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from broker_lookup.client.insights import SPREAD_BUCKETS
 from broker_lookup.client.table import OUTCOMES
 from broker_lookup.ops.histogram import Histogram
 
@@ -70,6 +72,28 @@ CLIENT_METRICS: dict[str, tuple[str, str]] = {
     ),
     "broker_lookup_client_inflight": ("gauge", "Lookups submitted and not finished."),
     "broker_lookup_client_redis_errors_total": ("counter", "Redis errors seen by client threads."),
+    "broker_lookup_client_rank_report_seconds": (
+        "histogram",
+        "Time from the lookup's submit to this rank's report, both on the Redis server's "
+        "clock (rank_insights).",
+    ),
+    "broker_lookup_client_rank_last_total": (
+        "counter",
+        "Lookups this rank completed by reporting last (rank_insights).",
+    ),
+    "broker_lookup_client_rank_excess_lookups_total": (
+        "counter",
+        "Lookups where this rank reported more hits than the minimum over the ranks "
+        "(rank_insights).",
+    ),
+    "broker_lookup_client_rank_excess_tokens_total": (
+        "counter",
+        "Tokens this rank reported above the minimum: prefetched in vain (rank_insights).",
+    ),
+    "broker_lookup_client_rank_spread_tokens": (
+        "histogram",
+        "Max - min hits over the ranks of one lookup, in tokens (rank_insights).",
+    ),
 }
 
 #: Worker-side metrics (one series per rank, label ``rank``): name -> (type, help).
@@ -164,12 +188,52 @@ def _gauge(name: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
 def _histogram(name: str, hist: Histogram, labels: Mapping[str, str]) -> HistogramMetricFamily:
     """The family of one in-memory histogram, with Prometheus's bucket labels."""
     family = HistogramMetricFamily(name, _help(name), labels=list(labels))
+    _add_histogram(family, hist, list(labels.values()))
+    return family
+
+
+def _add_histogram(family: HistogramMetricFamily, hist: Histogram, values: list[str]) -> None:
     buckets = [
         ("+Inf" if bound == math.inf else repr(bound), float(count))
         for bound, count in hist.cumulative()
     ]
-    family.add_metric(list(labels.values()), buckets, hist.total)
-    return family
+    family.add_metric(values, buckets, hist.total)
+
+
+def _rank_families(insights: Mapping[str, Any]) -> Iterator[Metric]:
+    """The ``rank_*`` families from ``stats()["rank_insights"]`` (empty when it is off)."""
+    ranks: Mapping[Any, Mapping[str, Any]] = insights.get("ranks", {})
+    order = sorted(ranks, key=int)
+    report = HistogramMetricFamily(
+        "broker_lookup_client_rank_report_seconds",
+        _help("broker_lookup_client_rank_report_seconds"),
+        labels=["rank"],
+    )
+    for rank in order:
+        row = ranks[rank]
+        hist = Histogram.of(row.get("report_counts", ()), row.get("report_sum", 0.0))
+        _add_histogram(report, hist, [str(rank)])
+    yield report
+    for name, key in (
+        ("broker_lookup_client_rank_last_total", "last"),
+        ("broker_lookup_client_rank_excess_lookups_total", "excess_lookups"),
+        ("broker_lookup_client_rank_excess_tokens_total", "excess_tokens"),
+    ):
+        family = _counter(name, ["rank"])
+        for rank in order:
+            family.add_metric([str(rank)], float(ranks[rank].get(key, 0)))
+        yield family
+    spread = HistogramMetricFamily(
+        "broker_lookup_client_rank_spread_tokens",
+        _help("broker_lookup_client_rank_spread_tokens"),
+        labels=[],
+    )
+    if insights:
+        hist = Histogram.of(
+            insights.get("spread_counts", ()), insights.get("spread_sum", 0.0), SPREAD_BUCKETS
+        )
+        _add_histogram(spread, hist, [])
+    yield spread
 
 
 class ClientCollector(Collector):
@@ -212,6 +276,7 @@ class ClientCollector(Collector):
             gauge = _gauge(name)
             gauge.add_metric([], float(st.get(key, 0)))
             yield gauge
+        yield from _rank_families(st.get("rank_insights") or {})
 
 
 class ServerCollector(Collector):

@@ -10,7 +10,17 @@ Request stream entry (``bl:{E}:requests``), written by the scheduler's client::
     tokens       prefix to keep (keeps)       readable copy
     m            msgpack of LookupRequest | Abort | Keep (tagged union): the only field decoded
 
-Completion entry (``bl:{E}:done``), written by ``report.lua``: ``id``, ``gen``, ``result``.
+Completion entry (``bl:{E}:done``), written by ``report.lua``: ``id``, ``gen``, ``result``;
+with ``rank_insights`` (the lookup hash holds a ``submitted_us`` stamp) also::
+
+    last   the rank whose report completed it (the last to report)
+    ranks  the expected ranks, comma-separated ("0,1,2"): the order of the next two
+    hits   each rank's hit count, comma-separated, in that order
+    lat    µs from the submit to each rank's report on the server's clock, comma-separated
+           in that order, empty where a rank has none
+
+An entry without them (insights off, or an older ``report.lua``) still completes its
+lookup; one whose extra fields do not parse completes it too, without the insights.
 Dead letter (``bl:{E}:dead``): ``rank``, ``entry`` (stream id), ``reason``, ``raw``.
 
 Schema evolution: new fields get defaults, nothing is reordered, unknown fields
@@ -83,11 +93,19 @@ Request = LookupRequest | Abort | Keep
 
 
 class DoneEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """A lookup every expected rank answered: ``result`` is the minimum."""
+    """A lookup every expected rank answered: ``result`` is the minimum.
+
+    The rest is there only with ``rank_insights`` (see the module docstring): ``ranks``,
+    ``hits`` and ``latency_us`` are aligned (``latency_us`` None where a rank has none).
+    """
 
     lookup_id: str
     gen: int
     result: int
+    last: int | None = None  #: the rank whose report completed the lookup
+    ranks: tuple[int, ...] = ()  #: expected ranks, the order of ``hits`` and ``latency_us``
+    hits: tuple[int, ...] = ()  #: each rank's hit count
+    latency_us: tuple[int | None, ...] = ()  #: µs from the submit to each rank's report
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -135,15 +153,37 @@ def decode_request(fields: dict[bytes, bytes] | None) -> Request:
 
 
 def decode_done(fields: dict[bytes, bytes]) -> DoneEvent:
-    """Decode a completion entry written by ``report.lua``."""
+    """Decode a completion entry written by ``report.lua``.
+
+    Raises MalformedMessage if ``id``, ``gen`` or ``result`` is missing or bad; the
+    insight fields are optional, and dropped (the completion kept) if they do not parse.
+    """
     try:
-        return DoneEvent(
-            lookup_id=fields[b"id"].decode(),
-            gen=int(fields[b"gen"]),
-            result=int(fields[b"result"]),
-        )
+        lookup_id = fields[b"id"].decode()
+        gen = int(fields[b"gen"])
+        result = int(fields[b"result"])
     except (KeyError, ValueError, UnicodeDecodeError) as exc:
         raise MalformedMessage(f"bad completion entry: {exc!r}", fields) from None
+    last = fields.get(b"last")
+    if last is None:
+        return DoneEvent(lookup_id=lookup_id, gen=gen, result=result)
+    try:
+        ranks = tuple(int(r) for r in fields[b"ranks"].split(b","))
+        hits = tuple(int(h) for h in fields[b"hits"].split(b","))
+        lat = tuple(int(v) if v else None for v in fields[b"lat"].split(b","))
+        if not len(ranks) == len(hits) == len(lat):
+            raise ValueError("ranks, hits and lat differ in length")
+        return DoneEvent(
+            lookup_id=lookup_id,
+            gen=gen,
+            result=result,
+            last=int(last),
+            ranks=ranks,
+            hits=hits,
+            latency_us=lat,
+        )
+    except (KeyError, ValueError):
+        return DoneEvent(lookup_id=lookup_id, gen=gen, result=result)
 
 
 def wire_id_problem(lookup_id: object, max_length: int) -> str | None:

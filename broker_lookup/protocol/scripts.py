@@ -76,9 +76,14 @@ def submit_args(
     maxlen: int,
     lookup_id: str,
     fields: dict[str, Arg],
+    insights: bool = False,
 ) -> list[Arg]:
-    """ARGV of ``submit.lua``, in the order its header documents."""
+    """ARGV of ``submit.lua``, in the order its header documents.
+
+    ``insights``: stamp the server's clock at submit, so each rank's report is timed.
+    """
     args: list[Arg] = [gen, expected, created_ms, deadline_ms, tokens, ttl_ms, maxlen, lookup_id]
+    args.append("1" if insights else "0")
     return args + _pairs(fields)
 
 
@@ -90,11 +95,13 @@ def submit_call(
     created_ms: int,
     ttl_ms: int,
     maxlen: int,
+    insights: bool = False,
 ) -> Call:
     """The ``submit.lua`` call registering ``request`` and broadcasting it to every rank.
 
     ``expected`` is the comma-separated rank list, ``ttl_ms`` the hash's PEXPIRE and
-    ``maxlen`` the request stream's approximate cap.
+    ``maxlen`` the request stream's approximate cap; ``insights`` (``rank_insights``)
+    stamps ``submitted_us`` so ``report.lua`` times each rank on the server's clock.
     """
     args = submit_args(
         gen=request.gen,
@@ -106,6 +113,7 @@ def submit_call(
         maxlen=maxlen,
         lookup_id=request.lookup_id,
         fields=request_fields(request),
+        insights=insights,
     )
     return Call(SUBMIT, (keys.lookup(request.lookup_id), keys.requests), args)
 

@@ -18,7 +18,13 @@ import pytest
 import redis
 from helpers import RealServer
 
-from broker_lookup.tools.bench.command import BenchOptions, add_bench_parser, cmd_bench, run_bench
+from broker_lookup.tools.bench.command import (
+    BenchOptions,
+    add_bench_parser,
+    cmd_bench,
+    run_bench,
+    run_insights_cost,
+)
 from broker_lookup.tools.bench.lmcache_side import VARIANTS, require_lmcache
 from broker_lookup.tools.bench.measure import BenchError
 from broker_lookup.tools.bench.report import render
@@ -228,3 +234,33 @@ def _check_issue12_shape(results: dict[str, Any], opts: BenchOptions) -> None:
         "Targets (ratios: ours / LMCache backoff0",
     ):
         assert line in table
+
+
+def test_insights_cost_compares_both_sides(
+    real_server: RealServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from broker_lookup.tools.bench.insights_cost import FIGURES
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    argv = ["bench", "--insights-cost", "--quick", "--redis-url", real_server.url]
+    args = parser.parse_args([*argv, "--lookups", "40"])
+    before = _descendants_and_strays(None)
+    assert cmd_bench(args) == 0
+    table = capsys.readouterr().out
+    assert "rank_insights cost (world 2, 40 lookups a side" in table
+    for _, label in FIGURES:
+        assert label in table
+    assert "results written" not in table  # no --out: bench-results.json is left alone
+    assert _descendants_and_strays(None) - before == set(), "processes left behind"
+    results = run_insights_cost(
+        BenchOptions.defaults(quick=True, redis_url=real_server.url, lookups=20)
+    )
+    cost = results["insights_cost"]
+    assert cost["on"]["recorded"] >= cost["on"]["lookups"] > 0  # warm-up lookups too
+    assert cost["off"]["recorded"] == 0
+    for side in ("off", "on"):
+        for key, _ in FIGURES:
+            _positive(cost[side][key], f"{side} {key}")
+        assert cost["ratio"]["e2e_p50_ms"] is not None
+    json.dumps(results)

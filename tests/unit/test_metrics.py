@@ -20,6 +20,23 @@ from broker_lookup.ops.metrics import (
 )
 
 CLIENT_NAMES = {n for n in METRIC_NAMES if n.startswith("broker_lookup_client_")}
+#: ``stats()["rank_insights"]`` of a two-rank client (see tests/unit/test_rank_insights_model.py).
+RANK_INSIGHTS: dict[str, Any] = {
+    "recorded": 3,
+    "ranks": {
+        r: {
+            "report_counts": [0, 1, 2] + [0] * (len(LATENCY_BUCKETS) - 2),
+            "report_sum": 0.01,
+            "last": r + 1,
+            "excess_lookups": r,
+            "excess_tokens": 16 * r,
+        }
+        for r in (0, 1)
+    },
+    "spread_counts": [2, 1],
+    "spread_sum": 16.0,
+    "spread_warnings": 0,
+}
 WORKER_NAMES = {n for n in METRIC_NAMES if n.startswith("broker_lookup_worker_")}
 
 
@@ -37,6 +54,7 @@ class FakeClient:
             "breaker_openings": 3,
             "latency_counts": [1, 0, 2] + [0] * (len(LATENCY_BUCKETS) - 3) + [4],
             "latency_sum": 12.5,
+            "rank_insights": RANK_INSIGHTS,
             **stats,
         }
 

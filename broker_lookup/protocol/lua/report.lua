@@ -2,12 +2,17 @@
 -- KEYS[1] lookup hash   KEYS[2] done stream
 -- The hash's fields are named in protocol/lookup_hash.py.
 -- ARGV: rank, gen, hits, done maxlen, lookup id, ttl ms once done
+-- With a submitted_us stamp (submit.lua, rank_insights on) it also records l<rank>, the
+-- µs from the submit to this report on the server's clock, and the done entry carries
+-- ranks (the expected list), hits and lat (per rank in that order; lat empty where a
+-- rank has no stamp) and last (the rank that completed it). Without a stamp the entry
+-- is id, gen, result, as before.
 -- Returns: complete | recorded | dropped (no key: cancelled, timed out, expired)
 --          | stale (another generation) | duplicate (rank already reported)
 --          | settled (deadline.lua answered it at its deadline: nothing changes)
 --          | unknown_rank | invalid (hits not in 0..tokens)
 -- Never creates the key, so a late report cannot resurrect a lookup without a TTL.
-local st = redis.call('HMGET', KEYS[1], 'state', 'gen', 'expected', 'tokens')
+local st = redis.call('HMGET', KEYS[1], 'state', 'gen', 'expected', 'tokens', 'submitted_us')
 if not st[1] then return 'dropped' end
 if st[2] ~= ARGV[2] then return 'stale' end
 local known = false
@@ -24,15 +29,41 @@ if st[1] ~= 'pending' then
   return 'settled'  -- a partial answer decided it: a late report must not complete it again
 end
 if redis.call('HSETNX', KEYS[1], 'r' .. ARGV[1], ARGV[3]) == 0 then return 'duplicate' end
+local stamp = st[5]
+if stamp then
+  -- Integer arithmetic on seconds and micros apart: no double ever holds the epoch µs.
+  local t = redis.call('TIME')
+  local sec = tonumber(string.sub(stamp, 1, -7))
+  local us = tonumber(string.sub(stamp, -6))
+  if sec and us then
+    local elapsed = (tonumber(t[1]) - sec) * 1000000 + (tonumber(t[2]) - us)
+    if elapsed < 0 then elapsed = 0 end  -- the server's clock stepped back
+    redis.call('HSET', KEYS[1], 'l' .. ARGV[1], string.format('%d', elapsed))
+  else
+    stamp = nil
+  end
+end
 local min = nil
+local seen = {}
 for r in string.gmatch(st[3], '[^,]+') do
   local v = redis.call('HGET', KEYS[1], 'r' .. r)
   if not v then return 'recorded' end
+  seen[#seen + 1] = v
   v = tonumber(v)
   if min == nil or v < min then min = v end
 end
 redis.call('HSET', KEYS[1], 'state', 'done', 'result', min)
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[5], 'gen', ARGV[2],
-           'result', min)
+if stamp then
+  local names = {}
+  for r in string.gmatch(st[3], '[^,]+') do names[#names + 1] = 'l' .. r end
+  local lat = redis.call('HMGET', KEYS[1], unpack(names))
+  for i = 1, #names do lat[i] = lat[i] or '' end
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[5], 'gen', ARGV[2],
+             'result', min, 'last', ARGV[1], 'ranks', st[3], 'hits', table.concat(seen, ','),
+             'lat', table.concat(lat, ','))
+else
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[5], 'gen', ARGV[2],
+             'result', min)
+end
 return 'complete'

@@ -2,7 +2,9 @@
 -- KEYS[1] lookup hash   KEYS[2] request stream
 -- ARGV: gen, expected ("0,1,2"), created_ms, deadline_ms, tokens, key ttl ms,
 --       stream maxlen, lookup id (the caller's, kept readable: the key may hold a digest),
---       then the stream entry's field/value pairs.
+--       insights ("1": stamp submitted_us, the server's epoch µs, so report.lua can time
+--       each rank on the server's clock; "0": no stamp), then the stream entry's
+--       field/value pairs.
 -- ARGV is built by submit_args (protocol/scripts.py); the hash's fields are named in
 -- protocol/lookup_hash.py, the stream entry's in protocol/messages.py.
 -- Idempotent per generation: a batch re-sent after its reply was lost finds its own
@@ -16,9 +18,22 @@ end
 if held then  -- the usual first submit finds no key: nothing to delete
   redis.call('DEL', KEYS[1])
 end
-redis.call('HSET', KEYS[1], 'state', 'pending', 'gen', ARGV[1], 'expected', ARGV[2],
-           'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8])
+local stamp = nil
+if ARGV[9] == '1' then
+  -- Seconds and micros as TIME gives them, joined as text: a double of ~1.7e15 would
+  -- print as 1.7e+15 and lose its digits.
+  local t = redis.call('TIME')
+  stamp = t[1] .. string.format('%06d', tonumber(t[2]))
+end
+if stamp then
+  redis.call('HSET', KEYS[1], 'state', 'pending', 'gen', ARGV[1], 'expected', ARGV[2],
+             'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8],
+             'submitted_us', stamp)
+else
+  redis.call('HSET', KEYS[1], 'state', 'pending', 'gen', ARGV[1], 'expected', ARGV[2],
+             'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8])
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
 local fields = {}
-for i = 9, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 10, #ARGV do fields[#fields + 1] = ARGV[i] end
 return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(fields))

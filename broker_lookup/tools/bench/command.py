@@ -5,7 +5,9 @@ processes (``python -m broker_lookup.tools.bench.our_ranks``) that answer at onc
 measured is the lookup path itself: client, Redis, server, and the hand-offs between them.
 ``--vs-lmcache`` runs the same loops on LMCache 0.5.6's ZMQ client and server and adds
 the ratios. ``--quick`` is the CI smoke mode (world sizes 1 and 2, a few hundred
-lookups, small hashing sizes, well under a minute). The polling model is described in
+lookups, small hashing sizes, well under a minute). ``--insights-cost`` runs only the
+one-in-flight loop with ``rank_insights`` off and on, and prints both and the ratio
+(``insights_cost.py``). The polling model is described in
 ``broker_lookup.tools.bench.measure``; the results and how to read them in ``docs/performance.md``.
 
 >>> results = run_bench(BenchOptions.defaults(quick=True))   # doctest: +SKIP
@@ -44,6 +46,7 @@ __all__ = [
     "cmd_bench",
     "configure_parser",
     "run_bench",
+    "run_insights_cost",
 ]
 
 HELP = "measure lookup latency, caller cost, throughput, hashing, memory and CPU"
@@ -172,7 +175,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="use this server (default: start an embedded Valkey)")
     p.add_argument("--quick", action="store_true", help="CI smoke mode: small and fast")
     p.add_argument("--vs-lmcache", action="store_true", help="also measure LMCache 0.5.6")
-    p.add_argument("--out", default="bench-results.json", help="JSON results file")
+    p.add_argument("--out", help="JSON results file (default bench-results.json)")
+    p.add_argument(
+        "--insights-cost",
+        action="store_true",
+        help="only compare one-in-flight latency and CPU per lookup with rank_insights "
+        "off and on (world 2, or the largest of --worlds), and print the ratio",
+    )
     p.add_argument("--lookups", type=int, help="measured lookups per latency run")
     p.add_argument("--duration", type=float, help="seconds per throughput run")
     p.add_argument("--poll-us", type=float, help="sleep between polls in µs (0: sleep(0))")
@@ -216,11 +225,51 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     return opts
 
 
+def run_insights_cost(opts: BenchOptions, world: int = 2) -> dict[str, Any]:
+    """``--insights-cost``: :func:`insights_cost.insights_cost` on the bench's server.
+
+    Raises:
+        BenchError: a rank or lookup failed.
+        BrokerUnavailable: the embedded server did not start.
+    """
+    from broker_lookup.tools.bench.insights_cost import insights_cost
+
+    run_id = uuid.uuid4().hex[:8]
+    with _redis_url(opts) as (url, kind):
+        meta = {"run_id": run_id, "redis": _server_meta(url, kind), "options": asdict(opts)}
+        try:
+            return {"meta": meta, "insights_cost": insights_cost(opts, url, run_id, world)}
+        finally:
+            if kind == "external":
+                _delete_keys(url, run_id)
+
+
+def _cmd_insights_cost(args: argparse.Namespace) -> int:
+    from broker_lookup.tools.bench.insights_cost import render_insights_cost
+
+    opts = _options(args)
+    try:
+        results = run_insights_cost(opts, max(args.worlds) if args.worlds else 2)
+    except (BrokerUnavailable, BenchError) as exc:
+        print(f"broker-lookup bench: {exc}", file=sys.stderr)
+        return ExitCode.UNREACHABLE if isinstance(exc, BrokerUnavailable) else ExitCode.FAILED
+    print(render_insights_cost(results["insights_cost"]))
+    if args.out:  # the full run's file is not overwritten by this small figure
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\nresults written to {args.out}")
+    return ExitCode.OK
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the bench from parsed arguments: JSON to ``--out``, a table on stdout."""
     if getattr(args, "cluster", False):
+        if args.out is None:
+            args.out = "bench-results.json"  # as before --out lost its default
         return cmd_cluster_bench(args)
+    if getattr(args, "insights_cost", False):
+        return _cmd_insights_cost(args)
     opts = _options(args)
+    out = args.out or "bench-results.json"
     try:
         results = run_bench(opts)
     except BrokerUnavailable as exc:
@@ -229,9 +278,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except BenchError as exc:
         print(f"broker-lookup bench: {exc}", file=sys.stderr)
         return ExitCode.FAILED
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    Path(out).write_text(json.dumps(results, indent=2) + "\n")
     print(render(results))
-    print(f"\nresults written to {args.out}")
+    print(f"\nresults written to {out}")
     return ExitCode.OK
 
 

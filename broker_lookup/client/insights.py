@@ -1,0 +1,120 @@
+"""Which rank was slow, and ranks that disagree: per-rank figures from completion events.
+
+With ``rank_insights`` on, ``submit.lua`` stamps the server's clock on the lookup hash
+and ``report.lua`` times each rank's report against it (both stamps from the Redis
+server's ``TIME``: no clock is compared across hosts), then puts every rank's hits and
+latency, and the rank that completed the lookup, on its completion entry (see
+:mod:`broker_lookup.protocol.messages`). The listener feeds each such event of its own
+lookups to :meth:`RankInsights.record`; ``stats()`` and the metrics read
+:meth:`RankInsights.snapshot`.
+
+Per expected rank: a histogram of submit-to-report latency, how often it reported last,
+how many lookups it reported more hits than the minimum and the tokens that excess
+amounts to (prefetched in vain: the lookup answers the minimum); over all lookups, a
+histogram of max - min hits. A lookup whose spread exceeds ``rank_spread_warn_share`` of
+its prompt logs a WARNING naming the id and each rank's hits, at most one every 10 s.
+
+Memory is bounded: a fixed set of counters per expected rank, nothing per lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from broker_lookup.ops.histogram import Histogram
+from broker_lookup.ops.ratelimit import RateLimitedLog
+from broker_lookup.protocol.messages import DoneEvent
+
+__all__ = ["SPREAD_BUCKETS", "RankInsights"]
+
+logger = logging.getLogger(__name__)
+
+#: Upper bounds in tokens of the max - min hits histogram; 0 is "every rank agreed".
+SPREAD_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+
+
+class RankInsights:
+    """Per-rank latency, last-to-report and disagreement counters of one client.
+
+    Args:
+        expected: the client's expected ranks; events naming other ranks are not counted
+            for them (memory stays per expected rank).
+        warn_share: log when (max - min) / prompt tokens exceeds this.
+        warn_every_s: at most one such WARNING per this many seconds.
+
+    Written by the listener thread only (no lock); readers copy via :meth:`snapshot`.
+    """
+
+    def __init__(
+        self, expected: tuple[int, ...], warn_share: float, warn_every_s: float = 10.0
+    ) -> None:
+        self.expected = tuple(expected)
+        self.warn_share = warn_share
+        self.latency: dict[int, Histogram] = {r: Histogram() for r in self.expected}
+        self.last: dict[int, int] = dict.fromkeys(self.expected, 0)
+        self.excess_lookups: dict[int, int] = dict.fromkeys(self.expected, 0)
+        self.excess_tokens: dict[int, int] = dict.fromkeys(self.expected, 0)
+        self.spread = Histogram(SPREAD_BUCKETS)
+        #: Completion events that carried insights.
+        self.recorded = 0
+        self.warnings = 0
+        self._warn = RateLimitedLog(logger, warn_every_s)
+
+    def record(self, ev: DoneEvent, tokens: int) -> None:
+        """Count one completion event of this client's lookup of ``tokens`` prompt tokens.
+
+        An event without insights (``rank_insights`` off, an older script) is ignored.
+        """
+        if ev.last is None or not ev.hits:
+            return
+        self.recorded += 1
+        if ev.last in self.last:
+            self.last[ev.last] += 1
+        for rank, micros in zip(ev.ranks, ev.latency_us, strict=False):
+            hist = self.latency.get(rank)
+            if hist is not None and micros is not None:
+                hist.observe(micros / 1e6)
+        low, high = min(ev.hits), max(ev.hits)
+        spread = high - low
+        self.spread.observe(spread)
+        if not spread:
+            return
+        for rank, hits in zip(ev.ranks, ev.hits, strict=False):
+            if hits > low and rank in self.excess_lookups:
+                self.excess_lookups[rank] += 1
+                self.excess_tokens[rank] += hits - low
+        if tokens > 0 and spread / tokens > self.warn_share:
+            self.warnings += 1
+            counts = ", ".join(f"rank {r}={h}" for r, h in zip(ev.ranks, ev.hits, strict=False))
+            self._warn(
+                logging.WARNING,
+                "ranks disagree on lookup %.200r gen %d: hits %s; spread %d of %d prompt "
+                "tokens is over rank_spread_warn_share %.2f (the lookup answers the "
+                "minimum; the ranks above it prefetched the difference in vain)",
+                ev.lookup_id,
+                ev.gen,
+                counts,
+                spread,
+                tokens,
+                self.warn_share,
+            )
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able copies for ``stats()`` and the metrics: per rank (as ints) and spread."""
+        return {
+            "recorded": self.recorded,
+            "ranks": {
+                r: {
+                    "report_counts": list(self.latency[r].counts),
+                    "report_sum": self.latency[r].total,
+                    "last": self.last[r],
+                    "excess_lookups": self.excess_lookups[r],
+                    "excess_tokens": self.excess_tokens[r],
+                }
+                for r in self.expected
+            },
+            "spread_counts": list(self.spread.counts),
+            "spread_sum": self.spread.total,
+            "spread_warnings": self.warnings,
+        }
