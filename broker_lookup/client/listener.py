@@ -122,9 +122,11 @@ class Listener(LoopThread):
         self.connected = False
         if self.errors == 1 or self.errors % 100 == 0:
             logger.warning("listener: Redis error #%d: %s (retrying)", self.errors, exc)
-        # Timeouts still fire while Redis is away: they need no I/O to decide.
-        for lookup_id, entry in self._table.overdue(time.monotonic()):
-            self._table.expire(lookup_id, entry)
+        # Timeouts still fire while Redis is away: they need no I/O to decide (a partial
+        # answer asked for then fails in the sender, and answers 0).
+        now = time.monotonic()
+        for lookup_id, entry in self._table.overdue(now):
+            self._table.on_deadline(lookup_id, entry, now)
         if not first:
             self._stop.wait(0.2)
 
@@ -169,7 +171,7 @@ class Listener(LoopThread):
     def _sweep(self, client: redis.Redis) -> None:
         now = time.monotonic()
         for lookup_id, entry in self._table.overdue(now):
-            self._table.expire(lookup_id, entry)
+            self._table.on_deadline(lookup_id, entry, now)
         if now >= self._next["hb"]:
             self._next["hb"] = now + self._config.heartbeat_interval_ms / 2000
             self.check_heartbeats(client)

@@ -60,7 +60,6 @@ class RedisAsyncLookupClient(LookupClientInterface):
         self.keys = KeySpace(metadata.engine_id)
         self.expected = expected_ranks(config, metadata)
         self.hasher = ChunkedTokenHasher(config)
-        self._timeout_s = config.lookup_timeout_ms / 1000
         self._gens = itertools.count(time.time_ns() // 1000)
         self._admission = Admission(config, self.hasher)
         self._breaker = Breaker(config.breaker_open_ms / 1000, ("sender", "listener"))
@@ -76,7 +75,13 @@ class RedisAsyncLookupClient(LookupClientInterface):
             self._factories = [writer, reader]
         else:
             writer = reader = connection_factory
-        self._table = LookupTable(self._cancel_gen, config.max_pending, config.retention_ms / 1000)
+        self._table = LookupTable(
+            self._cancel_gen,
+            config.max_pending,
+            config.retention_ms / 1000,
+            deadline=self._ask_partial if config.partial_answers else None,
+            wait_s=config.wait_ms / 1000,
+        )
         self._sender = Sender(config, self.keys, self._table, writer, ScriptSet(), self._breaker)
         #: Publishes our hashing fingerprint and lists processes that hash differently.
         self.fingerprint = Publisher(self.keys, "client", self.hasher)
@@ -114,7 +119,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             return result
         now = time.monotonic()
         if now >= entry.deadline:
-            return self._table.expire(lookup_id, entry)
+            return self._table.on_deadline(lookup_id, entry, now)
         if not entry.sent and self._breaker.is_open(now):
             # Queued behind a stalled server: answer 0 now, not at the timeout.
             return self._table.expire(lookup_id, entry, "unavailable")
@@ -175,8 +180,9 @@ class RedisAsyncLookupClient(LookupClientInterface):
             return 0
         now = time.monotonic()
         tokens = sum(offsets)
+        budget_ms = self.config.lookup_budget_ms(tokens)
         entry = Entry(
-            next(self._gens), now, now + self._timeout_s, tokens, self.expected, with_event
+            next(self._gens), now, now + budget_ms / 1000, tokens, self.expected, with_event
         )
         if self._listener.dead.intersection(self.expected):
             self._table.add(lookup_id, entry, finished="dead_rank")
@@ -195,10 +201,10 @@ class RedisAsyncLookupClient(LookupClientInterface):
             hashes=hashes,
             offsets=offsets,
             expected=list(self.expected),
-            deadline_ms=int(time.time() * 1000) + self.config.lookup_timeout_ms,
+            deadline_ms=int(time.time() * 1000) + budget_ms,
             request_configs=request_configs,
             tokens=tokens,
-            budget_ms=self.config.lookup_timeout_ms,
+            budget_ms=budget_ms,
         )
         if not self._sender.submit(entry, request):
             self._table.expire(lookup_id, entry, "unavailable")
@@ -233,6 +239,9 @@ class RedisAsyncLookupClient(LookupClientInterface):
 
     def _cancel_gen(self, lookup_id: str, gen: int) -> None:
         self._sender.cancel(lookup_id, gen)
+
+    def _ask_partial(self, lookup_id: str, entry: Entry) -> None:
+        self._sender.deadline(lookup_id, entry)
 
     def supports_producer_reuse(self) -> bool:
         """True, as LMCache's async client."""
@@ -306,6 +315,13 @@ class RedisLookupClient(RedisAsyncLookupClient):
             return entry
         assert entry.event is not None  # created with_event=True above
         entry.event.wait(max(0.0, entry.deadline - time.monotonic()))
+        if entry.result is not None:
+            return entry.result
+        answer = self._table.on_deadline(lookup_id, entry, time.monotonic())
+        if answer is not None:
+            return answer
+        # Its partial answer was asked for: wait for it, at most partial_answer_wait_ms.
+        entry.event.wait(max(0.0, entry.deadline + self.config.wait_ms / 1000 - time.monotonic()))
         if entry.result is None:
             return self._table.expire(lookup_id, entry)
         return entry.result

@@ -30,8 +30,15 @@ from broker_lookup.client.table import Entry, LookupTable
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, BrokerUnavailable, translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import Abort, LookupRequest
-from broker_lookup.protocol.scripts import Call, ScriptSet, cancel_call, submit_call
+from broker_lookup.protocol.messages import Abort, Keep, LookupRequest
+from broker_lookup.protocol.scripts import (
+    Call,
+    ScriptSet,
+    cancel_call,
+    deadline_call,
+    keep_call,
+    submit_call,
+)
 from broker_lookup.transport.batcher import Batcher
 from broker_lookup.transport.lean import Command, LeanLink, open_link
 
@@ -59,8 +66,16 @@ class Submit(NamedTuple):
         return self.request.lookup_id
 
 
-#: What the sender's queue holds: a lookup to submit or a generation to cancel.
-Item = Submit | Abort
+class Deadline(NamedTuple):
+    """A sent lookup past its deadline: ask Redis for its partial answer (``deadline.lua``)."""
+
+    lookup_id: str
+    entry: Entry
+
+
+#: What the sender's queue holds: a lookup to submit, a generation to cancel, a
+#: deadline's partial answer to ask for, or a partial answer's prefix for ranks to keep.
+Item = Submit | Abort | Deadline | Keep
 
 
 class Sender(Batcher[Item]):
@@ -94,6 +109,7 @@ class Sender(Batcher[Item]):
         self._link_checked = False
         self.batches = 0
         self.lost_cancels = 0
+        self.lost_keeps = 0
         self.dropped = 0
 
     def start(self, expected: str = "") -> None:
@@ -112,6 +128,11 @@ class Sender(Batcher[Item]):
         """Queue a cancel of one generation that was sent (dropped, counted, if full)."""
         if not self._put(Abort(lookup_id=lookup_id, gen=gen)):
             self._lost_cancel(lookup_id, gen, "the send queue is full")
+
+    def deadline(self, lookup_id: str, entry: Entry) -> None:
+        """Queue the question for ``entry``'s partial answer; if full, it answers 0 now."""
+        if not self._put(Deadline(lookup_id, entry)):
+            self._table.expire(lookup_id, entry)
 
     def _run(self) -> None:
         try:
@@ -169,12 +190,40 @@ class Sender(Batcher[Item]):
                 self._failed(item, res)
             elif isinstance(item, Submit):
                 self._table.confirmed(item.lookup_id, item.entry, now)
+            elif isinstance(item, Deadline):
+                self._answered(item, res)
+
+    def _answered(self, item: Deadline, reply: Any) -> None:
+        """``deadline.lua``'s answer for ``item``: settle the entry; ranks keep a partial one."""
+        gen = item.entry.gen
+        try:
+            answer, how = int(reply[0]), reply[1]
+            how = how.decode() if isinstance(how, bytes) else str(how)
+        except (TypeError, ValueError, IndexError, UnicodeDecodeError):
+            logger.error("deadline script answered %r for %.200r", reply, item.lookup_id)
+            self._table.expire(item.lookup_id, item.entry)
+            return
+        if how == "partial" and answer > 0:
+            if self._table.finish(item.lookup_id, gen, answer, "partial"):
+                self._put(Keep(lookup_id=item.lookup_id, gen=gen, tokens=answer))
+        elif how == "complete":
+            self._table.finish(item.lookup_id, gen, answer, "hit" if answer > 0 else "miss")
+        else:  # nothing confirmed on some rank: the script cancelled it already
+            self._table.finish(item.lookup_id, gen, 0, "timeout")
 
     def _call_for(self, item: Item) -> Call | None:
         """The script call for ``item``; None for a lookup that finished before it was sent."""
         cfg = self._config
         if isinstance(item, Abort):
             return cancel_call(self._keys, item, maxlen=cfg.stream_maxlen)
+        if isinstance(item, Keep):
+            return keep_call(self._keys, item, maxlen=cfg.stream_maxlen)
+        if isinstance(item, Deadline):
+            if item.entry.result is not None:
+                return None  # answered meanwhile (a late completion, a cancel)
+            abort = Abort(lookup_id=item.lookup_id, gen=item.entry.gen)
+            ttl = cfg.key_grace_ms or 1
+            return deadline_call(self._keys, abort, maxlen=cfg.stream_maxlen, ttl_ms=ttl)
         entry = item.entry
         entry.sent = True  # before reading result: see Entry.sent
         if entry.result is not None:
@@ -184,7 +233,7 @@ class Sender(Batcher[Item]):
             item.request,
             expected=self._expected,
             created_ms=int(time.time() * 1000),
-            ttl_ms=cfg.key_ttl_ms,
+            ttl_ms=item.request.budget_ms + cfg.wait_ms + cfg.key_grace_ms,
             maxlen=cfg.stream_maxlen,
             insights=cfg.rank_insights,
         )
@@ -204,6 +253,20 @@ class Sender(Batcher[Item]):
         if isinstance(item, Submit):
             # Redis is unreachable or refused: answer 0 now instead of at the timeout.
             self._table.expire(item.lookup_id, item.entry, "error")
+        elif isinstance(item, Deadline):
+            self._table.expire(item.lookup_id, item.entry)  # 0, and its cancel is queued
+        elif isinstance(item, Keep):
+            self.lost_keeps += 1
+            if self.lost_keeps % 100 != 1:
+                return
+            logger.warning(
+                "%d keep(s) not delivered, latest %.200r gen %d: %s; their ranks hold what "
+                "they loaded until it is released",
+                self.lost_keeps,
+                item.lookup_id,
+                item.gen,
+                exc,
+            )
         else:
             self._lost_cancel(item.lookup_id, item.gen, str(exc))
 

@@ -248,11 +248,15 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     def longest_timeout_ms(self) -> int:
         """The ceiling of every lookup's deadline, waiting for a partial answer included:
         ``lookup_timeout_max_ms``, or by default what fits the pin TTL (see the field)."""
+        base = self.lookup_timeout_ms
         ceiling = self.lookup_timeout_max_ms
         if ceiling is None:
-            base = self.lookup_timeout_ms
             ceiling = max(base, min(4 * base, (base + self.worker_pin_ttl_ms) // 2 - self.wait_ms))
-        return ceiling + self.wait_ms
+        # No prompt is longer than max_chunks_per_request chunks, so no deadline is longer
+        # than that prompt's (with a flat deadline, the base itself).
+        largest = self.max_chunks_per_request * self.chunk_size
+        scaled = base + self.lookup_timeout_per_1k_tokens_ms * largest // 1000
+        return min(ceiling, scaled) + self.wait_ms
 
     def lookup_budget_ms(self, tokens: int) -> int:
         """A lookup's deadline, in ms after it was submitted, for a prompt of ``tokens``:

@@ -123,6 +123,15 @@ WORKER_METRICS: dict[str, tuple[str, str]] = {
         "gauge",
         "Lookups the rank holds now, by state (running, waiting, held).",
     ),
+    "broker_lookup_worker_progress_total": (
+        "counter",
+        "Progress reports (partial_answers) written, by progress.lua's answer.",
+    ),
+    "broker_lookup_worker_keeps_total": (
+        "counter",
+        "Keep entries of partial answers handled: kept, unknown (no such generation "
+        "here), unsupported (the engine has no keep_memory_objs).",
+    ),
 }
 
 
@@ -148,8 +157,23 @@ _REPORT_RESULTS = (
     "duplicate",
     "unknown_rank",
     "invalid",
+    "settled",
     "error",
 )
+#: Answers of ``progress.lua`` counted as ``progress_total{result}``.
+_PROGRESS_RESULTS = (
+    "recorded",
+    "behind",
+    "reported",
+    "settled",
+    "dropped",
+    "stale",
+    "unknown_rank",
+    "invalid",
+    "error",
+    "overflow",
+)
+_KEEP_RESULTS = ("kept", "unknown", "unsupported")
 #: Server count -> ``reports_dropped_total{reason}``: reports that changed nothing.
 _DROP_REASONS = {
     "report_dropped": "late",
@@ -157,6 +181,7 @@ _DROP_REASONS = {
     "report_duplicate": "duplicate",
     "report_skipped_aborted": "aborted",
     "report_unknown": "unknown",
+    "report_after_keep": "kept",
 }
 _LOOKUP_STATES = ("running", "waiting", "held")
 
@@ -312,6 +337,14 @@ class ServerCollector(Collector):
             rank,
             {reason: counts.get(key, 0) for key, reason in _DROP_REASONS.items()},
         )
+        yield self._by_label(
+            "broker_lookup_worker_progress_total",
+            "result",
+            rank,
+            {r: counts.get("progress_" + r, 0) for r in _PROGRESS_RESULTS},
+        )
+        keeps = {r: counts.get("keep_" + r, 0) for r in _KEEP_RESULTS}
+        yield self._by_label("broker_lookup_worker_keeps_total", "result", rank, keeps)
         by_reason: Mapping[str, int] = consumer.get("dead_letter_reasons") or {
             "all": consumer.get("dead_letters", 0)
         }

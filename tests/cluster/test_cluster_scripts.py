@@ -17,7 +17,18 @@ from redis.crc import key_slot
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.scripts import CANCEL, REPORT, SUBMIT, Call, ScriptSet, submit_args
+from broker_lookup.protocol.messages import Abort, Keep
+from broker_lookup.protocol.scripts import (
+    CANCEL,
+    REPORT,
+    SUBMIT,
+    Call,
+    ScriptSet,
+    deadline_call,
+    keep_call,
+    progress_call,
+    submit_args,
+)
 from broker_lookup.tools.local_cluster import LocalCluster
 from broker_lookup.transport.connection import make_factory
 
@@ -56,6 +67,15 @@ def _protocol_calls(ks: KeySpace, lookup_id: str) -> list[list[Call]]:
     return [[submit], reports, [cancel]]
 
 
+def _partial_calls(ks: KeySpace, lookup_id: str) -> list[list[Call]]:
+    """A lookup answered at its deadline: progress, deadline, keep, then cancel."""
+    [[submit], [report, _], [cancel]] = _protocol_calls(ks, lookup_id)
+    progress = progress_call(ks, lookup_id, rank=1, gen=GEN, tokens=8)
+    deadline = deadline_call(ks, Abort(lookup_id=lookup_id, gen=GEN), maxlen=1000, ttl_ms=5000)
+    keep = keep_call(ks, Keep(lookup_id=lookup_id, gen=GEN, tokens=8), maxlen=1000)
+    return [[submit], [report, progress], [deadline], [keep], [cancel]]
+
+
 @pytest.fixture
 def cluster_client(local_cluster: LocalCluster) -> Iterator[redis.Redis]:
     client = make_factory(LookupConfig(redis_url=local_cluster.url), "bl-test-scripts")()
@@ -72,17 +92,26 @@ def test_every_script_runs_on_every_master_and_writes_only_its_engines_slot(
     for n in range(len(local_cluster.nodes)):
         local_cluster.admin(n).config_resetstat()
     cluster_client.script_flush()  # every primary: the first calls meet NOSCRIPT and reload
-    assert cluster_client.script_exists(*scripts.sha.values()) == [False] * 3
+    every = len(scripts.sha)
+    assert cluster_client.script_exists(*scripts.sha.values()) == [False] * every
     answers = []
     for step in range(3):
         # One pipeline per step across all three engines: a ClusterPipeline over 3 nodes.
         calls = [c for e in ids for c in _protocol_calls(KeySpace(e), "r1")[step]]
         answers.append(scripts.run(cluster_client, calls))
-    errors = [a for step in answers for a in step if isinstance(a, Exception)]
+    partial = []
+    for step in range(5):
+        calls = [c for e in ids for c in _partial_calls(KeySpace(e), "r2")[step]]
+        partial.append(scripts.run(cluster_client, calls))
+    errors = [a for step in answers + partial for a in step if isinstance(a, Exception)]
     assert errors == []
     assert answers[1] == [b"recorded", b"complete"] * 3
     assert answers[2] == [1, 1, 1]  # the hash of this generation deleted
-    assert cluster_client.script_exists(*scripts.sha.values()) == [True] * 3  # on all primaries
+    assert partial[1] == [b"recorded", b"recorded"] * 3  # rank 0's report, rank 1's progress
+    assert partial[2] == [[8, b"partial"]] * 3  # the deadline answers what both confirmed
+    assert partial[3] == [1, 1, 1]  # the keep entry added
+    assert partial[4] == [1, 1, 1]
+    assert cluster_client.script_exists(*scripts.sha.values()) == [True] * every  # everywhere
     for engine_id in ids:  # the blocking reads of the listener and of a rank
         ks = KeySpace(engine_id)
         done = cluster_client.xread({ks.done: "0"}, count=10, block=10)
@@ -100,7 +129,8 @@ def test_every_script_runs_on_every_master_and_writes_only_its_engines_slot(
 def _assert_written_only_in_its_slot(local_cluster: LocalCluster, engine_id: str) -> None:
     ks = KeySpace(engine_id)
     node = local_cluster.admin(local_cluster.owner(slot_of(engine_id)))
-    assert node.xlen(ks.requests) == 2 and node.xlen(ks.done) == 1
+    # r1: submit + abort; r2: submit + keep + abort. Only r1 completed on the done stream.
+    assert node.xlen(ks.requests) == 5 and node.xlen(ks.done) == 1
     stray = [
         k
         for n in range(len(local_cluster.nodes))

@@ -6,13 +6,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Commands run inside the Lua scripts: ACL rules apply to them too.
-SCRIPT_COMMANDS = {"xadd", "hset", "hget", "hmget", "hgetall", "del", "pexpire", "exists"}
+SCRIPT_COMMANDS = {
+    "xadd",
+    "hset",
+    "hget",
+    "hmget",
+    "hgetall",
+    "del",
+    "pexpire",
+    "exists",
+    "time",  # submit.lua and report.lua stamp on the server's clock (rank_insights)
+}
 #: Beyond the protocol's published lists, what the code calls (found by the end-to-end
 #: test in test_server_configs.py): the listener reads its start position with XREVRANGE,
-#: report.lua records a rank's count once with HSETNX, and `broker-lookup inspect` names
-#: its connection (CLIENT SETNAME touches no data).
+#: report.lua records a rank's count once with HSETNX (and, like progress.lua, checks
+#: with HEXISTS whether the rank reported), and `broker-lookup inspect` names its
+#: connection (CLIENT SETNAME touches no data).
 SCHEDULER_EXTRA = {"xrevrange"}
-WORKER_EXTRA = {"hsetnx"}
+WORKER_EXTRA = {"hsetnx", "hexists"}
 OPERATOR_EXTRA = {"client|setname"}
 #: redis-py >= 5 sends CLIENT SETINFO on every connect and ignores a refusal. The
 #: command (and so an ACL rule naming it) exists only from Redis 7.2, and the file must

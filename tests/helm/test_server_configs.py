@@ -40,6 +40,7 @@ EXAMPLES: dict[str, list[str]] = {
     "hget": ["HGET", f"{K}:lookup:1", "state"],
     "hset": ["HSET", f"{K}:fp", "pid", "x"],
     "hsetnx": ["HSETNX", f"{K}:lookup:1", "r0", "16"],
+    "hexists": ["HEXISTS", f"{K}:lookup:1", "r0"],
     "get": ["GET", f"{K}:hb:0"],
     "set": ["SET", f"{K}:hb:0", "{}", "PX", "3000"],
     "mget": ["MGET", f"{K}:hb:0", f"{K}:hb:1"],

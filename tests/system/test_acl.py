@@ -21,6 +21,7 @@ from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
 from broker_lookup.tools.stub_engine import StubEngine
+from workers.reference.engine import ReferenceEngine
 from workers.server import RedisAsyncLookupServer
 
 pytestmark = pytest.mark.real
@@ -157,6 +158,45 @@ def test_protocol_runs_under_the_shipped_users(
     ks = KeySpace(engine_id)
     assert not admin.exists(ks.heartbeat(0), ks.heartbeat(1))  # deleted on close, as allowed
     assert admin.xlen(ks.dead) == 2
+
+
+def test_partial_answers_run_under_the_shipped_users(
+    acl_server: tuple[EmbeddedServer, redis.Redis], engine_id: str, tmp_path: Path
+) -> None:
+    """progress.lua (worker), deadline.lua and keep.lua (scheduler) need nothing more."""
+    server, admin = acl_server
+    partial = {"partial_answers": True, "lookup_timeout_ms": 800}
+    meta = LookupMetadata(engine_id=engine_id, world_size=2)
+    client = RedisAsyncLookupClient(_config(server, "scheduler", **partial), meta)
+    engines = [ReferenceEngine(), ReferenceEngine(disk_dir=tmp_path, load_delay_s=0.4)]
+    hashes, offsets = client.hasher.hashes_and_offsets(TOKENS)
+    engines[0].store(hashes, offsets)
+    engines[1].store(hashes[:2], offsets[:2])
+    engines[1].store_to_disk(hashes, offsets)
+    ranks = [
+        RedisAsyncLookupServer(
+            e,
+            LookupMetadata(engine_id=engine_id, world_size=2, worker_id=r),
+            _config(server, "worker", **partial),
+        )
+        for r, e in enumerate(engines)
+    ]
+    try:
+        wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+        client.lookup(TOKENS, "partial")
+        wait_until(lambda: client.lookup_cache("partial") is not None, timeout=10)
+        got = client.lookup_cache("partial")
+        assert got is not None and 8 <= got < len(TOKENS)
+        wait_until(lambda: ranks[0].stats()["counts"].get("keep_kept", 0) == 1, timeout=10)
+        assert ranks[1].stats()["counts"].get("progress_recorded", 0) >= 1
+    finally:
+        client.close()
+        for rank in ranks:
+            rank.close()
+        for engine in engines:
+            engine.close(timeout_s=1.0)
+    assert _denials(admin) == []
+    assert client.stats()["redis_errors"] == 0
 
 
 @pytest.mark.parametrize("user", ["scheduler", "worker"])

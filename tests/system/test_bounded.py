@@ -37,6 +37,8 @@ SETTINGS: dict[str, Any] = {
     "key_grace_ms": 1000,
     # Pins outlive the lookup and the retention (a result never outlives its pins).
     "worker_pin_ttl_ms": 6500,
+    # Flat deadlines: the pins (6.5 s) outlive the 5 s one and the retention together.
+    "lookup_timeout_per_1k_tokens_ms": 0,
     "worker_dedupe_capacity": DEDUPE,
     "result_retention_ms": 1000,
     "stream_maxlen": STREAM_CAP,

@@ -241,3 +241,12 @@ def test_issue_13_fields_are_validated_by_name(field: str, value: Any) -> None:
     values: dict[str, Any] = {field: value}
     with pytest.raises(ConfigError, match=f"{field}={value!r}"):
         LookupConfig(**values)
+
+
+def test_a_flat_deadline_is_its_own_longest() -> None:
+    flat = LookupConfig(
+        lookup_timeout_ms=5000, worker_pin_ttl_ms=6500, lookup_timeout_per_1k_tokens_ms=0
+    )
+    assert flat.longest_timeout_ms == 5000 and flat.retention_ms == 1500
+    small = LookupConfig(chunk_size=4, max_chunks_per_request=1000)  # 4,000 tokens at most
+    assert small.longest_timeout_ms == 3000 + 40

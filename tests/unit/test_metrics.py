@@ -134,6 +134,7 @@ def test_client_values_and_outcome_label() -> None:
     }
     assert outcome == {
         "hit": 3,
+        "partial": 0,
         "miss": 1,
         "timeout": 2,
         "cancelled": 0,

@@ -232,4 +232,5 @@ def test_rate_limited_log_lives_in_broker_lookup() -> None:
     from broker_lookup.ops.ratelimit import RateLimitedLog
     from workers.pipeline import watchdog
 
-    assert watchdog.RateLimitedLog is RateLimitedLog
+    assert RateLimitedLog.__module__ == "broker_lookup.ops.ratelimit"
+    assert not hasattr(watchdog, "RateLimitedLog")  # one owner, used by both sides

@@ -1,4 +1,4 @@
-"""The rank's sweeper thread: watchdog, pin TTL and memo expiry, on their own clock.
+"""The rank's sweeper thread: watchdog, pin TTL, memo expiry and progress, on their own clock.
 
 It runs apart from the consumer's read loop, so a stalled or unreachable Redis never
 pauses them: an engine that never reports is answered and released on time whatever
@@ -10,11 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from broker_lookup.ops.ratelimit import RateLimitedLog
 from broker_lookup.threads import LoopThread
 
-#: RateLimitedLog lives in broker_lookup.ops.ratelimit; re-exported for the dispatcher.
-__all__ = ["RateLimitedLog", "Sweeper"]
+__all__ = ["Sweeper"]
 
 
 class Sweeper(LoopThread):

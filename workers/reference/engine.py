@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,8 @@ _COUNTERS = (
 )
 Configs = Mapping[str, Any] | None
 Chunks = list[tuple[ChunkKey, int]]  # (key, token count) per chunk, in prompt order
+#: The sink's optional ``send_progress_to_scheduler(lookup_id, num_loaded_tokens)``.
+Progress = Callable[[str, int], None]
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -269,7 +271,7 @@ class ReferenceEngine:
                 self._report(sink, lookup_id, loaded)
 
     def _walk(
-        self, lookup_id: str, chunks: Chunks, pin: bool, progress: Any = None
+        self, lookup_id: str, chunks: Chunks, pin: bool, progress: Progress | None = None
     ) -> Iterator[int]:
         """Yield the token count of each chunk made resident, stopping at the first miss
         (or at a kept prefix). ``progress`` hears the prefix held in memory when the first
@@ -298,7 +300,7 @@ class ReferenceEngine:
         cap = self._caps.get(lookup_id)
         return cap is None or tokens <= cap
 
-    def _progress(self, progress: Any, lookup_id: str, tokens: int) -> None:
+    def _progress(self, progress: Progress, lookup_id: str, tokens: int) -> None:
         self._count("progress_reports")
         try:
             progress(lookup_id, tokens)

@@ -1,0 +1,92 @@
+"""Partial answers with real rank processes (issue 13): one rank's disk tier is slow,
+so at the deadline it has confirmed only a prefix; the answer is that prefix, both rank
+processes keep exactly it pinned, and a cancel releases everything."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from faultkit import CHUNK, MakeLookupClient, StartRank, alive, answer, beat, config, prompt
+from helpers import RealServer, wait_until
+
+from broker_lookup.protocol import lookup_hash
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.tools.faultproxy.proxy import FaultProxy
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+TOKENS = prompt(7000)  # 8 chunks
+PARTIAL: dict[str, Any] = {
+    "partial_answers": True,
+    "lookup_timeout_ms": 1500,
+    "lookup_timeout_per_1k_tokens_ms": 0,
+}
+
+
+def test_slow_disk_rank_gets_a_partial_answer_with_pins_kept_then_released(
+    real_server: RealServer, engine_id: str, rank_procs: StartRank, clients: MakeLookupClient
+) -> None:
+    ks = KeySpace(engine_id)
+    conn = redis.Redis.from_url(real_server.url)
+    fast: list[dict[str, Any]] = [{"tokens": TOKENS}]
+    slow: list[dict[str, Any]] = [
+        {"tokens": TOKENS, "fraction": 0.25},  # its first 2 chunks in memory
+        {"tokens": TOKENS, "tier": "disk"},
+    ]
+    rank_procs(real_server.url, engine_id, 2, 0, fast, **PARTIAL)
+    rank_procs(real_server.url, engine_id, 2, 1, slow, load_delay_ms=700, **PARTIAL)
+    client = clients(config(real_server.url, **PARTIAL), engine_id, 2)
+    alive(client)
+    assert client.lookup(TOKENS, "long") is None
+    got = answer(client, "long", timeout=15)
+    assert 2 * CHUNK <= got < len(TOKENS)
+    raw: Any = conn.hgetall(ks.lookup("long"))
+    fields = lookup_hash.decode(raw)
+    assert (fields.result, fields.partial) == (got, True)
+    kept = got // CHUNK
+
+    def pins() -> list[Any]:
+        return [beat(conn, ks.heartbeat(r)).get("engine_pinned_chunks") for r in (0, 1)]
+
+    wait_until(lambda: pins() == [kept, kept], timeout=10, message="both ranks keep the prefix")
+    client.cancel_lookup("long")
+    wait_until(lambda: pins() == [0, 0], timeout=10, message="cancel released everything")
+
+
+def test_a_lost_reply_to_the_deadline_script_still_gives_the_partial_answer(
+    real_server: RealServer,
+    fault_proxy: FaultProxy,
+    engine_id: str,
+    rank_procs: StartRank,
+    clients: MakeLookupClient,
+) -> None:
+    """The server answers the lookup at its deadline, the reply never reaches the client,
+    its connection is reset: the re-sent script finds its own answer (idempotent), and
+    the ranks are told to keep exactly that prefix."""
+    ks = KeySpace(engine_id)
+    conn = redis.Redis.from_url(real_server.url)
+    fast: list[dict[str, Any]] = [{"tokens": TOKENS}]
+    slow: list[dict[str, Any]] = [
+        {"tokens": TOKENS, "fraction": 0.25},
+        {"tokens": TOKENS, "tier": "disk"},
+    ]
+    rank_procs(real_server.url, engine_id, 2, 0, fast, **PARTIAL)
+    rank_procs(real_server.url, engine_id, 2, 1, slow, load_delay_ms=700, **PARTIAL)
+    client = clients(config(fault_proxy.url, **PARTIAL), engine_id, 2)
+    alive(client)
+    client.lookup(TOKENS, "long")
+    wait_until(lambda: conn.hexists(ks.lookup("long"), "p1"), message="the slow rank's progress")
+    fault_proxy.lose_reply("EVALSHA", then="reset")  # the client's next script: the deadline's
+    got = answer(client, "long", timeout=15)
+    assert fault_proxy.stats["replies_lost"] == 1
+    assert 2 * CHUNK <= got < len(TOKENS)
+    assert conn.hget(ks.lookup("long"), "result") == str(got).encode()
+    kept = got // CHUNK
+    pins = [ks.heartbeat(r) for r in (0, 1)]
+    wait_until(
+        lambda: [beat(conn, k).get("engine_pinned_chunks") for k in pins] == [kept, kept],
+        timeout=10,
+        message="both ranks keep the answered prefix",
+    )
