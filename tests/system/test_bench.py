@@ -23,7 +23,7 @@ from broker_lookup.tools.bench.command import (
     add_bench_parser,
     cmd_bench,
     run_bench,
-    run_insights_cost,
+    run_features_cost,
 )
 from broker_lookup.tools.bench.lmcache_side import VARIANTS, require_lmcache
 from broker_lookup.tools.bench.measure import BenchError
@@ -236,27 +236,27 @@ def _check_issue12_shape(results: dict[str, Any], opts: BenchOptions) -> None:
         assert line in table
 
 
-def test_insights_cost_compares_both_sides(
+def test_features_cost_compares_both_sides(
     real_server: RealServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from broker_lookup.tools.bench.insights_cost import FIGURES
+    from broker_lookup.tools.bench.features_cost import FIGURES
 
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers())
-    argv = ["bench", "--insights-cost", "--quick", "--redis-url", real_server.url]
+    argv = ["bench", "--features-cost", "--quick", "--redis-url", real_server.url]
     args = parser.parse_args([*argv, "--lookups", "40"])
     before = _descendants_and_strays(None)
     assert cmd_bench(args) == 0
     table = capsys.readouterr().out
-    assert "rank_insights cost (world 2, 40 lookups a side" in table
+    assert "partial answers (world 2, 40 lookups a side" in table
     for _, label in FIGURES:
         assert label in table
     assert "results written" not in table  # no --out: bench-results.json is left alone
     assert _descendants_and_strays(None) - before == set(), "processes left behind"
-    results = run_insights_cost(
+    results = run_features_cost(
         BenchOptions.defaults(quick=True, redis_url=real_server.url, lookups=20)
     )
-    cost = results["insights_cost"]
+    cost = results["features_cost"]
     assert cost["on"]["recorded"] >= cost["on"]["lookups"] > 0  # warm-up lookups too
     assert cost["off"]["recorded"] == 0
     for side in ("off", "on"):

@@ -5,10 +5,11 @@ processes (``python -m broker_lookup.tools.bench.our_ranks``) that answer at onc
 measured is the lookup path itself: client, Redis, server, and the hand-offs between them.
 ``--vs-lmcache`` runs the same loops on LMCache 0.5.6's ZMQ client and server and adds
 the ratios. ``--quick`` is the CI smoke mode (world sizes 1 and 2, a few hundred
-lookups, small hashing sizes, well under a minute). ``--insights-cost`` runs only the
-one-in-flight loop with ``rank_insights`` off and on, and prints both and the ratio
-(``insights_cost.py``). The polling model is described in
-``broker_lookup.tools.bench.measure``; the results and how to read them in ``docs/performance.md``.
+lookups, small hashing sizes, well under a minute). ``--features-cost`` runs only the
+one-in-flight loop with issue 13's client features (rank insights, size-aware deadlines,
+partial answers) off and on, and prints both and the ratio (``features_cost.py``). The
+polling model is described in ``broker_lookup.tools.bench.measure``; the results and how
+to read them in ``docs/performance.md``.
 
 >>> results = run_bench(BenchOptions.defaults(quick=True))   # doctest: +SKIP
 >>> results["ours"]["latency"]["1"]["e2e"]["p50_ms"]          # doctest: +SKIP
@@ -46,7 +47,7 @@ __all__ = [
     "cmd_bench",
     "configure_parser",
     "run_bench",
-    "run_insights_cost",
+    "run_features_cost",
 ]
 
 HELP = "measure lookup latency, caller cost, throughput, hashing, memory and CPU"
@@ -177,10 +178,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vs-lmcache", action="store_true", help="also measure LMCache 0.5.6")
     p.add_argument("--out", help="JSON results file (default bench-results.json)")
     p.add_argument(
-        "--insights-cost",
+        "--features-cost",
         action="store_true",
-        help="only compare one-in-flight latency and CPU per lookup with rank_insights "
-        "off and on (world 2, or the largest of --worlds), and print the ratio",
+        help="only compare one-in-flight latency and CPU per lookup with rank insights, "
+        "size-aware deadlines and partial answers off and on (world 2, or the largest of "
+        "--worlds), and print the ratio",
     )
     p.add_argument("--lookups", type=int, help="measured lookups per latency run")
     p.add_argument("--duration", type=float, help="seconds per throughput run")
@@ -225,35 +227,35 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     return opts
 
 
-def run_insights_cost(opts: BenchOptions, world: int = 2) -> dict[str, Any]:
-    """``--insights-cost``: :func:`insights_cost.insights_cost` on the bench's server.
+def run_features_cost(opts: BenchOptions, world: int = 2) -> dict[str, Any]:
+    """``--features-cost``: :func:`features_cost.features_cost` on the bench's server.
 
     Raises:
         BenchError: a rank or lookup failed.
         BrokerUnavailable: the embedded server did not start.
     """
-    from broker_lookup.tools.bench.insights_cost import insights_cost
+    from broker_lookup.tools.bench.features_cost import features_cost
 
     run_id = uuid.uuid4().hex[:8]
     with _redis_url(opts) as (url, kind):
         meta = {"run_id": run_id, "redis": _server_meta(url, kind), "options": asdict(opts)}
         try:
-            return {"meta": meta, "insights_cost": insights_cost(opts, url, run_id, world)}
+            return {"meta": meta, "features_cost": features_cost(opts, url, run_id, world)}
         finally:
             if kind == "external":
                 _delete_keys(url, run_id)
 
 
-def _cmd_insights_cost(args: argparse.Namespace) -> int:
-    from broker_lookup.tools.bench.insights_cost import render_insights_cost
+def _cmd_features_cost(args: argparse.Namespace) -> int:
+    from broker_lookup.tools.bench.features_cost import render_features_cost
 
     opts = _options(args)
     try:
-        results = run_insights_cost(opts, max(args.worlds) if args.worlds else 2)
+        results = run_features_cost(opts, max(args.worlds) if args.worlds else 2)
     except (BrokerUnavailable, BenchError) as exc:
         print(f"broker-lookup bench: {exc}", file=sys.stderr)
         return ExitCode.UNREACHABLE if isinstance(exc, BrokerUnavailable) else ExitCode.FAILED
-    print(render_insights_cost(results["insights_cost"]))
+    print(render_features_cost(results["features_cost"]))
     if args.out:  # the full run's file is not overwritten by this small figure
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
         print(f"\nresults written to {args.out}")
@@ -266,8 +268,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.out is None:
             args.out = "bench-results.json"  # as before --out lost its default
         return cmd_cluster_bench(args)
-    if getattr(args, "insights_cost", False):
-        return _cmd_insights_cost(args)
+    if getattr(args, "features_cost", False):
+        return _cmd_features_cost(args)
     opts = _options(args)
     out = args.out or "bench-results.json"
     try:

@@ -1,13 +1,15 @@
-"""``broker-lookup bench --insights-cost``: what ``rank_insights`` costs per lookup.
+"""``broker-lookup bench --features-cost``: what issue 13's features cost per lookup.
 
 The same one-in-flight loop as the latency figure (:func:`measure.sequential_latency`),
-through the same ranks, with ``rank_insights`` off and on, in ABBA order (off, on, on,
-off) so a drift of the machine's load during the run falls on both sides alike. Each
+through the same ranks, with the client's features off (:data:`OFF`: no rank insights,
+a flat deadline, no partial answers) and on (:data:`ON`: the defaults, plus partial
+answers), in ABBA order (off, on, on, off) so a drift of the machine's load during the
+run falls on both sides alike. Each
 side's e2e p50/p99 is the mean over its two rounds; its CPU per lookup (the scheduler
 process, Redis, where the scripts' extra ``TIME``/``HSET`` run, and one rank) is over
 both rounds. The ratio on / off is the cost: the aim is nothing measurable.
 
->>> out = insights_cost(BenchOptions.defaults(quick=True), url, "r1")   # doctest: +SKIP
+>>> out = features_cost(BenchOptions.defaults(quick=True), url, "r1")   # doctest: +SKIP
 >>> out["ratio"]["e2e_p50_ms"]                                         # doctest: +SKIP
 1.01
 """
@@ -22,7 +24,7 @@ import redis
 from broker_lookup.tools.bench.measure import BenchError, BenchOptions, Prompts, sequential_latency
 from broker_lookup.tools.bench.ours import CpuMeter, client_for, engine_id, rank_host
 
-__all__ = ["FIGURES", "insights_cost", "render_insights_cost"]
+__all__ = ["FIGURES", "OFF", "ON", "features_cost", "render_features_cost"]
 
 #: The figures compared, as (key, label).
 FIGURES = (
@@ -33,13 +35,24 @@ FIGURES = (
     ("rank_cpu_us_per_rank", "rank CPU µs/lookup/rank"),
 )
 _ORDER = (False, True, True, False)  #: ABBA
+#: The client's config with every issue-13 feature off, and with all of them on.
+OFF: dict[str, Any] = {
+    "rank_insights": False,
+    "lookup_timeout_per_1k_tokens_ms": 0,
+    "partial_answers": False,
+}
+ON: dict[str, Any] = {
+    "rank_insights": True,
+    "lookup_timeout_per_1k_tokens_ms": 10,
+    "partial_answers": True,
+}
 
 
 def _round(
     opts: BenchOptions, url: str, eid: str, world: int, pids: list[int], on: bool, n: int, tag: str
 ) -> dict[str, Any]:
     server = redis.Redis.from_url(url)
-    client = client_for(url, eid, world, rank_insights=on)
+    client = client_for(url, eid, world, **(ON if on else OFF))
     try:
         prompts = Prompts(opts.tokens)
         meter = CpuMeter(pids, server)
@@ -69,14 +82,14 @@ def _side(rounds: list[dict[str, Any]], world: int) -> dict[str, Any]:
     }
 
 
-def insights_cost(opts: BenchOptions, url: str, run_id: str, world: int = 2) -> dict[str, Any]:
+def features_cost(opts: BenchOptions, url: str, run_id: str, world: int = 2) -> dict[str, Any]:
     """Both sides' figures and their ratio (on / off); ``opts.lookups`` lookups a side.
 
     Raises:
         BenchError: a rank failed to start, a lookup never finished, or the side with
             insights on recorded none (the figure would compare nothing).
     """
-    eid = engine_id(run_id, f"insights-w{world}")
+    eid = engine_id(run_id, f"features-w{world}")
     per_round = max(1, opts.lookups // 2)
     rounds: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     with rank_host(opts, url, {eid: world}) as pids:
@@ -95,11 +108,12 @@ def insights_cost(opts: BenchOptions, url: str, run_id: str, world: int = 2) -> 
     return {"world": world, "lookups_per_side": off["lookups"], **sides, "ratio": ratio}
 
 
-def render_insights_cost(result: dict[str, Any]) -> str:
-    """The table ``--insights-cost`` prints."""
+def render_features_cost(result: dict[str, Any]) -> str:
+    """The table ``--features-cost`` prints."""
     lines = [
-        f"rank_insights cost (world {result['world']}, {result['lookups_per_side']} lookups "
-        "a side, one in flight, rounds off/on/on/off)",
+        "cost of rank insights + size-aware deadlines + partial answers "
+        f"(world {result['world']}, {result['lookups_per_side']} lookups a side, one in "
+        "flight, rounds off/on/on/off)",
         f"  {'':<26}{'off':>9}{'on':>9}{'on/off':>9}",
     ]
     for key, label in FIGURES:
