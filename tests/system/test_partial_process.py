@@ -4,6 +4,7 @@ processes keep exactly it pinned, and a cancel releases everything."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -90,3 +91,25 @@ def test_a_lost_reply_to_the_deadline_script_still_gives_the_partial_answer(
         timeout=10,
         message="both ranks keep the answered prefix",
     )
+
+
+def test_a_long_prompt_on_a_slow_tier_is_answered_within_its_scaled_deadline(
+    real_server: RealServer, engine_id: str, rank_procs: StartRank, clients: MakeLookupClient
+) -> None:
+    """1,000 chunks on a disk tier at >= 2 ms each take over 2 s to load: a flat 1 s
+    deadline would answer 0; 1 s + 3 s per 1,000 tokens gives this 4,000-token prompt
+    13 s, and it is answered as the full hit it is."""
+    long = list(range(100_000, 104_000))
+    scaled: dict[str, Any] = {
+        "lookup_timeout_ms": 1000,
+        "lookup_timeout_per_1k_tokens_ms": 3000,
+        "lookup_timeout_max_ms": 20_000,
+    }
+    rank_procs(real_server.url, engine_id, 1, 0, [{"tokens": long, "tier": "disk"}], 2.0, **scaled)
+    client = clients(config(real_server.url, **scaled), engine_id, 1)
+    alive(client)
+    started = time.monotonic()
+    client.lookup(long, "long")
+    assert answer(client, "long", timeout=30) == len(long)
+    assert time.monotonic() - started > 2.0  # the sleeps alone: past the flat deadline
+    assert client.stats()["outcomes"]["hit"] == 1
