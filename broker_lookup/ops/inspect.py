@@ -1,6 +1,7 @@
 """``broker-lookup inspect``: what one engine's keys say right now.
 
-In-flight lookups (state, age, per-rank hits, missing ranks, TTL), rank liveness from
+In-flight lookups (state, age, per-rank hits, missing ranks with what each confirmed
+loaded so far, TTL; ``partial`` once answered at the deadline), rank liveness from
 the heartbeat keys, per-group lag and pending, stream lengths, the last dead letters
 and hashing fingerprints, and per rank, over the last ``recent`` completions (those
 ``rank_insights`` timed), p50/p99 of the submit-to-report latency on the server's clock
@@ -66,6 +67,9 @@ def _lookups(client: redis.Redis, keys: KeySpace, now_ms: int, limit: int) -> Sn
                 "tokens": fields.tokens,
                 "hits": fields.hits,
                 "missing": fields.missing,
+                # Prefixes ranks confirmed loaded so far (engines that report progress).
+                "progress": fields.progress,
+                "partial": fields.partial,
                 "result": fields.result,
                 "ttl_ms": replies[2 * i + 1],
             }
@@ -243,11 +247,18 @@ def _render_lookups(snap: Snapshot, lines: list[str]) -> None:
         hits = " ".join(f"{lookup_hash.rank_field(r)}={v}" for r, v in shown) or "-"
         ttl = item["ttl_ms"] / 1000 if item["ttl_ms"] and item["ttl_ms"] > 0 else None
         age = item["age_ms"] / 1000 if item["age_ms"] is not None else None
-        missing = ",".join(map(str, item["missing"])) or "-"
+        progress = item.get("progress") or {}
+        missing = ",".join(_awaited(r, progress.get(r)) for r in item["missing"]) or "-"
+        state = "partial" if item.get("partial") else item["state"] or "-"
         lines.append(
-            f"  {item['id'][:27]:<28}{item['state'] or '-':<9}{_fmt_s(age):<9}"
+            f"  {item['id'][:27]:<28}{state:<9}{_fmt_s(age):<9}"
             f"{_fmt_s(ttl):<9}{hits[:23]:<24}{missing}"
         )
+
+
+def _awaited(rank: int, loaded: int | None) -> str:
+    """A rank still awaited, with the prefix it confirmed loaded so far if it said."""
+    return str(rank) if loaded is None else f"{rank}(loaded {loaded})"
 
 
 def _fmt_ms(value: float | None) -> str:

@@ -16,6 +16,7 @@ from faultkit import CHUNK, answer, prompt
 from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
+from broker_lookup.ops.inspect import render, snapshot
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, LookupRequest
@@ -293,3 +294,26 @@ def test_a_long_prompt_gets_a_longer_deadline_on_the_wire_and_in_the_key_ttl(
     assert client.lookup_cache("long") is None  # still within its own
     engine.report("long", 4000)
     assert answer(client, "long", timeout=5) == 4000
+
+
+def test_inspect_shows_each_ranks_progress_then_the_partial_answer(
+    make_server: MakeServer,
+    make_client: MakeClient,
+    engines: list[ReferenceEngine],
+    backend: Backend,
+    engine_id: str,
+) -> None:
+    client = _started(make_server, make_client, engines, lookup_timeout_ms=3000)
+    conn = backend.factory()
+    ks = KeySpace(engine_id)
+    client.lookup(TOKENS, "long")
+    wait_until(lambda: conn.hexists(ks.lookup("long"), "p1"), message="the slow rank's progress")
+    snap = snapshot(conn, ks, None, 50)
+    [item] = snap["lookups"]["shown"]
+    loaded = item["progress"][1]
+    assert item["missing"] == [1] and MEMORY_PREFIX <= loaded < FULL
+    assert f"1(loaded {loaded})" in render(snap, "redis://h:6379/0", None)
+    answer(client, "long", timeout=10)
+    snap = snapshot(conn, ks, None, 50)
+    assert snap["lookups"]["shown"][0]["partial"] is True
+    assert "partial" in render(snap, "redis://h:6379/0", None)
