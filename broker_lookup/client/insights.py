@@ -14,6 +14,11 @@ amounts to (prefetched in vain: the lookup answers the minimum); over all lookup
 histogram of max - min hits. A lookup whose spread exceeds ``rank_spread_warn_share`` of
 its prompt logs a WARNING naming the id and each rank's hits, at most one every 10 s.
 
+Lookups that reach their deadline unanswered are counted per rank that had not
+reported by then (:meth:`RankInsights.record_late`, from the deadline script's answer
+in the sender thread): the stragglers that turned a lookup into a timeout or a partial
+answer, which no completion event shows.
+
 Memory is bounded: a fixed set of counters per expected rank, nothing per lookup.
 """
 
@@ -43,7 +48,8 @@ class RankInsights:
         warn_share: log when (max - min) / prompt tokens exceeds this.
         warn_every_s: at most one such WARNING per this many seconds.
 
-    Written by the listener thread only (no lock); readers copy via :meth:`snapshot`.
+    :meth:`record` is called by the listener thread only and :meth:`record_late` by the
+    sender's only, each writing its own counters (no lock); readers copy via :meth:`snapshot`.
     """
 
     def __init__(
@@ -56,6 +62,8 @@ class RankInsights:
         self.excess_lookups: dict[int, int] = dict.fromkeys(self.expected, 0)
         self.excess_tokens: dict[int, int] = dict.fromkeys(self.expected, 0)
         self.spread = Histogram(SPREAD_BUCKETS)
+        #: Lookups that reached their deadline before this rank reported.
+        self.late: dict[int, int] = dict.fromkeys(self.expected, 0)
         #: Completion events that carried insights.
         self.recorded = 0
         self.warnings = 0
@@ -100,6 +108,12 @@ class RankInsights:
                 self.warn_share,
             )
 
+    def record_late(self, ranks: list[int]) -> None:
+        """A lookup reached its deadline before ``ranks`` reported (sender thread)."""
+        for rank in ranks:
+            if rank in self.late:
+                self.late[rank] += 1
+
     def snapshot(self) -> dict[str, Any]:
         """JSON-able copies for ``stats()`` and the metrics: per rank (as ints) and spread."""
         return {
@@ -111,6 +125,7 @@ class RankInsights:
                     "last": self.last[r],
                     "excess_lookups": self.excess_lookups[r],
                     "excess_tokens": self.excess_tokens[r],
+                    "late": self.late[r],
                 }
                 for r in self.expected
             },

@@ -54,6 +54,7 @@ class Listener(LoopThread):
         expected: tuple[int, ...],
         breaker: Breaker,
         on_sweep: Callable[[redis.Redis], None] | None = None,
+        insights: RankInsights | None = None,
     ) -> None:
         super().__init__("client listener", "listener")
         #: Called with the listener's connection on every sweep (the fingerprint's tick).
@@ -77,9 +78,7 @@ class Listener(LoopThread):
         self._heartbeat_keys = [self._keys.heartbeat(r) for r in expected]
         self._mget: Command = ("MGET", *self._heartbeat_keys)
         #: Per-rank latency and disagreement (``rank_insights``); None when it is off.
-        self.insights = (
-            RankInsights(expected, config.rank_spread_warn_share) if config.rank_insights else None
-        )
+        self.insights = insights
 
     def prime(self, client: redis.Redis) -> None:
         """Learn liveness and the stream position now, before :meth:`start`."""

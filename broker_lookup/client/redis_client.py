@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker_lookup.client.admission import Admission, Rejected
 from broker_lookup.client.breaker import Breaker
+from broker_lookup.client.insights import RankInsights
 from broker_lookup.client.listener import Listener
 from broker_lookup.client.sender import Sender
 from broker_lookup.client.table import Entry, LookupTable, Outcome
@@ -79,10 +80,19 @@ class RedisAsyncLookupClient(LookupClientInterface):
             self._cancel_gen,
             config.max_pending,
             config.retention_ms / 1000,
-            deadline=self._ask_partial if config.partial_answers else None,
+            deadline=self._at_deadline,
+            partial=config.partial_answers,
             wait_s=config.wait_ms / 1000,
         )
-        self._sender = Sender(config, self.keys, self._table, writer, ScriptSet(), self._breaker)
+        #: Per-rank latency, stragglers and disagreement (``rank_insights``; None: off).
+        self.insights = (
+            RankInsights(self.expected, config.rank_spread_warn_share)
+            if config.rank_insights
+            else None
+        )
+        self._sender = Sender(
+            config, self.keys, self._table, writer, ScriptSet(), self._breaker, self.insights
+        )
         #: Publishes our hashing fingerprint and lists processes that hash differently.
         self.fingerprint = Publisher(self.keys, "client", self.hasher)
         self._listener = Listener(
@@ -93,6 +103,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             self.expected,
             self._breaker,
             self.fingerprint.tick,
+            self.insights,
         )
         self._closed = False
         self._sender.start(",".join(map(str, self.expected)))
@@ -240,8 +251,8 @@ class RedisAsyncLookupClient(LookupClientInterface):
     def _cancel_gen(self, lookup_id: str, gen: int) -> None:
         self._sender.cancel(lookup_id, gen)
 
-    def _ask_partial(self, lookup_id: str, entry: Entry) -> None:
-        self._sender.deadline(lookup_id, entry)
+    def _at_deadline(self, lookup_id: str, entry: Entry, answer: bool) -> None:
+        self._sender.deadline(lookup_id, entry, answer)
 
     def supports_producer_reuse(self) -> bool:
         """True, as LMCache's async client."""
@@ -252,7 +263,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and tests; cheap, takes no lock."""
         t = self._table
-        insights = self._listener.insights
+        insights = self.insights
         return {
             "outcomes": dict(t.counts),
             "hit_tokens": t.hit_tokens,

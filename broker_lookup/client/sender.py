@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import redis
 
 from broker_lookup.client.breaker import Breaker
+from broker_lookup.client.insights import RankInsights
 from broker_lookup.client.table import Entry, LookupTable
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, BrokerUnavailable, translate_redis_errors
@@ -67,10 +68,13 @@ class Submit(NamedTuple):
 
 
 class Deadline(NamedTuple):
-    """A sent lookup past its deadline: ask Redis for its partial answer (``deadline.lua``)."""
+    """A sent lookup past its deadline (``deadline.lua``): ask Redis for its partial answer,
+    or (``answer`` False: the client answered 0) cancel it. Either way Redis names the
+    ranks that had not reported."""
 
     lookup_id: str
     entry: Entry
+    answer: bool = True
 
 
 #: What the sender's queue holds: a lookup to submit, a generation to cancel, a
@@ -89,6 +93,7 @@ class Sender(Batcher[Item]):
         factory: Callable[[], redis.Redis],
         scripts: ScriptSet,
         breaker: Breaker,
+        insights: RankInsights | None = None,
     ) -> None:
         super().__init__(
             "client sender",
@@ -102,6 +107,8 @@ class Sender(Batcher[Item]):
         self._keys = keys
         self._table = table
         self._breaker = breaker
+        #: Counts the ranks each deadline found unreported (None: rank_insights off).
+        self._insights = insights
         self._expected = ""
         self._next_probe = 0.0
         #: The lean connection, made on the thread's first round trip (None: redis-py's).
@@ -129,10 +136,17 @@ class Sender(Batcher[Item]):
         if not self._put(Abort(lookup_id=lookup_id, gen=gen)):
             self._lost_cancel(lookup_id, gen, "the send queue is full")
 
-    def deadline(self, lookup_id: str, entry: Entry) -> None:
-        """Queue the question for ``entry``'s partial answer; if full, it answers 0 now."""
-        if not self._put(Deadline(lookup_id, entry)):
+    def deadline(self, lookup_id: str, entry: Entry, answer: bool) -> None:
+        """Queue ``entry``'s deadline: its partial answer (``answer``), else its cancel.
+
+        If the queue is full, a partial answer is 0 at once and a cancel is lost (counted).
+        """
+        if self._put(Deadline(lookup_id, entry, answer)):
+            return
+        if answer:
             self._table.expire(lookup_id, entry)
+        else:
+            self._lost_cancel(lookup_id, entry.gen, "the send queue is full")
 
     def _run(self) -> None:
         try:
@@ -197,12 +211,15 @@ class Sender(Batcher[Item]):
         """``deadline.lua``'s answer for ``item``: settle the entry; ranks keep a partial one."""
         gen = item.entry.gen
         try:
-            answer, how = int(reply[0]), reply[1]
-            how = how.decode() if isinstance(how, bytes) else str(how)
+            answer, how, late = int(reply[0]), _text(reply[1]), _text(reply[2])
         except (TypeError, ValueError, IndexError, UnicodeDecodeError):
             logger.error("deadline script answered %r for %.200r", reply, item.lookup_id)
             self._table.expire(item.lookup_id, item.entry)
             return
+        if late and self._insights is not None:
+            self._insights.record_late([int(r) for r in late.split(",") if r.isdigit()])
+        if not item.answer:
+            return  # a cancel: the client answered 0 already
         if how == "partial" and answer > 0:
             if self._table.finish(item.lookup_id, gen, answer, "partial"):
                 self._put(Keep(lookup_id=item.lookup_id, gen=gen, tokens=answer))
@@ -219,11 +236,13 @@ class Sender(Batcher[Item]):
         if isinstance(item, Keep):
             return keep_call(self._keys, item, maxlen=cfg.stream_maxlen)
         if isinstance(item, Deadline):
-            if item.entry.result is not None:
+            if item.answer and item.entry.result is not None:
                 return None  # answered meanwhile (a late completion, a cancel)
             abort = Abort(lookup_id=item.lookup_id, gen=item.entry.gen)
             ttl = cfg.key_grace_ms or 1
-            return deadline_call(self._keys, abort, maxlen=cfg.stream_maxlen, ttl_ms=ttl)
+            return deadline_call(
+                self._keys, abort, maxlen=cfg.stream_maxlen, ttl_ms=ttl, answer=item.answer
+            )
         entry = item.entry
         entry.sent = True  # before reading result: see Entry.sent
         if entry.result is not None:
@@ -254,7 +273,10 @@ class Sender(Batcher[Item]):
             # Redis is unreachable or refused: answer 0 now instead of at the timeout.
             self._table.expire(item.lookup_id, item.entry, "error")
         elif isinstance(item, Deadline):
-            self._table.expire(item.lookup_id, item.entry)  # 0, and its cancel is queued
+            if item.answer:
+                self._table.expire(item.lookup_id, item.entry)  # 0, and its cancel is queued
+            else:
+                self._lost_cancel(item.lookup_id, item.entry.gen, str(exc))
         elif isinstance(item, Keep):
             self.lost_keeps += 1
             if self.lost_keeps % 100 != 1:
@@ -282,3 +304,7 @@ class Sender(Batcher[Item]):
             gen,
             why,
         )
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

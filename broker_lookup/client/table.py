@@ -95,9 +95,10 @@ class Entry:
 #: Called (outside the lock) with (lookup_id, gen) for every generation that must be
 #: cancelled in Redis so workers release its pins.
 CancelSink = Callable[[str, int], None]
-#: Called (outside the lock) with (lookup_id, entry) of a sent generation whose deadline
-#: passed, to ask Redis for its partial answer (``partial_answers``); None: answer 0.
-DeadlineSink = Callable[[str, "Entry"], None]
+#: Called (outside the lock) with (lookup_id, entry, answer) of a sent generation whose
+#: deadline passed: ``answer`` True asks Redis for its partial answer (``partial_answers``);
+#: False cancels it, the client having answered 0 (Redis names the ranks that were late).
+DeadlineSink = Callable[[str, "Entry", bool], None]
 
 #: How long after a successful submit a lookup is first reconciled from its hash, and
 #: how often after that while it is still in flight.
@@ -114,6 +115,7 @@ class LookupTable:
         retention_s: float,
         *,
         deadline: DeadlineSink | None = None,
+        partial: bool = False,
         wait_s: float = 0.0,
     ) -> None:
         self.entries: dict[str, Entry] = {}
@@ -133,6 +135,7 @@ class LookupTable:
         self._cleared: OrderedDict[str, int] = OrderedDict()
         self._cancel = cancel
         self._deadline = deadline
+        self._partial = partial and deadline is not None
         self._wait_s = wait_s
         self._max_pending = max_pending
         self._retention_s = retention_s
@@ -177,12 +180,20 @@ class LookupTable:
         return True
 
     def expire(self, lookup_id: str, entry: Entry, outcome: Outcome = "timeout") -> int:
-        """End ``entry`` with 0 (timeout, dead rank, error) and cancel it; return its result."""
+        """End ``entry`` with 0 (timeout, dead rank, error) and cancel it; return its result.
+
+        A timeout is cancelled through the deadline sink when there is one, so Redis
+        names the ranks that had not reported (the stragglers) as it cancels.
+        """
         with self._lock:
             if entry.result is not None:
                 return entry.result
             self._finish_locked(lookup_id, entry, 0, outcome)
-        if entry.sent:  # never sent: nothing in Redis to cancel
+        if not entry.sent:  # never sent: nothing in Redis to cancel
+            return 0
+        if outcome == "timeout" and self._deadline is not None:
+            self._deadline(lookup_id, entry, False)
+        else:
             self._cancel(lookup_id, entry.gen)
         return 0
 
@@ -192,7 +203,7 @@ class LookupTable:
 
         Without partial answers, or for a generation never sent, this is :meth:`expire`.
         """
-        if self._deadline is None or not entry.sent:
+        if self._deadline is None or not self._partial or not entry.sent:
             return self.expire(lookup_id, entry)
         with self._lock:
             if entry.result is not None:
@@ -204,7 +215,7 @@ class LookupTable:
                 waited = (entry.deadline + self._wait_s, entry.gen, lookup_id)
                 heapq.heappush(self._deadlines, waited)
         if ask:
-            self._deadline(lookup_id, entry)
+            self._deadline(lookup_id, entry, True)
             return None
         if now < entry.deadline + self._wait_s:
             return None

@@ -90,6 +90,11 @@ CLIENT_METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Tokens this rank reported above the minimum: prefetched in vain (rank_insights).",
     ),
+    "broker_lookup_client_rank_late_total": (
+        "counter",
+        "Lookups that reached their deadline (a timeout, or a partial answer) before this "
+        "rank reported (rank_insights).",
+    ),
     "broker_lookup_client_rank_spread_tokens": (
         "histogram",
         "Max - min hits over the ranks of one lookup, in tokens (rank_insights).",
@@ -243,6 +248,7 @@ def _rank_families(insights: Mapping[str, Any]) -> Iterator[Metric]:
         ("broker_lookup_client_rank_last_total", "last"),
         ("broker_lookup_client_rank_excess_lookups_total", "excess_lookups"),
         ("broker_lookup_client_rank_excess_tokens_total", "excess_tokens"),
+        ("broker_lookup_client_rank_late_total", "late"),
     ):
         family = _counter(name, ["rank"])
         for rank in order:

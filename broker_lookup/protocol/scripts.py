@@ -130,13 +130,17 @@ def cancel_call(keys: KeySpace, abort: Abort, *, maxlen: int) -> Call:
     return Call(CANCEL, (keys.lookup(abort.lookup_id), keys.requests), args)
 
 
-def deadline_call(keys: KeySpace, abort: Abort, *, maxlen: int, ttl_ms: int) -> Call:
-    """The ``deadline.lua`` call answering ``abort``'s generation at its deadline with the
-    prefix every expected rank confirmed (a partial answer), or cancelling it if that is 0.
+def deadline_call(
+    keys: KeySpace, abort: Abort, *, maxlen: int, ttl_ms: int, answer: bool = True
+) -> Call:
+    """The ``deadline.lua`` call for ``abort``'s generation at its deadline: with ``answer``,
+    the prefix every expected rank confirmed (a partial answer), or a cancel if that is 0;
+    without (the client answered 0 already), a cancel. Either way it names the ranks that
+    had not reported.
 
     ``ttl_ms`` is the hash's PEXPIRE once answered; ``abort`` is the entry sent if it is 0.
     """
-    args: list[Arg] = [abort.gen, maxlen, ttl_ms, *_pairs(request_fields(abort))]
+    args: list[Arg] = [abort.gen, maxlen, ttl_ms, int(answer), *_pairs(request_fields(abort))]
     return Call(DEADLINE, (keys.lookup(abort.lookup_id), keys.requests), args)
 
 

@@ -201,10 +201,11 @@ def _progress(conn: Any, ks: KeySpace, rank: int, tokens: int, gen: int = 7) -> 
     return str(ScriptSet().call(conn, call), "ascii")
 
 
-def _deadline(conn: Any, ks: KeySpace, gen: int = 7) -> tuple[int, str]:
-    call = deadline_call(ks, Abort(lookup_id="s", gen=gen), maxlen=100, ttl_ms=5000)
-    value, how = ScriptSet().call(conn, call)
-    return int(value), how.decode()
+def _deadline(conn: Any, ks: KeySpace, gen: int = 7, answer: bool = True) -> tuple[int, str, str]:
+    abort = Abort(lookup_id="s", gen=gen)
+    call = deadline_call(ks, abort, maxlen=100, ttl_ms=5000, answer=answer)
+    value, how, late = ScriptSet().call(conn, call)
+    return int(value), how.decode(), late.decode()
 
 
 def test_progress_is_monotone_respects_generations_and_never_creates_a_key(
@@ -234,11 +235,11 @@ def test_deadline_takes_the_minimum_of_what_each_rank_confirmed(
     conn, ks = _submitted(backend, engine_id)
     _progress(conn, ks, 0, 8)
     _progress(conn, ks, 1, 4)
-    assert _deadline(conn, ks) == (4, "partial")
+    assert _deadline(conn, ks) == (4, "partial", "0,1")  # neither rank had reported
     fields = lookup_hash.decode(conn.hgetall(ks.lookup("s")))
     assert (fields.state, fields.result, fields.partial) == ("done", 4, True)
     assert 0 < conn.pttl(ks.lookup("s")) <= 5000
-    assert _deadline(conn, ks) == (4, "partial")  # re-run after a lost reply: same answer
+    assert _deadline(conn, ks)[:2] == (4, "partial")  # re-run after a lost reply: same answer
     late = report_call(ks, "s", rank=1, gen=7, hits=12, done_maxlen=100, done_ttl_ms=1000)
     assert ScriptSet().call(conn, late) == b"settled"  # a late report changes nothing
     assert _progress(conn, ks, 1, 12) == "settled"
@@ -251,10 +252,10 @@ def test_deadline_with_a_rank_that_confirmed_nothing_cancels(
     conn, ks = _submitted(backend, engine_id)
     _progress(conn, ks, 0, 8)
     before = conn.xlen(ks.requests)
-    assert _deadline(conn, ks) == (0, "none")
+    assert _deadline(conn, ks) == (0, "none", "0,1")
     assert not conn.exists(ks.lookup("s"))
     assert conn.xlen(ks.requests) == before + 1  # the abort: ranks release their pins
-    assert _deadline(conn, ks) == (0, "none")  # idempotent: still nothing, no key made
+    assert _deadline(conn, ks) == (0, "none", "")  # idempotent: still nothing, no key made
     assert not conn.exists(ks.lookup("s"))
 
 
@@ -263,10 +264,49 @@ def test_deadline_of_a_completed_or_newer_lookup(backend: Backend, engine_id: st
     for rank in (0, 1):
         call = report_call(ks, "s", rank=rank, gen=7, hits=8, done_maxlen=100, done_ttl_ms=1000)
         ScriptSet().call(conn, call)
-    assert _deadline(conn, ks) == (8, "complete")
+    assert _deadline(conn, ks) == (8, "complete", "")
     conn, ks = _submitted(backend, engine_id, gen=9)  # a newer attempt holds the key
-    assert _deadline(conn, ks, gen=7) == (0, "none")
+    assert _deadline(conn, ks, gen=7) == (0, "none", "")
     assert conn.hget(ks.lookup("s"), "gen") == b"9"  # the newer attempt is untouched
+
+
+def test_a_deadline_without_an_answer_cancels_and_names_the_late_ranks(
+    backend: Backend, engine_id: str
+) -> None:
+    """The client answered 0 at the deadline (partial answers off, or their wait ran out):
+    the script cancels even a lookup that completed meanwhile, and names the stragglers."""
+    conn, ks = _submitted(backend, engine_id)
+    report = report_call(ks, "s", rank=0, gen=7, hits=8, done_maxlen=100, done_ttl_ms=1000)
+    ScriptSet().call(conn, report)
+    _progress(conn, ks, 1, 8)  # confirmed, but the client answers 0 anyway
+    before = conn.xlen(ks.requests)
+    assert _deadline(conn, ks, answer=False) == (0, "none", "1")
+    assert not conn.exists(ks.lookup("s"))
+    assert conn.xlen(ks.requests) == before + 1
+    conn, ks = _submitted(backend, engine_id, gen=8)
+    for rank in (0, 1):
+        call = report_call(ks, "s", rank=rank, gen=8, hits=8, done_maxlen=100, done_ttl_ms=1000)
+        ScriptSet().call(conn, call)
+    assert _deadline(conn, ks, gen=8, answer=False) == (0, "none", "")  # nobody was late
+    assert not conn.exists(ks.lookup("s"))  # but its pins are released: the client said 0
+
+
+def test_the_rank_that_missed_the_deadline_is_counted(
+    make_server: MakeServer, make_client: MakeClient
+) -> None:
+    engines = [StubEngine("instant"), StubEngine()]
+    servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]
+    wait_until(lambda: all(s.ready for s in servers))
+    client = make_client(world_size=2, lookup_timeout_ms=500)
+    wait_until(lambda: not client.stats()["dead_ranks"])
+    client.lookup(TOKENS, "late")
+    assert answer(client, "late", timeout=5) == 0  # rank 1 never reports
+
+    def late() -> dict[int, int]:
+        return {r: v["late"] for r, v in client.stats()["rank_insights"]["ranks"].items()}
+
+    wait_until(lambda: late() == {0: 0, 1: 1}, message="rank 1 counted late")
+    wait_until(lambda: "late" in engines[1].released, message="the cancel still released it")
 
 
 # -- deadlines that scale with the prompt -----------------------------------------------
