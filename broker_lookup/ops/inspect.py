@@ -21,9 +21,9 @@ import redis
 
 from broker_lookup.config import LookupConfig, redact_url
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
+from broker_lookup.ops.rank_latency import rank_latency, render_rank_latency
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import DoneEvent, decode_done
 from broker_lookup.transport.connection import make_factory
 
 __all__ = ["RECENT", "check", "rank_latency", "render", "run_inspect", "snapshot"]
@@ -102,62 +102,6 @@ def _groups(client: redis.Redis, keys: KeySpace) -> list[Snapshot]:
     except redis.ResponseError:
         return []  # no stream yet: no rank ever started
     return [{_s(k): (_s(v) if isinstance(v, bytes) else v) for k, v in g.items()} for g in groups]
-
-
-def _percentile(ordered: list[int], q: float) -> int:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def rank_latency(entries: list[tuple[Any, Any]], read: int | None = None) -> Snapshot:
-    """Per rank: p50/p99 of submit-to-report latency (ms) and the share of lookups it
-    reported last, over the completion entries ``entries`` (XREVRANGE's reply).
-
-    Entries without insights (``rank_insights`` off, older scripts) are skipped; the
-    window is the span of the entries' stream ids (the server's clock).
-    """
-    events: list[DoneEvent] = []
-    stamps: list[int] = []
-    for entry_id, fields in entries:
-        stamp = _int(_s(entry_id).split("-", 1)[0])
-        if stamp is not None:
-            stamps.append(stamp)
-        raw = {
-            (k if isinstance(k, bytes) else str(k).encode()): (
-                v if isinstance(v, bytes) else str(v).encode()
-            )
-            for k, v in fields.items()
-        }
-        try:
-            ev = decode_done(raw)
-        except BrokerLookupError:
-            continue
-        if ev.last is not None:
-            events.append(ev)
-    samples: dict[int, list[int]] = {}
-    last: dict[int, int] = {}
-    for ev in events:
-        last[ev.last or 0] = last.get(ev.last or 0, 0) + 1
-        for rank, micros in zip(ev.ranks, ev.latency_us, strict=False):
-            samples.setdefault(rank, [])
-            if micros is not None:
-                samples[rank].append(micros)
-    ranks: dict[int, Snapshot] = {}
-    for rank in sorted(set(samples) | set(last)):
-        got = sorted(samples.get(rank, []))
-        ranks[rank] = {
-            "samples": len(got),
-            "p50_ms": _percentile(got, 0.5) / 1000 if got else None,
-            "p99_ms": _percentile(got, 0.99) / 1000 if got else None,
-            "last": last.get(rank, 0),
-            "last_share": last.get(rank, 0) / len(events) if events else None,
-        }
-    return {
-        "read": len(entries) if read is None else read,
-        "timed": len(events),
-        "window_s": (max(stamps) - min(stamps)) / 1000 if stamps else None,
-        "newest_ms": max(stamps) if stamps else None,
-        "ranks": ranks,
-    }
 
 
 def snapshot(
@@ -261,35 +205,6 @@ def _awaited(rank: int, loaded: int | None) -> str:
     return str(rank) if loaded is None else f"{rank}(loaded {loaded})"
 
 
-def _fmt_ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}ms"
-
-
-def _render_rank_latency(snap: Snapshot, lines: list[str]) -> None:
-    rl = snap.get("rank_latency")
-    if not rl:
-        return
-    window = rl["window_s"]
-    span = f" over {window:.1f}s" if window is not None else ""
-    lines.append(
-        f"RANK LATENCY (submit to report, server clock; {rl['timed']} of the last "
-        f"{rl['read']} completions{span})"
-    )
-    if not rl["ranks"]:
-        lines.append("  none timed: rank_insights is off, or no lookup completed yet")
-        lines.append("")
-        return
-    lines.append(f"  {'rank':<6}{'p50':<11}{'p99':<11}{'samples':<9}last to report")
-    for rank, row in sorted(rl["ranks"].items()):
-        share = row["last_share"]
-        shown = f"{share * 100:.0f}% ({row['last']})" if share is not None else "-"
-        lines.append(
-            f"  {rank!s:<6}{_fmt_ms(row['p50_ms']):<11}{_fmt_ms(row['p99_ms']):<11}"
-            f"{row['samples']!s:<9}{shown}"
-        )
-    lines.append("")
-
-
 def render(snap: Snapshot, url: str, reasons: list[str] | None) -> str:
     """The human-readable report (``reasons`` is None unless ``--check``)."""
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snap["time_ms"] / 1000))
@@ -303,7 +218,7 @@ def render(snap: Snapshot, url: str, reasons: list[str] | None) -> str:
             f"{g.get('lag')!s:<7}{g.get('last-delivered-id')}"
         )
     lines += ["", "STREAMS  " + "  ".join(f"{k} {v}" for k, v in snap["streams"].items()), ""]
-    _render_rank_latency(snap, lines)
+    render_rank_latency(snap.get("rank_latency"), lines)
     _render_lookups(snap, lines)
     lines += ["", f"DEAD LETTERS (last {len(snap['dead_letters'])})"]
     for d in snap["dead_letters"]:

@@ -13,8 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker_lookup.client.insights import SPREAD_BUCKETS, RankInsights
 from broker_lookup.errors import MalformedMessage
 from broker_lookup.ops.histogram import LATENCY_BUCKETS, Histogram
-from broker_lookup.ops.inspect import rank_latency, render
+from broker_lookup.ops.inspect import render
 from broker_lookup.ops.metrics import ClientCollector
+from broker_lookup.ops.rank_latency import rank_latency
 from broker_lookup.protocol.messages import DoneEvent, decode_done
 
 LOG = "broker_lookup.client.insights"
