@@ -25,7 +25,7 @@ import redis
 
 from broker_lookup.client.breaker import Breaker
 from broker_lookup.client.insights import RankInsights
-from broker_lookup.client.table import LookupTable
+from broker_lookup.client.table import LookupTable, Outcome
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, MalformedMessage, translate_redis_errors
 from broker_lookup.protocol import lookup_hash
@@ -229,7 +229,9 @@ class Listener(LoopThread):
                 continue
             value = status.done_for(entry.gen)
             if value is not None:
-                self._table.finish(lookup_id, entry.gen, value, "hit" if value > 0 else "miss")
+                # A partial answer read here first: the sender still sends its keep.
+                outcome: Outcome = "partial" if status.partial else "hit" if value > 0 else "miss"
+                self._table.finish(lookup_id, entry.gen, value, outcome)
 
     def _status_rows(self, lookup_ids: list[str], client: redis.Redis) -> list[Any]:
         """HMGET of each lookup's status fields, in one round trip."""

@@ -221,7 +221,11 @@ class Sender(Batcher[Item]):
         if not item.answer:
             return  # a cancel: the client answered 0 already
         if how == "partial" and answer > 0:
-            if self._table.finish(item.lookup_id, gen, answer, "partial"):
+            finished = self._table.finish(item.lookup_id, gen, answer, "partial")
+            # The listener's reconciliation may have read the answer from the hash first;
+            # the ranks must be told to keep it either way (an entry answered 0 instead
+            # is being cancelled, and its cancel follows this keep on the stream).
+            if finished or item.entry.result == answer:
                 self._put(Keep(lookup_id=item.lookup_id, gen=gen, tokens=answer))
         elif how == "complete":
             self._table.finish(item.lookup_id, gen, answer, "hit" if answer > 0 else "miss")

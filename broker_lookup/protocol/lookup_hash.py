@@ -71,7 +71,7 @@ DONE = "done"
 
 #: The fields a reader needs to tell whether a generation completed, and with what
 #: (the client's reconciliation reads only these, with one HMGET).
-STATUS_FIELDS = (STATE, GEN, RESULT)
+STATUS_FIELDS = (STATE, GEN, RESULT, PARTIAL)
 
 _RANK_PREFIX = "r"
 _LATENCY_PREFIX = "l"

@@ -357,3 +357,26 @@ def test_inspect_shows_each_ranks_progress_then_the_partial_answer(
     snap = snapshot(conn, ks, None, 50)
     assert snap["lookups"]["shown"][0]["partial"] is True
     assert "partial" in render(snap, "redis://h:6379/0", None)
+
+
+def test_a_partial_answer_read_by_reconciliation_counts_as_partial(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
+    """The listener's reconciliation may read a hash the deadline script just answered
+    before the sender reads its reply: the lookup still ends as a partial answer."""
+    engines = [StubEngine(), StubEngine()]
+    servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]
+    wait_until(lambda: all(s.ready for s in servers))
+    client = make_client(world_size=2, lookup_timeout_ms=5000)
+    wait_until(lambda: not client.stats()["dead_ranks"])
+    client.lookup(TOKENS, "r")
+    ks = KeySpace(engine_id)
+    conn = backend.factory()
+    wait_until(lambda: conn.hget(ks.lookup("r"), "gen") is not None)
+    gen = int(conn.hget(ks.lookup("r"), "gen") or 0)
+    for rank, tokens in ((0, 8), (1, 4)):
+        ScriptSet().call(conn, progress_call(ks, "r", rank=rank, gen=gen, tokens=tokens))
+    abort = Abort(lookup_id="r", gen=gen)
+    ScriptSet().call(conn, deadline_call(ks, abort, maxlen=100, ttl_ms=5000))
+    assert answer(client, "r", timeout=3) == 4  # well before its own 5 s deadline
+    assert client.stats()["outcomes"]["partial"] == 1
