@@ -62,6 +62,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
         self.expected = expected_ranks(config, metadata)
         self.hasher = ChunkedTokenHasher(config)
         self._gens = itertools.count(time.time_ns() // 1000)
+        self._deadline_rule = config.deadline_rule()
         self._admission = Admission(config, self.hasher)
         self._breaker = Breaker(config.breaker_open_ms / 1000, ("sender", "listener"))
         self._factories: list[ConnectionFactory] = []
@@ -191,7 +192,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             return 0
         now = time.monotonic()
         tokens = sum(offsets)
-        budget_ms = self.config.lookup_budget_ms(tokens)
+        budget_ms = self._deadline_rule.budget_ms(tokens)
         entry = Entry(
             next(self._gens), now, now + budget_ms / 1000, tokens, self.expected, with_event
         )

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, get_args
 
 from broker_lookup.ops.histogram import Histogram
 
@@ -36,17 +36,7 @@ Outcome = Literal[
 #: (``partial_answers``); ``unavailable``: answered 0 at once because the circuit breaker
 #: was open (Redis failing or stalled); ``rejected``: a request the protocol cannot carry
 #: (see client.admit).
-OUTCOMES: tuple[Outcome, ...] = (
-    "hit",
-    "miss",
-    "partial",
-    "timeout",
-    "cancelled",
-    "dead_rank",
-    "error",
-    "unavailable",
-    "rejected",
-)
+OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 
 
 class Entry:
@@ -135,7 +125,8 @@ class LookupTable:
         self._cleared: OrderedDict[str, int] = OrderedDict()
         self._cancel = cancel
         self._deadline = deadline
-        self._partial = partial and deadline is not None
+        #: The sink that asks for partial answers (None: the deadline answers 0 at once).
+        self._ask_partial = deadline if partial else None
         self._wait_s = wait_s
         self._max_pending = max_pending
         self._retention_s = retention_s
@@ -203,7 +194,8 @@ class LookupTable:
 
         Without partial answers, or for a generation never sent, this is :meth:`expire`.
         """
-        if self._deadline is None or not self._partial or not entry.sent:
+        ask_partial = self._ask_partial
+        if ask_partial is None or not entry.sent:
             return self.expire(lookup_id, entry)
         with self._lock:
             if entry.result is not None:
@@ -215,7 +207,7 @@ class LookupTable:
                 waited = (entry.deadline + self._wait_s, entry.gen, lookup_id)
                 heapq.heappush(self._deadlines, waited)
         if ask:
-            self._deadline(lookup_id, entry, True)
+            ask_partial(lookup_id, entry, True)
             return None
         if now < entry.deadline + self._wait_s:
             return None

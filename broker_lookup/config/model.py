@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -29,7 +29,7 @@ from broker_lookup.config.sources import (
 from broker_lookup.errors import ConfigError
 from broker_lookup.protocol.keys import validate_engine_id
 
-__all__ = ["LookupConfig", "LookupMetadata", "expected_ranks", "redact_url"]
+__all__ = ["DeadlineRule", "LookupConfig", "LookupMetadata", "expected_ranks", "redact_url"]
 
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "redis+cluster://")
@@ -48,6 +48,19 @@ _POSITIVE = (
 def redact_url(url: str) -> str:
     """``url`` with any password replaced by ``***``."""
     return _SECRET_IN_URL.sub(r"\1***@", url)
+
+
+class DeadlineRule(NamedTuple):
+    """A lookup's deadline in ms after its submit: ``base_ms`` plus ``per_1k_ms`` per 1,000
+    prompt tokens, at most ``ceiling_ms`` (``LookupConfig.deadline_rule`` builds it)."""
+
+    base_ms: int
+    per_1k_ms: int
+    ceiling_ms: int
+
+    def budget_ms(self, tokens: int) -> int:
+        """The deadline of a prompt of ``tokens`` tokens."""
+        return min(self.base_ms + self.per_1k_ms * tokens // 1000, self.ceiling_ms)
 
 
 class _Validated(msgspec.Struct, frozen=True, kw_only=True):
@@ -258,12 +271,19 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         scaled = base + self.lookup_timeout_per_1k_tokens_ms * largest // 1000
         return min(ceiling, scaled) + self.wait_ms
 
+    def deadline_rule(self) -> DeadlineRule:
+        """The deadline as a function of the prompt, computed once (the client keeps it:
+        ``lookup()`` applies it to every lookup)."""
+        return DeadlineRule(
+            self.lookup_timeout_ms,
+            self.lookup_timeout_per_1k_tokens_ms,
+            self.longest_timeout_ms - self.wait_ms,
+        )
+
     def lookup_budget_ms(self, tokens: int) -> int:
-        """A lookup's deadline, in ms after it was submitted, for a prompt of ``tokens``:
-        ``lookup_timeout_ms`` plus ``lookup_timeout_per_1k_tokens_ms`` per 1,000 tokens,
-        at most the ceiling (``longest_timeout_ms`` less the partial answer's wait)."""
-        scaled = self.lookup_timeout_ms + self.lookup_timeout_per_1k_tokens_ms * tokens // 1000
-        return min(scaled, self.longest_timeout_ms - self.wait_ms)
+        """A lookup's deadline, in ms after it was submitted, for a prompt of ``tokens``
+        (see :class:`DeadlineRule`)."""
+        return self.deadline_rule().budget_ms(tokens)
 
     @property
     def retention_ms(self) -> int:

@@ -164,8 +164,7 @@ class Dispatcher:
         for lookup_id in self._tracker.expired_holds(now):
             self._release(lookup_id)
         for job in self._tracker.take_progress():
-            if job.progress <= job.tokens:
-                self.reporter.put(Report(job.lookup_id, job.gen, job.progress, progress=True))
+            self.reporter.put(Report(job.lookup_id, job.gen, job.progress, progress=True))
 
     def _on_watchdog(self, job: Job) -> None:
         """The engine never reported ``job`` (LMCache D9): answer 0 for it ourselves."""

@@ -187,11 +187,11 @@ class Lifecycle:
         """The engine confirmed ``tokens`` of ``lookup_id``'s prefix loaded and pinned.
 
         True if that is news worth sending (the generation runs and ``tokens`` is above
-        what it confirmed before); :meth:`take_progress` then hands it out.
+        what it confirmed before, within its prompt); :meth:`take_progress` then hands it out.
         """
         with self._lock:
             job = self._jobs.get(lookup_id)
-            if job is None or job.state != "running" or tokens <= job.progress:
+            if job is None or job.state != "running" or not job.progress < tokens <= job.tokens:
                 return False
             job.progress = tokens
             self._progressed[lookup_id] = job

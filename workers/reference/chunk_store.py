@@ -188,12 +188,7 @@ class ChunkStore:
             entry = self._owners.pop(owner, None)
             if entry is None:
                 return 0
-            for key in entry[1]:
-                left = self._pins.get(key, 0) - 1
-                if left > 0:
-                    self._pins[key] = left
-                else:
-                    self._pins.pop(key, None)
+            self._unpin_locked(entry[1])
             return len(entry[1])
 
     def keep_prefix(self, owner: str, tokens: int) -> int:
@@ -211,23 +206,10 @@ class ChunkStore:
                 if total > tokens:
                     break
                 kept += 1
-            for key in keys[kept:]:
-                left = self._pins.get(key, 0) - 1
-                if left > 0:
-                    self._pins[key] = left
-                else:
-                    self._pins.pop(key, None)
-            released = len(keys) - kept
+            released = keys[kept:]
             del keys[kept:]
-            return released
-
-    def pinned_tokens(self, owner: str) -> int:
-        """Tokens of the chunks ``owner`` holds pinned (what a partial answer may count on)."""
-        with self._lock:
-            entry = self._owners.get(owner)
-            if entry is None:
-                return 0
-            return sum(self._memory[key].shape[0] for key in entry[1])
+            self._unpin_locked(released)
+            return len(released)
 
     def release_all(self) -> int:
         """Release every pin of every owner; return how many owners held pins."""
@@ -261,6 +243,15 @@ class ChunkStore:
                 "pinned_lookups": len(self._owners),
                 **self._counters,
             }
+
+    def _unpin_locked(self, keys: list[ChunkKey]) -> None:
+        """Drop one pin per item of ``keys`` (a key pinned twice appears twice)."""
+        for key in keys:
+            left = self._pins.get(key, 0) - 1
+            if left > 0:
+                self._pins[key] = left
+            else:
+                self._pins.pop(key, None)
 
     def _pin_locked(self, key: ChunkKey, owner: str) -> None:
         self._pins[key] = self._pins.get(key, 0) + 1
