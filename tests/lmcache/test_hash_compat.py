@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from broker_lookup.protocol.hashing import ChunkedTokenHasher
+from broker_lookup.protocol.hashing import NATIVE_HASHING, ChunkedTokenHasher
 
 pytestmark = pytest.mark.lmcache
 
@@ -69,6 +69,25 @@ def test_same_hashes_as_lmcache(
         # What LMCache's lookup clients send: the hashes and per-chunk token counts.
         assert hashes == [h for *_, h in expected]
         assert offsets == [end - start for start, end, _ in expected]
+
+
+@pytest.mark.parametrize("n", [8192, 8192 + 77])
+@pytest.mark.parametrize("save_unfull", [False, True])
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_same_hashes_as_lmcache_at_8k_on_both_paths(
+    lmcache: SimpleNamespace, n: int, save_unfull: bool, as_tensor: bool
+) -> None:
+    # A long prompt through the C extension (where built) and through the Python path.
+    config = lmcache.Config.from_defaults(chunk_size=256, save_unfull_chunk=save_unfull)
+    tokens = prompt(n, seed=n)
+    given = torch.tensor(tokens, dtype=torch.int64) if as_tensor else tokens
+    expected = lmcache_hashes(lmcache.db.ChunkedTokenDatabase(config), given)
+    assert len(expected) == n // 256 + (1 if save_unfull and n % 256 else 0)
+    ours = ChunkedTokenHasher(config)
+    assert ours.native == NATIVE_HASHING
+    assert list(ours.process_tokens(given)) == expected
+    ours.native = False
+    assert list(ours.process_tokens(given)) == expected
 
 
 def test_no_config_matches_lmcache_without_config(lmcache: SimpleNamespace) -> None:

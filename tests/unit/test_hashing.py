@@ -112,6 +112,21 @@ def test_no_config_is_lmcache_default_chunk_256_keeping_the_tail() -> None:
     assert [h for *_, h in hasher.process_tokens(list(range(600)))][-1] == 4356085038892181893
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-if-built", "python"])
+def test_vectors_on_both_paths(native: bool) -> None:
+    # The C extension hashes builtin chunks where it is built; the Python path must hold too.
+    hasher = ChunkedTokenHasher(cfg(256, True))
+    hasher.native = native and hasher.native
+    tokens = list(range(600))
+    assert [h for *_, h in hasher.process_tokens(tokens)] == [
+        3131758554629441992,
+        8783757053568497755,
+        4356085038892181893,
+    ]
+    assert hasher.hashes_and_offsets(torch.tensor(tokens))[0][-1] == 4356085038892181893
+    assert hasher.fingerprint()["probe"] == reference(range(515), 256, True)[-1][2]
+
+
 # --- the fast path equals the plain recipe --------------------------------------------
 
 

@@ -1,0 +1,18 @@
+"""The optional C extension only; all metadata is in pyproject.toml.
+
+``optional=True``: where it cannot be compiled (no compiler, no Python headers) the
+package still installs, and ``broker_lookup.protocol.hashing`` hashes in pure Python.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "broker_lookup.protocol._chunk_hash",
+            ["broker_lookup/protocol/_chunk_hash.c"],
+            optional=True,
+            extra_compile_args=["-O3"],
+        )
+    ]
+)
