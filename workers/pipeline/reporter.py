@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from types import TracebackType
 from typing import NamedTuple
 
 import redis
@@ -68,6 +68,28 @@ class Served(NamedTuple):
 Settle = Callable[[Report, str], None]
 
 
+class _Window:
+    """:meth:`Reporter.riding`'s context manager: a class, not a ``@contextmanager``
+    generator, because the read loop enters one per turn (the generator costs four
+    calls more each time)."""
+
+    __slots__ = ("_reporter",)
+
+    def __init__(self, reporter: Reporter) -> None:
+        self._reporter = reporter
+
+    def __enter__(self) -> list[Report]:
+        return self._reporter._open_window()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._reporter._close_window(failed=exc is not None)
+
+
 class Reporter(Batcher[Report]):
     """Sends reports: with the serving batch's XACK, or pipelined from its own thread."""
 
@@ -95,6 +117,7 @@ class Reporter(Batcher[Report]):
         self._settle = settle
         self._lock = threading.Lock()
         self._riding: list[Report] | None = None  # open while the read loop serves a batch
+        self._window = _Window(self)
         #: Reports that did not fit in the queue.
         self.overflows = 0
 
@@ -106,25 +129,14 @@ class Reporter(Batcher[Report]):
                 return
         self._enqueue(report)
 
-    @contextmanager
-    def riding(self) -> Iterator[list[Report]]:
+    def riding(self) -> _Window:
         """On the read loop, around serving one batch: collects the reports made meanwhile.
 
-        The list is complete once the block ends; pass it to :meth:`send_with_ack`. If
-        the block raises, the batch is not acked, so its reports are queued instead.
+        ``with reporter.riding() as reports``: the list is complete once the block ends;
+        pass it to :meth:`send_with_ack`. If the block raises, the batch is not acked, so
+        its reports are queued instead.
         """
-        riding: list[Report] = []
-        with self._lock:
-            self._riding = riding
-        try:
-            yield riding
-        except BaseException:
-            self._close_window()
-            for report in riding:
-                self._enqueue(report)
-            riding.clear()
-            raise
-        self._close_window()
+        return self._window
 
     def send_with_ack(
         self,
@@ -172,9 +184,19 @@ class Reporter(Batcher[Report]):
             self.overflows += 1
             self._settle(report, "overflow")
 
-    def _close_window(self) -> None:
+    def _open_window(self) -> list[Report]:
+        riding: list[Report] = []
         with self._lock:
-            self._riding = None
+            self._riding = riding
+        return riding
+
+    def _close_window(self, failed: bool) -> None:
+        with self._lock:
+            riding, self._riding = self._riding, None
+        if failed and riding:
+            for report in riding:
+                self._enqueue(report)
+            riding.clear()
 
     def _send_batch(self, client: redis.Redis, batch: list[Report]) -> None:
         results = self._run_with_retries(client, [self._call(r) for r in batch])

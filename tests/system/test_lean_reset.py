@@ -1,0 +1,68 @@
+"""The lean link's reply path under real TCP faults (through the fault proxy).
+
+``read_replies`` reads the connection's hiredis reader directly, below redis-py's
+``read_response``: these check it still raises what ``read_response`` would (redis-py's
+``ConnectionError``, which the loops translate to ``BrokerUnavailable``), never a bare
+``OSError`` that a loop would take for a bug.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import redis
+
+from broker_lookup.tools.faultproxy.proxy import FaultProxy
+from broker_lookup.transport.lean import LeanLink, open_link
+
+
+def _link(url: str) -> tuple[redis.Redis, LeanLink]:
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    link = open_link(client)
+    assert isinstance(link, LeanLink)
+    return client, link
+
+
+def test_a_reset_while_a_read_waits_raises_redis_connection_error(fault_proxy: FaultProxy) -> None:
+    client, link = _link(fault_proxy.url)
+    try:
+        assert link.call([("PING",)]) == [b"PONG"]
+        link.call([], ("XREAD", "BLOCK", 4000, "STREAMS", "lean-reset", "$"))
+        threading.Timer(0.3, fault_proxy.reset).start()
+        with pytest.raises(redis.ConnectionError) as caught:
+            link.take_read()
+        assert not isinstance(caught.value, OSError)
+        assert not link.reading
+        assert link.call([("PING",)]) == [b"PONG"]  # reconnected on the next call
+    finally:
+        link.close()
+        client.close()
+
+
+def test_a_reply_lost_after_the_server_ran_the_command_raises_and_reconnects(
+    fault_proxy: FaultProxy,
+) -> None:
+    client, link = _link(fault_proxy.url)
+    try:
+        link.call([("DEL", "lean-lost")])
+        fault_proxy.lose_reply("INCR", then="reset")
+        with pytest.raises(redis.ConnectionError):
+            link.call([("INCR", "lean-lost")])
+        # The server ran it: the caller must treat a lost reply as "maybe applied".
+        assert link.call([("GET", "lean-lost")]) == [b"1"]
+    finally:
+        link.call([("DEL", "lean-lost")])
+        link.close()
+        client.close()
+
+
+def test_error_replies_come_back_as_values_in_order(fault_proxy: FaultProxy) -> None:
+    client, link = _link(fault_proxy.url)
+    try:
+        replies = link.call([("PING",), ("NO-SUCH-COMMAND",), ("ECHO", "x")])
+        assert replies[0] == b"PONG" and replies[2] == b"x"
+        assert isinstance(replies[1], redis.ResponseError)
+    finally:
+        link.close()
+        client.close()
