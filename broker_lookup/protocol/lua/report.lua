@@ -12,11 +12,19 @@
 --          | settled (deadline.lua answered it at its deadline: nothing changes)
 --          | unknown_rank | invalid (hits not in 0..tokens)
 -- Never creates the key, so a late report cannot resurrect a lookup without a TTL.
-local st = redis.call('HMGET', KEYS[1], 'state', 'gen', 'expected', 'tokens', 'submitted_us')
+-- Each command a script calls costs the server 1-3 µs, several times the Lua around it; every
+-- rank runs this once per lookup: a report that does not complete the lookup makes
+-- three (HMGET, TIME, HSET), the completing one six. The script runs atomically, so
+-- reading this rank's field in the first HMGET is as good as an HSETNX.
+local own = 'r' .. ARGV[1]
+local st = redis.call('HMGET', KEYS[1], 'state', 'gen', 'expected', 'tokens', 'submitted_us',
+                      own)
 if not st[1] then return 'dropped' end
 if st[2] ~= ARGV[2] then return 'stale' end
+local ranks = {}
 local known = false
 for r in string.gmatch(st[3], '[^,]+') do
+  ranks[#ranks + 1] = r
   if r == ARGV[1] then known = true end
 end
 if not known then return 'unknown_rank' end
@@ -24,41 +32,47 @@ local hits = tonumber(ARGV[3])
 if hits == nil or hits < 0 or hits > tonumber(st[4]) or hits ~= math.floor(hits) then
   return 'invalid'
 end
+if st[6] then return 'duplicate' end
 if st[1] ~= 'pending' then
-  if redis.call('HEXISTS', KEYS[1], 'r' .. ARGV[1]) == 1 then return 'duplicate' end
   return 'settled'  -- a partial answer decided it: a late report must not complete it again
 end
-if redis.call('HSETNX', KEYS[1], 'r' .. ARGV[1], ARGV[3]) == 0 then return 'duplicate' end
 local stamp = st[5]
+local sec, us
 if stamp then
+  sec = tonumber(string.sub(stamp, 1, -7))
+  us = tonumber(string.sub(stamp, -6))
+end
+if sec and us then
   -- Integer arithmetic on seconds and micros apart: no double ever holds the epoch µs.
   local t = redis.call('TIME')
-  local sec = tonumber(string.sub(stamp, 1, -7))
-  local us = tonumber(string.sub(stamp, -6))
-  if sec and us then
-    local elapsed = (tonumber(t[1]) - sec) * 1000000 + (tonumber(t[2]) - us)
-    if elapsed < 0 then elapsed = 0 end  -- the server's clock stepped back
-    redis.call('HSET', KEYS[1], 'l' .. ARGV[1], string.format('%d', elapsed))
-  else
-    stamp = nil
-  end
+  local elapsed = (tonumber(t[1]) - sec) * 1000000 + (tonumber(t[2]) - us)
+  if elapsed < 0 then elapsed = 0 end  -- the server's clock stepped back
+  redis.call('HSET', KEYS[1], own, ARGV[3], 'l' .. ARGV[1], string.format('%d', elapsed))
+else
+  stamp = nil
+  redis.call('HSET', KEYS[1], own, ARGV[3])
 end
+local names = {}
+for i = 1, #ranks do names[i] = 'r' .. ranks[i] end
+if stamp then
+  for i = 1, #ranks do names[#ranks + i] = 'l' .. ranks[i] end
+end
+local got = redis.call('HMGET', KEYS[1], unpack(names))
 local min = nil
-local seen = {}
-for r in string.gmatch(st[3], '[^,]+') do
-  local v = redis.call('HGET', KEYS[1], 'r' .. r)
+for i = 1, #ranks do
+  local v = tonumber(got[i])
   if not v then return 'recorded' end
-  seen[#seen + 1] = v
-  v = tonumber(v)
   if min == nil or v < min then min = v end
 end
 redis.call('HSET', KEYS[1], 'state', 'done', 'result', min)
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
 if stamp then
-  local names = {}
-  for r in string.gmatch(st[3], '[^,]+') do names[#names + 1] = 'l' .. r end
-  local lat = redis.call('HMGET', KEYS[1], unpack(names))
-  for i = 1, #names do lat[i] = lat[i] or '' end
+  local seen = {}
+  local lat = {}
+  for i = 1, #ranks do
+    seen[i] = got[i]
+    lat[i] = got[#ranks + i] or ''
+  end
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[5], 'gen', ARGV[2],
              'result', min, 'last', ARGV[1], 'ranks', st[3], 'hits', table.concat(seen, ','),
              'lat', table.concat(lat, ','))

@@ -34,6 +34,4 @@ else
              'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
-local fields = {}
-for i = 10, #ARGV do fields[#fields + 1] = ARGV[i] end
-return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(fields))
+return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(ARGV, 10))
