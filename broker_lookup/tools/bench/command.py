@@ -6,8 +6,9 @@ measured is the lookup path itself: client, Redis, server, and the hand-offs bet
 ``--vs-lmcache`` runs the same loops on LMCache 0.5.6's ZMQ client and server and adds
 the ratios. ``--quick`` is the CI smoke mode (world sizes 1 and 2, a few hundred
 lookups, small hashing sizes, well under a minute). ``--features-cost`` runs only the
-one-in-flight loop with issue 13's client features (rank insights, size-aware deadlines,
-partial answers) off and on, and prints both and the ratio (``features_cost.py``). The
+one-in-flight loop and the throughput loop with issue 13's client features (rank
+insights, size-aware deadlines, partial answers) off and on, and prints both and the
+ratio (``features_cost.py``). The
 polling model is described in ``broker_lookup.tools.bench.measure``; the results and how
 to read them in ``docs/performance.md``.
 
@@ -180,7 +181,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--features-cost",
         action="store_true",
-        help="only compare one-in-flight latency and CPU per lookup with rank insights, "
+        help="only compare latency and CPU per lookup with one in flight, and the rate and "
+        "CPU per lookup with the throughput window in flight, with rank insights, "
         "size-aware deadlines and partial answers off and on (world 2, or the largest of "
         "--worlds), and print the ratio",
     )

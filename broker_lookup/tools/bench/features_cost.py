@@ -1,13 +1,16 @@
 """``broker-lookup bench --features-cost``: what issue 13's features cost per lookup.
 
-The same one-in-flight loop as the latency figure (:func:`measure.sequential_latency`),
-through the same ranks, with the client's features off (:data:`OFF`: no rank insights,
-a flat deadline, no partial answers) and on (:data:`ON`: the defaults, plus partial
-answers), in ABBA order (off, on, on, off) so a drift of the machine's load during the
-run falls on both sides alike. Each
-side's e2e p50/p99 is the mean over its two rounds; its CPU per lookup (the scheduler
-process, Redis, where the scripts' extra ``TIME``/``HSET`` run, and one rank) is over
-both rounds. The ratio on / off is the cost: the aim is nothing measurable.
+Each round runs the same one-in-flight loop as the latency figure
+(:func:`measure.sequential_latency`), then the throughput figure's closed loop with
+``window`` lookups in flight (:func:`measure.closed_loop`), through the same ranks, with
+the client's features off (:data:`OFF`: no rank insights, a flat deadline, no partial
+answers) or on (:data:`ON`: the defaults, plus partial answers). Rounds go in ABBA order
+(off, on, on, off), so a drift of the machine's load during the run falls on both sides
+alike. Each side's figure is the mean over its two rounds: e2e p50/p99 and CPU per lookup
+with one in flight (the scheduler process, Redis, where the scripts' extra
+``TIME``/``HSET`` run, and one rank), then the rate and CPU per lookup (Redis, and all
+processes together) with ``window`` in flight, where the per-lookup costs of the
+features add up instead of hiding behind the wake-ups. The ratio on / off is the cost.
 
 >>> out = features_cost(BenchOptions.defaults(quick=True), url, "r1")   # doctest: +SKIP
 >>> out["ratio"]["e2e_p50_ms"]                                         # doctest: +SKIP
@@ -21,7 +24,13 @@ from typing import Any
 
 import redis
 
-from broker_lookup.tools.bench.measure import BenchError, BenchOptions, Prompts, sequential_latency
+from broker_lookup.tools.bench.measure import (
+    BenchError,
+    BenchOptions,
+    Prompts,
+    closed_loop,
+    sequential_latency,
+)
 from broker_lookup.tools.bench.ours import CpuMeter, client_for, engine_id, rank_host
 
 __all__ = ["FIGURES", "OFF", "ON", "features_cost", "render_features_cost"]
@@ -33,8 +42,13 @@ FIGURES = (
     ("scheduler_cpu_us", "scheduler CPU µs/lookup"),
     ("redis_cpu_us", "Redis CPU µs/lookup"),
     ("rank_cpu_us_per_rank", "rank CPU µs/lookup/rank"),
+    ("inflight_lookups_per_s", "in flight: lookups/s"),
+    ("inflight_redis_cpu_us", "in flight: Redis CPU µs/lookup"),
+    ("inflight_total_cpu_us", "in flight: all CPU µs/lookup"),
 )
 _ORDER = (False, True, True, False)  #: ABBA
+#: CPU meters that make "all CPU" with many in flight: the client's process, ranks, Redis.
+_ALL_CPU = ("client_process", "ranks", "redis")
 #: The client's config with every issue-13 feature off, and with all of them on.
 OFF: dict[str, Any] = {
     "rank_insights": False,
@@ -58,6 +72,9 @@ def _round(
         meter = CpuMeter(pids, server)
         run = sequential_latency(client, prompts, n, opts.warmup, opts.poll_s, tag)
         run["cpu_per_1000"] = meter.per_1000(n + opts.warmup)
+        meter = CpuMeter(pids, server)
+        tput = closed_loop(client, prompts, opts.window, opts.duration_s, opts.poll_s, tag + "-tp")
+        run["inflight"] = {**tput, "cpu_per_1000": meter.per_1000(tput["completed"])}
         insights = client.stats()["rank_insights"]
         run["recorded"] = insights.get("recorded", 0) if insights else 0
         return run
@@ -67,9 +84,9 @@ def _round(
 
 
 def _side(rounds: list[dict[str, Any]], world: int) -> dict[str, Any]:
-    def cpu(key: str) -> float:
+    def cpu(key: str, run: str | None = None) -> float:
         # per_1000 is seconds per 1,000 lookups = ms per lookup; x1000: µs per lookup.
-        return statistics.fmean(r["cpu_per_1000"][key] for r in rounds) * 1000
+        return statistics.fmean((r[run] if run else r)["cpu_per_1000"][key] for r in rounds) * 1000
 
     return {
         "e2e_p50_ms": statistics.fmean(r["e2e"]["p50_ms"] for r in rounds),
@@ -77,6 +94,9 @@ def _side(rounds: list[dict[str, Any]], world: int) -> dict[str, Any]:
         "scheduler_cpu_us": cpu("client_process"),
         "redis_cpu_us": cpu("redis"),
         "rank_cpu_us_per_rank": cpu("ranks") / world,
+        "inflight_lookups_per_s": statistics.fmean(r["inflight"]["lookups_per_s"] for r in rounds),
+        "inflight_redis_cpu_us": cpu("redis", "inflight"),
+        "inflight_total_cpu_us": sum(cpu(k, "inflight") for k in _ALL_CPU),
         "lookups": sum(r["e2e"]["n"] for r in rounds),
         "recorded": sum(r["recorded"] for r in rounds),
     }
@@ -105,19 +125,25 @@ def features_cost(opts: BenchOptions, url: str, run_id: str, world: int = 2) -> 
         )
     off = sides["off"]
     ratio = {k: (sides["on"][k] / off[k] if off[k] else None) for k, _ in FIGURES}
-    return {"world": world, "lookups_per_side": off["lookups"], **sides, "ratio": ratio}
+    return {
+        "world": world,
+        "lookups_per_side": off["lookups"],
+        "window": opts.window,
+        **sides,
+        "ratio": ratio,
+    }
 
 
 def render_features_cost(result: dict[str, Any]) -> str:
     """The table ``--features-cost`` prints."""
     lines = [
         "cost of rank insights + size-aware deadlines + partial answers "
-        f"(world {result['world']}, {result['lookups_per_side']} lookups a side, one in "
-        "flight, rounds off/on/on/off)",
-        f"  {'':<26}{'off':>9}{'on':>9}{'on/off':>9}",
+        f"(world {result['world']}, {result['lookups_per_side']} lookups a side one in "
+        f"flight, then {result['window']} in flight; rounds off/on/on/off)",
+        f"  {'':<32}{'off':>9}{'on':>9}{'on/off':>9}",
     ]
     for key, label in FIGURES:
         ratio = result["ratio"][key]
         shown = "-" if ratio is None else f"{ratio:.2f}"
-        lines.append(f"  {label:<26}{result['off'][key]:>9.2f}{result['on'][key]:>9.2f}{shown:>9}")
+        lines.append(f"  {label:<32}{result['off'][key]:>9.2f}{result['on'][key]:>9.2f}{shown:>9}")
     return "\n".join(lines)
