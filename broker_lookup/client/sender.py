@@ -30,6 +30,7 @@ from broker_lookup.client.insights import RankInsights
 from broker_lookup.client.table import Entry, LookupTable
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, BrokerUnavailable, translate_redis_errors
+from broker_lookup.ops.ratelimit import RateLimitedLog
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, Keep, LookupRequest
 from broker_lookup.protocol.scripts import (
@@ -118,6 +119,7 @@ class Sender(Batcher[Item]):
         self.lost_cancels = 0
         self.lost_keeps = 0
         self.dropped = 0
+        self._warn_lost = RateLimitedLog(logger)  # an outage loses them by the thousand
 
     def start(self, expected: str = "") -> None:
         """Start the thread; ``expected`` is the comma-separated rank list of every lookup."""
@@ -283,9 +285,8 @@ class Sender(Batcher[Item]):
                 self._lost_cancel(item.lookup_id, item.entry.gen, str(exc))
         elif isinstance(item, Keep):
             self.lost_keeps += 1
-            if self.lost_keeps % 100 != 1:
-                return
-            logger.warning(
+            self._warn_lost(
+                logging.WARNING,
                 "%d keep(s) not delivered, latest %.200r gen %d: %s; their ranks hold what "
                 "they loaded until it is released",
                 self.lost_keeps,
@@ -298,9 +299,8 @@ class Sender(Batcher[Item]):
 
     def _lost_cancel(self, lookup_id: str, gen: int, why: str) -> None:
         self.lost_cancels += 1
-        if self.lost_cancels % 100 != 1:
-            return
-        logger.warning(
+        self._warn_lost(
+            logging.WARNING,
             "%d cancel(s) not delivered, latest %s gen %d: %s; keys expire by TTL and "
             "workers release pins after worker_pin_ttl_ms",
             self.lost_cancels,
