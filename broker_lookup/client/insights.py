@@ -19,6 +19,14 @@ reported by then (:meth:`RankInsights.record_late`, from the deadline script's a
 in the sender thread): the stragglers that turned a lookup into a timeout or a partial
 answer, which no completion event shows.
 
+Timing every lookup costs a saturated engine a fifth of its lookups per second (the
+stamps, the longer completion entry and the listener's decoding; docs/performance.md §5),
+so the sender times at most ``rank_insights_max_per_s`` lookups a second
+(:class:`Sampler`). Each timed lookup stands for the untimed ones submitted since the one
+before it: the histograms and counters add its weight, so they estimate every completed
+lookup, and at a rate under the cap every lookup is timed and the figures are exact. The
+spread WARNING names timed lookups only.
+
 Memory is bounded: a fixed set of counters per expected rank, nothing per lookup.
 """
 
@@ -31,12 +39,37 @@ from broker_lookup.ops.histogram import Histogram
 from broker_lookup.ops.ratelimit import RateLimitedLog
 from broker_lookup.protocol.messages import DoneEvent
 
-__all__ = ["SPREAD_BUCKETS", "RankInsights"]
+__all__ = ["SPREAD_BUCKETS", "RankInsights", "Sampler"]
 
 logger = logging.getLogger(__name__)
 
 #: Upper bounds in tokens of the max - min hits histogram; 0 is "every rank agreed".
 SPREAD_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+
+
+class Sampler:
+    """Which submits are timed: at most ``max_per_s`` a second (0: every one).
+
+    Used by the sender thread only. :meth:`take` answers each submit's weight: 0 for an
+    untimed one, else 1 plus the untimed submits since the last timed one.
+    """
+
+    __slots__ = ("_gap", "_next", "_skipped")
+
+    def __init__(self, max_per_s: float) -> None:
+        self._gap = 1.0 / max_per_s if max_per_s > 0 else 0.0
+        self._next = 0.0
+        self._skipped = 0
+
+    def take(self, now: float) -> int:
+        """The weight of a submit made at ``now`` (monotonic seconds); 0: do not time it."""
+        if now < self._next:
+            self._skipped += 1
+            return 0
+        self._next = now + self._gap
+        weight = self._skipped + 1
+        self._skipped = 0
+        return weight
 
 
 class RankInsights:
@@ -47,13 +80,19 @@ class RankInsights:
             for them (memory stays per expected rank).
         warn_share: log when (max - min) / prompt tokens exceeds this.
         warn_every_s: at most one such WARNING per this many seconds.
+        max_per_s: the :attr:`sampler`'s cap on timed lookups a second (0: every lookup).
 
-    :meth:`record` is called by the listener thread only and :meth:`record_late` by the
-    sender's only, each writing its own counters (no lock); readers copy via :meth:`snapshot`.
+    :meth:`record` is called by the listener thread only; :meth:`record_late` and the
+    :attr:`sampler` by the sender's only, each writing its own counters (no lock); readers
+    copy via :meth:`snapshot`.
     """
 
     def __init__(
-        self, expected: tuple[int, ...], warn_share: float, warn_every_s: float = 10.0
+        self,
+        expected: tuple[int, ...],
+        warn_share: float,
+        warn_every_s: float = 10.0,
+        max_per_s: float = 0.0,
     ) -> None:
         self.expected = tuple(expected)
         self.warn_share = warn_share
@@ -64,34 +103,41 @@ class RankInsights:
         self.spread = Histogram(SPREAD_BUCKETS)
         #: Lookups that reached their deadline before this rank reported.
         self.late: dict[int, int] = dict.fromkeys(self.expected, 0)
-        #: Completion events that carried insights.
+        #: Completion events that carried insights (timed lookups).
         self.recorded = 0
+        #: The lookups those stand for: the sum of their weights.
+        self.represented = 0
+        #: Decides which submits are timed (sender thread).
+        self.sampler = Sampler(max_per_s)
         self.warnings = 0
         self._warn = RateLimitedLog(logger, warn_every_s)
 
-    def record(self, ev: DoneEvent, tokens: int) -> None:
-        """Count one completion event of this client's lookup of ``tokens`` prompt tokens.
+    def record(self, ev: DoneEvent, tokens: int, weight: int = 1) -> None:
+        """Count one completion event of this client's lookup of ``tokens`` prompt tokens,
+        as ``weight`` lookups (the :attr:`sampler`'s weight of its submit).
 
         An event without insights (``rank_insights`` off, an older script) is ignored.
         """
         if ev.last is None or not ev.hits:
             return
+        weight = max(weight, 1)
         self.recorded += 1
+        self.represented += weight
         if ev.last in self.last:
-            self.last[ev.last] += 1
+            self.last[ev.last] += weight
         for rank, micros in zip(ev.ranks, ev.latency_us, strict=False):
             hist = self.latency.get(rank)
             if hist is not None and micros is not None:
-                hist.observe(micros / 1e6)
+                hist.observe(micros / 1e6, weight)
         low, high = min(ev.hits), max(ev.hits)
         spread = high - low
-        self.spread.observe(spread)
+        self.spread.observe(spread, weight)
         if not spread:
             return
         for rank, hits in zip(ev.ranks, ev.hits, strict=False):
             if hits > low and rank in self.excess_lookups:
-                self.excess_lookups[rank] += 1
-                self.excess_tokens[rank] += hits - low
+                self.excess_lookups[rank] += weight
+                self.excess_tokens[rank] += (hits - low) * weight
         if tokens > 0 and spread / tokens > self.warn_share:
             self.warnings += 1
             counts = ", ".join(f"rank {r}={h}" for r, h in zip(ev.ranks, ev.hits, strict=False))
@@ -118,6 +164,7 @@ class RankInsights:
         """JSON-able copies for ``stats()`` and the metrics: per rank (as ints) and spread."""
         return {
             "recorded": self.recorded,
+            "represented": self.represented,
             "ranks": {
                 r: {
                     "report_counts": list(self.latency[r].counts),

@@ -152,7 +152,7 @@ class Listener(LoopThread):
                 # read before finish takes the entry out of flight.
                 entry = self._table.inflight.get(ev.lookup_id)
                 if entry is not None and entry.gen == ev.gen:
-                    insights.record(ev, entry.tokens)
+                    insights.record(ev, entry.tokens, entry.weight)
             self._table.finish(ev.lookup_id, ev.gen, ev.result, "hit" if ev.result > 0 else "miss")
 
     def _xread_command(self) -> Command:

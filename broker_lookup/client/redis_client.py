@@ -87,7 +87,11 @@ class RedisAsyncLookupClient(LookupClientInterface):
         )
         #: Per-rank latency, stragglers and disagreement (``rank_insights``; None: off).
         self.insights = (
-            RankInsights(self.expected, config.rank_spread_warn_share)
+            RankInsights(
+                self.expected,
+                config.rank_spread_warn_share,
+                max_per_s=config.rank_insights_max_per_s,
+            )
             if config.rank_insights
             else None
         )

@@ -253,6 +253,8 @@ class Sender(Batcher[Item]):
         entry.sent = True  # before reading result: see Entry.sent
         if entry.result is not None:
             return None  # finished before it was sent (timeout, cancel, superseded)
+        if self._insights is not None and not entry.weight:  # a re-send keeps its weight
+            entry.weight = self._insights.sampler.take(time.monotonic())
         return submit_call(
             self._keys,
             item.request,
@@ -260,7 +262,7 @@ class Sender(Batcher[Item]):
             created_ms=int(time.time() * 1000),
             ttl_ms=item.request.budget_ms + cfg.wait_ms + cfg.key_grace_ms,
             maxlen=cfg.stream_maxlen,
-            insights=cfg.rank_insights,
+            insights=entry.weight > 0,
         )
 
     def _round_trip(self, client: redis.Redis, calls: list[Call]) -> list[Any]:

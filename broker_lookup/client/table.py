@@ -54,6 +54,7 @@ class Entry:
         "settling",
         "started",
         "tokens",
+        "weight",
     )
 
     def __init__(
@@ -79,6 +80,8 @@ class Entry:
         self.sent = False
         #: Past its deadline, its partial answer asked for (``partial_answers``).
         self.settling = False
+        #: The lookups its rank insights stand for (the sender's sampler; 0: untimed).
+        self.weight = 0
         self.event = threading.Event() if with_event else None
 
 

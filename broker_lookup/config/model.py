@@ -11,6 +11,7 @@ what it read.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -160,6 +161,10 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     #: per-rank report latency, last-to-report and hit divergence (the report script
     #: stamps each rank's report on the server's clock); False: none of it is recorded
     rank_insights: bool = True
+    #: at most this many lookups a second are timed; each timed one counts for the
+    #: untimed ones since the one before it, so the figures estimate every lookup (0:
+    #: time every lookup). Bounds what insights cost a saturated engine
+    rank_insights_max_per_s: float = 200.0
     #: a WARNING (rate-limited) names a lookup whose ranks' hits differ by more than
     #: this share of its prompt tokens
     rank_spread_warn_share: float = 0.5
@@ -237,6 +242,13 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             f"must be > 0 and, plus the longest deadline ({longest} ms: see "
             f"lookup_timeout_max_ms), not exceed worker_pin_ttl_ms={self.worker_pin_ttl_ms} "
             "(a result must not outlive its pins)",
+        )
+        rate = self.rank_insights_max_per_s
+        _require(
+            math.isfinite(rate) and rate >= 0.0,
+            "rank_insights_max_per_s",
+            rate,
+            "must be a finite number >= 0 (0: time every lookup)",
         )
         share = self.rank_spread_warn_share
         _require(0.0 < share <= 1.0, "rank_spread_warn_share", share, "must be > 0 and at most 1")

@@ -43,10 +43,11 @@ class Histogram:
         hist.total = float(total)
         return hist
 
-    def observe(self, seconds: float) -> None:
-        """Count one sample of ``seconds`` (or of whatever ``bounds`` measure)."""
-        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        self.total += seconds
+    def observe(self, seconds: float, weight: int = 1) -> None:
+        """Count ``weight`` samples (one, unless sampled) of ``seconds`` (or of whatever
+        ``bounds`` measure)."""
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += weight
+        self.total += seconds * weight
 
     def cumulative(self) -> list[tuple[float, int]]:
         """(upper bound, samples at or below it) per bucket, Prometheus-style; the last is inf."""

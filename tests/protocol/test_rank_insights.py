@@ -17,6 +17,7 @@ import pytest
 from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
+from broker_lookup.client.insights import Sampler
 from broker_lookup.ops.inspect import render, snapshot
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
@@ -36,6 +37,8 @@ def _ranks(
         lambda: all(s.ready and s.stats()["last_heartbeat"] for s in servers),
         message="servers ready and beating",
     )
+    # Every lookup timed, unless a test samples: these tests count lookup by lookup.
+    overrides.setdefault("rank_insights_max_per_s", 0)
     client = make_client(world_size=world, **overrides)
     wait_until(lambda: not client.stats()["dead_ranks"], message="client sees every rank")
     return engines, client
@@ -223,3 +226,55 @@ def test_inspect_shows_each_ranks_latency_and_last_share(
     text = render(snap, "redis://h:6379/0", None)
     assert "RANK LATENCY" in text and "100% (3)" in text
     json.dumps(snap, default=str)  # the --json output
+
+
+class _Scripted(Sampler):
+    """A sampler answering set weights in turn (timing is not what this test is about)."""
+
+    def __init__(self, weights: list[int]) -> None:
+        super().__init__(0)
+        self.weights = weights
+
+    def take(self, now: float) -> int:
+        return self.weights.pop(0)
+
+
+def test_sampled_lookups_go_untimed_and_timed_ones_count_for_their_weight(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
+    """``rank_insights_max_per_s``: only the sampler's picks carry stamps on the wire."""
+    engines, client = _ranks(make_server, make_client, 2, rank_insights_max_per_s=50)
+    assert client.insights is not None
+    client.insights.sampler = _Scripted([1, 0, 0, 3])
+    redis: Any = backend.factory()
+    keys = KeySpace(engine_id)
+    for i in range(4):
+        key = keys.lookup(f"smp{i}")
+        assert _answer(client, engines, f"smp{i}", {0: 40, 1: 40}, [0, 1], redis, key) == 40
+    stamped = [
+        redis.hget(keys.lookup(f"smp{i}"), lookup_hash.SUBMITTED_US) is not None for i in range(4)
+    ]
+    assert stamped == [True, False, False, True]
+    done = [fields for _, fields in redis.xrange(keys.done)]
+    assert [b"last" in f for f in done] == stamped  # untimed: the short entry
+    wait_until(lambda: _insights(client).get("recorded") == 2)
+    ins = _insights(client)
+    assert ins["represented"] == 4
+    assert ins["ranks"][1]["last"] == 4  # rank 1 reported last each time: 1 + 3
+    assert sum(ins["ranks"][0]["report_counts"]) == 4
+    assert sum(ins["spread_counts"]) == 4 and ins["spread_counts"][0] == 4
+
+
+def test_the_default_sampler_times_the_first_lookup_and_at_most_its_rate(
+    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+) -> None:
+    """One timed lookup every 1,000 s: of a run of lookups, the first alone is timed."""
+    engines, client = _ranks(make_server, make_client, 1, rank_insights_max_per_s=0.001)
+    for i in range(3):
+        assert _answer(client, engines, f"rate{i}", {0: 40}, [0]) == 40
+    wait_until(lambda: _insights(client).get("recorded") == 1)
+    redis: Any = backend.factory()
+    keys = KeySpace(engine_id)
+    stamps = [redis.hget(keys.lookup(f"rate{i}"), lookup_hash.SUBMITTED_US) for i in range(3)]
+    assert [s is not None for s in stamps] == [True, False, False]
+    assert _insights(client)["represented"] == 1  # the other two wait for the next pick

@@ -27,7 +27,8 @@ def test_real_ranks_give_every_rank_a_latency_and_name_the_straggler(
     disk: list[dict[str, Any]] = [{"tokens": p, "tier": "disk"} for p in PROMPTS]
     rank_procs(real_server.url, engine_id, 2, 0, memory)
     rank_procs(real_server.url, engine_id, 2, 1, disk, load_delay_ms=40)
-    client = clients(config(real_server.url, lookup_timeout_ms=10_000), engine_id, 2)
+    every = config(real_server.url, lookup_timeout_ms=10_000, rank_insights_max_per_s=0)
+    client = clients(every, engine_id, 2)
     alive(client)
     for i, tokens in enumerate(PROMPTS):
         assert client.lookup(tokens, f"real{i}") is None

@@ -235,6 +235,8 @@ def test_partial_answers_wait_counts_in_the_longest_deadline() -> None:
         ("rank_spread_warn_share", 0.0),
         ("rank_spread_warn_share", 1.5),
         ("partial_answer_wait_ms", 0),
+        ("rank_insights_max_per_s", -1.0),
+        ("rank_insights_max_per_s", float("inf")),
     ],
 )
 def test_issue_13_fields_are_validated_by_name(field: str, value: Any) -> None:

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker_lookup.client.insights import SPREAD_BUCKETS, RankInsights
+from broker_lookup.client.insights import SPREAD_BUCKETS, RankInsights, Sampler
 from broker_lookup.errors import MalformedMessage
 from broker_lookup.ops.histogram import LATENCY_BUCKETS, Histogram
 from broker_lookup.ops.inspect import render
@@ -130,6 +130,39 @@ def test_events_without_insights_and_foreign_ranks_are_ignored() -> None:
     assert snap["ranks"][0]["excess_tokens"] == 3
     assert sum(snap["ranks"][0]["report_counts"]) == 1
     assert sum(snap["ranks"][1]["report_counts"]) == 0
+
+
+def test_sampler_times_at_most_its_rate_and_weighs_what_it_skipped() -> None:
+    sampler = Sampler(max_per_s=100)  # one every 10 ms
+    weights = [sampler.take(t / 1000) for t in (0, 1, 2, 3, 10, 25, 26, 40)]
+    # 0 ms timed (1); 1-3 ms skipped; 10 ms stands for itself and the 3 before it; 25 ms
+    # for itself; 26 ms skipped; 40 ms for itself and 26 ms.
+    assert weights == [1, 0, 0, 0, 4, 1, 0, 2]
+    assert sum(weights) == len(weights)  # every submit is counted exactly once
+
+
+def test_sampler_at_zero_times_every_lookup() -> None:
+    sampler = Sampler(max_per_s=0)
+    assert [sampler.take(0.0) for _ in range(5)] == [1, 1, 1, 1, 1]
+
+
+def test_a_timed_lookup_counts_for_its_weight() -> None:
+    """Sampled figures estimate every lookup: a weight-3 event counts as three."""
+    weighted, unweighted = RankInsights((0, 1), 0.9), RankInsights((0, 1), 0.9)
+    ev = _event("a", (40, 10), (400, 3000), last=1)
+    weighted.record(ev, tokens=40, weight=3)
+    for _ in range(3):
+        unweighted.record(ev, tokens=40)
+    got, want = weighted.snapshot(), unweighted.snapshot()
+    assert got["recorded"] == 1 and want["recorded"] == 3
+    assert got["represented"] == want["represented"] == 3
+    for rank in (0, 1):
+        mine, theirs = got["ranks"][rank], want["ranks"][rank]
+        assert mine["report_sum"] == pytest.approx(theirs["report_sum"]), rank
+        assert {**mine, "report_sum": 0} == {**theirs, "report_sum": 0}, rank
+    assert got["spread_counts"] == want["spread_counts"]
+    assert got["spread_sum"] == want["spread_sum"]
+    assert got["ranks"][0]["excess_tokens"] == 90 and got["ranks"][1]["last"] == 3
 
 
 # -- metrics --------------------------------------------------------------------------
