@@ -50,7 +50,8 @@ SPREAD_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 class Sampler:
     """Which submits are timed: at most ``max_per_s`` a second (0: every one).
 
-    Used by the sender thread only. :meth:`take` answers each submit's weight: 0 for an
+    Used under the sender's write lock only (its thread's and the caller's submits).
+    :meth:`take` answers each submit's weight: 0 for an
     untimed one, else 1 plus the untimed submits since the last timed one.
     """
 
@@ -82,9 +83,9 @@ class RankInsights:
         warn_every_s: at most one such WARNING per this many seconds.
         max_per_s: the :attr:`sampler`'s cap on timed lookups a second (0: every lookup).
 
-    :meth:`record` is called by the listener thread only; :meth:`record_late` and the
-    :attr:`sampler` by the sender's only, each writing its own counters (no lock); readers
-    copy via :meth:`snapshot`.
+    :meth:`record` is called by the listener thread only, :meth:`record_late` by the
+    sender's only and the :attr:`sampler` under the sender's write lock, each writing its
+    own counters (no lock); readers copy via :meth:`snapshot`.
     """
 
     def __init__(

@@ -280,6 +280,8 @@ class RedisAsyncLookupClient(LookupClientInterface):
             "breaker_open": self._breaker.is_open(),
             "breaker_openings": self._breaker.openings,
             "send_queue_full": self._sender.dropped,
+            # Submits written on the caller's thread (the rest went through the queue).
+            "direct_submits": self._sender.direct_submits,
             "stale_events": t.stale_events,
             "redis_errors": self._sender.errors + self._listener.errors,
             "unexpected_errors": self._sender.guard.count + self._listener.guard.count,

@@ -14,16 +14,34 @@ one retried round trip, and settles each lookup in the table. The round trip goe
 the transport's :class:`~broker_lookup.transport.lean.LeanLink` (hiredis-packed EVALSHAs
 on one pooled connection, raw replies) wherever :func:`~broker_lookup.transport.lean.open_link`
 gives one, else through redis-py's pipeline (Redis Cluster: routing by slot is its client's).
+
+**Submits the caller writes itself.** Handing a submit to this thread costs a wake-up
+for the hand-off and one for the reply, each several times the write itself. So once a
+round trip proved the connection (a plain TCP or unix socket), ``submit()`` writes the
+submit on the caller's thread with a write that never waits
+(:meth:`~broker_lookup.transport.lean.LeanLink.send_nowait`), and this thread reads its
+reply later: every :data:`DIRECT_CHECK_S` while any is unread, or first thing in its
+next round trip. The reply only confirms (or, an error, answers 0); the ranks and the
+listener need nothing from it. One lock (``_wire``) orders every write on the
+connection with the records of the replies to expect; the caller only *tries* it, and
+anything it cannot write at once (the lock busy, something queued, a full socket
+buffer) takes the queue as before. A torn write, a reset or a reply overdue by
+``socket_timeout_ms`` drops the connection, and the unanswered submits go back to the
+head of the queue: they are idempotent per (lookup id, generation), and one that
+finished meanwhile is not sent again.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import redis
+from redis.exceptions import RedisError
 
 from broker_lookup.client.breaker import Breaker
 from broker_lookup.client.insights import RankInsights
@@ -38,6 +56,7 @@ from broker_lookup.protocol.scripts import (
     ScriptSet,
     cancel_call,
     deadline_call,
+    is_noscript,
     keep_call,
     submit_call,
 )
@@ -50,6 +69,12 @@ logger = logging.getLogger(__name__)
 
 _MAX_BATCH = 512
 _PING: Command = ("PING",)
+#: While submits the caller wrote are unanswered, the thread reads their replies this
+#: often (and before its own next round trip).
+DIRECT_CHECK_S = 0.005
+#: It keeps that pace this long after the caller's last submit before it sleeps long
+#: again, so a steady trickle of lookups never needs the bell.
+DIRECT_LINGER_S = 0.05
 
 
 class Submit(NamedTuple):
@@ -76,6 +101,13 @@ class Deadline(NamedTuple):
     lookup_id: str
     entry: Entry
     answer: bool = True
+
+
+class Written(NamedTuple):
+    """A submit the caller wrote itself, whose reply this thread has not read yet."""
+
+    item: Submit
+    at: float  #: monotonic seconds when it was written
 
 
 #: What the sender's queue holds: a lookup to submit, a generation to cancel, a
@@ -120,6 +152,19 @@ class Sender(Batcher[Item]):
         self.lost_keeps = 0
         self.dropped = 0
         self._warn_lost = RateLimitedLog(logger)  # an outage loses them by the thousand
+        #: Orders every write on the lean connection (the caller's own submits and this
+        #: thread's round trips) with ``_written``, the replies still to read.
+        self._wire = threading.Lock()
+        self._written: deque[Written] = deque()
+        #: The caller may write submits itself (set by this thread once a round trip
+        #: proved the connection; cleared at any failure and at stop).
+        self._direct = False
+        #: The caller's write was torn: this thread must drop the connection.
+        self._torn = False
+        self._last_direct = 0.0
+        self._overdue_s = config.socket_timeout_ms / 1000
+        self.direct_submits = 0
+        self._warn_rewired = RateLimitedLog(logger)
 
     def start(self, expected: str = "") -> None:
         """Start the thread; ``expected`` is the comma-separated rank list of every lookup."""
@@ -127,11 +172,46 @@ class Sender(Batcher[Item]):
         super().start()
 
     def submit(self, entry: Entry, request: LookupRequest) -> bool:
-        """Queue a lookup (hot path: an append and an event set); False if the queue is full."""
-        if self._put(Submit(entry, request)):
+        """Send a lookup: written on the caller's thread where it can be without waiting,
+        else queued (an append and maybe a bell). False if the queue is full."""
+        item = Submit(entry, request)
+        if self._direct and not self._queue and self._write_direct(item):
+            return True
+        if self._put(item):
             return True
         self.dropped += 1
         return False
+
+    def _write_direct(self, item: Submit) -> bool:
+        """Write ``item``'s submit now, on the caller's thread; False: queue it instead."""
+        wire = self._wire
+        if not wire.acquire(blocking=False):
+            return False  # this thread is in a round trip: the queue is as quick
+        try:
+            link = self._link
+            if not self._direct or link is None or len(self._written) >= self._config.max_pending:
+                return False
+            call = self._call_for(item)
+            if call is None:
+                return True  # finished before it was sent: nothing to send
+            done = link.send_nowait([self._scripts.command(call)])
+            if done is None:
+                return False  # nothing written
+            now = time.monotonic()
+            self._written.append(Written(item, now))
+            self._last_direct = now
+            self.direct_submits += 1
+            if not done:
+                self._direct = False
+                self._torn = True
+            # A thread in its long idle sleep would read the reply up to a tick late.
+            if not done or self._sleep_s > DIRECT_CHECK_S:
+                self._wake()
+            return True
+        except Exception:  # a bug: never into the scheduler; the queue path logs it
+            return False
+        finally:
+            wire.release()
 
     def cancel(self, lookup_id: str, gen: int) -> None:
         """Queue a cancel of one generation that was sent (dropped, counted, if full)."""
@@ -150,12 +230,80 @@ class Sender(Batcher[Item]):
         else:
             self._lost_cancel(lookup_id, entry.gen, "the send queue is full")
 
+    def stop(self, timeout_s: float) -> bool:
+        """Stop writing on the caller's thread, send what is queued, stop, join."""
+        self._direct = False
+        return super().stop(timeout_s)
+
     def _run(self) -> None:
         try:
             super()._run()
         finally:
-            if self._link is not None:
-                self._link.close()
+            link = self._link
+            if link is not None:
+                with self._wire:
+                    self._direct = False
+                    self._settle_written(link, wait=True, final=True)
+                    link.close()
+
+    def _tick(self) -> float:
+        if self._written or time.monotonic() - self._last_direct < DIRECT_LINGER_S:
+            return DIRECT_CHECK_S
+        return super()._tick()
+
+    def _settle_written(self, link: LeanLink, wait: bool, final: bool = False) -> None:
+        """Read the replies of the caller's submits (those there, or all: ``wait``) and
+        settle each; a torn write, a transport error or an overdue reply re-sends the rest.
+
+        Holds ``_wire`` (the caller's).
+        """
+        if self._torn:
+            self._torn = False
+            self._rewire(link, "a submit was only partly written", final)
+            return
+        if not self._written:
+            return
+        try:
+            replies = link.replies(len(self._written), wait)
+        except RedisError as exc:
+            self._rewire(link, str(exc), final)
+            return
+        now = time.monotonic()
+        again: list[Item] = []
+        for reply in replies:
+            item = self._written.popleft().item
+            if is_noscript(reply):
+                again.append(item)  # did not run: the batch path reloads the scripts
+            elif isinstance(reply, Exception):
+                self._failed(item, reply)
+            else:
+                self._table.confirmed(item.lookup_id, item.entry, now)
+        self._queue.extendleft(reversed(again))
+        if self._written and now - self._written[0].at > self._overdue_s:
+            late = f"no reply within socket_timeout_ms={self._config.socket_timeout_ms}"
+            self._rewire(link, late, final)
+
+    def _rewire(self, link: LeanLink, why: str, final: bool) -> None:
+        """Drop the connection; the submits whose replies it owed go to the queue's head.
+
+        They were written before anything now queued (the caller writes only while the
+        queue is empty), so the order on the wire is kept. Holds ``_wire``.
+        """
+        self._direct = False
+        link.drop()
+        items = [w.item for w in self._written]
+        self._written.clear()
+        self.errors += 1
+        if final:  # stopping: nothing will send them; their lookups answer 0 at close
+            return
+        self._queue.extendleft(reversed(items))
+        self._warn_rewired(
+            logging.WARNING,
+            "client sender: reconnecting, %d submit(s) written without a reply will be "
+            "sent again: %s",
+            len(items),
+            why,
+        )
 
     def _lean(self, client: redis.Redis) -> LeanLink | None:
         if not self._link_checked:
@@ -168,16 +316,25 @@ class Sender(Batcher[Item]):
         link = self._lean(client)
         if link is None:
             return super()._run_calls(client, calls)
-        return self._scripts.run_link(link, client, calls)
+        with self._wire:
+            # The caller's submits went out first, so their replies come first.
+            self._settle_written(link, wait=True)
+            return self._scripts.run_link(link, client, calls)
 
     def _ping(self, client: redis.Redis) -> None:
         link = self._lean(client)
         if link is None:
             client.ping()
         else:
-            link.call([_PING])
+            with self._wire:
+                self._settle_written(link, wait=True)
+                link.call([_PING])
 
     def _idle(self, client: redis.Redis) -> None:
+        link = self._link
+        if link is not None and (self._written or self._torn):
+            with self._wire:
+                self._settle_written(link, wait=False)
         self._breaker.poll()
         # While the breaker is open because of us, nothing is queued to tell us when
         # Redis is back: probe it, twice a second.
@@ -195,11 +352,15 @@ class Sender(Batcher[Item]):
 
     def _send_batch(self, client: redis.Redis, batch: list[Item]) -> None:
         """One round trip for ``batch``: build the calls, run them, settle each item."""
-        pairs = [(item, call) for item in batch if (call := self._call_for(item)) is not None]
+        with self._wire:  # the insights sampler is the caller's too
+            pairs = [(item, call) for item in batch if (call := self._call_for(item)) is not None]
         if not pairs:
             return
         results = self._round_trip(client, [call for _, call in pairs])
         self.batches += 1
+        link = self._link
+        if link is not None and not isinstance(results[0], BrokerUnavailable):
+            self._direct = link.accepts_direct and not self._stop.is_set()
         now = time.monotonic()
         for (item, _), res in zip(pairs, results, strict=True):
             if isinstance(res, Exception):
@@ -274,6 +435,7 @@ class Sender(Batcher[Item]):
                     raise BrokerUnavailable("Redis unavailable after retries")
                 return results
         except BrokerUnavailable as exc:
+            self._direct = False
             return [exc] * len(calls)
 
     def _failed(self, item: Item, exc: Exception) -> None:

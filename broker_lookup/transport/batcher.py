@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: The longest an idle thread sleeps between its :meth:`Batcher._idle` calls.
+IDLE_TICK_S = 0.1
+
 
 class Batcher(LoopThread, Generic[T]):
     """Owns one connection and one thread; subclasses turn a batch into script calls."""
@@ -58,6 +61,8 @@ class Batcher(LoopThread, Generic[T]):
         self._bell: queue.SimpleQueue[None] = queue.SimpleQueue()
         #: True while the thread is about to wait or waits for the bell.
         self._asleep = False
+        #: The longest the current (or last) sleep waits without a bell.
+        self._sleep_s = IDLE_TICK_S
         self.errors = 0
 
     def _put(self, item: T) -> bool:
@@ -65,12 +70,18 @@ class Batcher(LoopThread, Generic[T]):
         if self._max_queue is not None and len(self._queue) >= self._max_queue:
             return False
         self._queue.append(item)
-        # A thread that is awake drains the queue before it sleeps again: ringing it
-        # would only cost it a second wake-up for this batch.
+        self._wake()
+        return True
+
+    def _wake(self) -> None:
+        """Ring the bell if the thread sleeps (any thread).
+
+        A thread that is awake drains the queue before it sleeps again: ringing it would
+        only cost it a second wake-up for this batch.
+        """
         if self._asleep:
             self._asleep = False
             self._bell.put(None)
-        return True
 
     @property
     def queued(self) -> int:
@@ -83,14 +94,19 @@ class Batcher(LoopThread, Generic[T]):
         self._bell.put(None)
         return super().stop(timeout_s)
 
+    def _tick(self) -> float:
+        """How long the next sleep may last without a bell (the idle tick)."""
+        return IDLE_TICK_S
+
     def _sleep(self) -> None:
-        """Wait for the bell, at most 0.1 s (the idle tick), unless items already wait."""
+        """Wait for the bell, at most :meth:`_tick`, unless items already wait."""
+        self._sleep_s = self._tick()
         self._asleep = True
         # Checked after _asleep is set: an item queued before it is seen here, one
         # queued after it rings the bell.
         if not self._queue and not self._stop.is_set():
             try:
-                self._bell.get(timeout=0.1)
+                self._bell.get(timeout=self._sleep_s)
             except queue.Empty:
                 pass
         self._asleep = False

@@ -27,6 +27,11 @@ plain pool (Redis Cluster's client: it routes each command by slot). Replies thr
 fakeredis, which runs a blocking command while it is written, a ``LeanLink`` sends the
 read when it is taken instead of with the batch.
 
+Another thread may write to a ``LeanLink`` while its owner reads the replies later
+(:meth:`LeanLink.send_nowait`, :meth:`LeanLink.replies`): the client's caller writes its
+own submits, and the sender thread reads their replies when it next wakes (see
+:mod:`broker_lookup.client.sender` for the lock that keeps the two in wire order).
+
 Errors: transport failures raise redis-py's ``ConnectionError``/``TimeoutError`` (the
 caller translates them at its boundary) and drop the connection, so no reply of a
 failed write is ever taken for a later one; it reconnects on the next call.
@@ -34,6 +39,9 @@ failed write is ever taken for a later one; it reconnects on the next call.
 
 from __future__ import annotations
 
+import os
+import select
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -47,13 +55,24 @@ if HIREDIS_AVAILABLE:
     from redis._parsers import _HiredisParser
     from redis._parsers.hiredis import NOT_ENOUGH_DATA
 
-__all__ = ["ClientLink", "Command", "LeanLink", "Link", "open_link", "pairs", "read_replies"]
+__all__ = [
+    "ClientLink",
+    "Command",
+    "LeanLink",
+    "Link",
+    "open_link",
+    "pairs",
+    "read_replies",
+    "ready_replies",
+]
 
 Arg = str | bytes | int | float
 #: One command as it goes on the wire: its name, then its arguments.
 Command = Sequence[Arg]
 
 _NO_READ: Any = object()  # no read reply kept
+#: Connection classes another thread may write to (:meth:`LeanLink.send_nowait`).
+_DIRECT_CONNECTIONS = (redis.Connection, redis.UnixDomainSocketConnection)
 
 #: hiredis' packer where installed (its stub types the argument as a 1-tuple, it takes any).
 _pack_command: Any = hiredis.pack_command if HIREDIS_AVAILABLE else None
@@ -109,6 +128,38 @@ def read_replies(conn: Any, n: int) -> list[Any]:
     interval = conn.health_check_interval
     if interval:  # what read_response does per reply: the connection just proved alive
         conn.next_health_check = time.monotonic() + interval
+    return out
+
+
+def ready_replies(conn: Any, n: int) -> list[Any]:
+    """Up to ``n`` replies on ``conn`` that are already there: no wait for the rest.
+
+    Same values and errors as :func:`read_replies`; the socket is read only while
+    ``select`` says it holds data, so a stalled server costs no wait here.
+    """
+    parser = conn._parser
+    reader = getattr(parser, "_reader", None)
+    sock = conn._sock
+    if type(parser) is not _HIREDIS_PARSER or reader is None or sock is None:
+        raise ConnectionError("ready_replies needs a connected hiredis connection")
+    out: list[Any] = []
+    while len(out) < n:
+        reply = reader.gets(False)
+        if reply is _NOT_ENOUGH:
+            if not select.select([sock], [], [], 0)[0]:
+                break
+            try:
+                parser.read_from_socket()
+            except OSError as exc:
+                raise ConnectionError(f"Error while reading from the socket: {exc!r}") from exc
+            continue
+        if isinstance(reply, ConnectionError):
+            raise reply
+        if type(reply) is _PUSH:
+            continue
+        if type(reply) is list and reply and isinstance(reply[0], ConnectionError):
+            raise reply[0]
+        out.append(reply)
     return out
 
 
@@ -228,6 +279,59 @@ class LeanLink:
         except BaseException:
             self._drop()
             raise
+
+    @property
+    def accepts_direct(self) -> bool:
+        """Whether :meth:`send_nowait` can write on the current connection."""
+        conn = self._conn
+        return (
+            conn is not None
+            and type(conn) in _DIRECT_CONNECTIONS
+            and type(getattr(conn, "_sock", None)) is socket.socket
+            and type(conn._parser) is _HIREDIS_PARSER  # ready_replies reads its reader
+        )
+
+    def send_nowait(self, commands: Sequence[Command]) -> bool | None:
+        """Write ``commands`` without ever waiting, from a thread other than the owner's.
+
+        True: all of it is on the wire, the replies are the owner's to read in order
+        (:meth:`replies`). None: nothing was written (no plain connected socket, or its
+        buffer is full): send it another way. False: part of it was written, so the
+        connection is out of step and its owner must :meth:`drop` it. Only plain TCP and
+        unix connections qualify: TLS, Sentinel's and fakeredis' go through the owner.
+        """
+        if self._on_wire or not self.accepts_direct:
+            return None
+        conn = self._conn
+        sock: socket.socket = conn._sock
+        data = b"".join(self._pack(conn, commands))
+        written: int
+        try:
+            if sock.gettimeout() is None:  # a blocking socket: the flag alone never waits
+                written = sock.send(data, socket.MSG_DONTWAIT)
+            else:
+                # A socket with a timeout is non-blocking underneath, and its send() would
+                # poll for room for up to the timeout: write to the descriptor instead.
+                written = os.write(sock.fileno(), data)
+        except OSError:  # full (nothing written) or broken: the owner's next call finds out
+            return None
+        return written == len(data)
+
+    def replies(self, n: int, wait: bool = True) -> list[Any]:
+        """The next ``n`` replies of commands another thread sent (:meth:`send_nowait`);
+        ``wait`` False: only those already there. Transport errors drop the connection."""
+        conn = self._conn
+        if conn is None or not n:
+            return []
+        try:
+            return read_replies(conn, n) if wait else ready_replies(conn, n)
+        except BaseException:
+            self._drop()
+            raise
+
+    def drop(self) -> None:
+        """Disconnect now (a write was torn, a reply is overdue); it reconnects on next use."""
+        self._drop()
 
     def take_read(self) -> Any:
         """The reply of the outstanding read (waits for it); an error reply is raised."""

@@ -13,6 +13,8 @@ recovers by itself.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import redis
@@ -22,6 +24,7 @@ from helpers import RealServer, wait_until
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.faultproxy.proxy import FaultProxy
+from broker_lookup.transport.lean import Command, LeanLink
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -136,3 +139,75 @@ def test_close_leaves_no_connection_open(
         wait_until(lambda: mine() >= 2, message="the client's connections are open")
         client.close()
         wait_until(lambda: mine() == 0, timeout=5, message="close() closed them all")
+
+
+def test_the_caller_writes_its_own_submits_on_a_plain_connection(
+    cluster: RedisAsyncLookupClient,
+) -> None:
+    """No hand-off to the sender thread once a round trip proved the connection."""
+    client = cluster
+    before = client.stats()["direct_submits"]
+    for i in range(5):
+        client.lookup(HOT, f"direct-{i}")
+        assert answer(client, f"direct-{i}", timeout=10) == FULL
+    assert client.stats()["direct_submits"] >= before + 5
+    assert client.stats()["queued"] == 0
+
+
+def test_a_direct_submit_whose_reply_is_lost_and_hangs_still_answers_and_recovers(
+    real_server: RealServer,
+    fault_proxy: FaultProxy,
+    engine_id: str,
+    rank_procs: StartRank,
+    clients: MakeLookupClient,
+) -> None:
+    """The server ran the caller's submit, its reply is lost and the connection hangs:
+    the answer comes anyway (it needs no reply), the overdue reply drops the
+    connection, and the submit sent again changes nothing."""
+    for rank in range(2):
+        rank_procs(real_server.url, engine_id, 2, rank, PROMPTS)
+    cfg = config(fault_proxy.url, lookup_timeout_ms=3000, socket_timeout_ms=1500)
+    client = clients(cfg, engine_id, 2)
+    alive(client)
+    client.lookup(HOT, "warm")
+    assert answer(client, "warm", timeout=10) == FULL
+    conn = redis.Redis.from_url(real_server.url)
+    requests = KeySpace(engine_id).requests
+    before = conn.xlen(requests)
+    direct = client.stats()["direct_submits"]
+    errors = client.stats()["redis_errors"]
+    fault_proxy.lose_reply("EVALSHA", then="hold")
+    client.lookup(HOT, "lost-direct")
+    assert answer(client, "lost-direct", timeout=10) == FULL
+    assert client.stats()["direct_submits"] == direct + 1
+    wait_until(lambda: client.stats()["redis_errors"] > errors, timeout=10, message="overdue")
+    assert conn.xlen(requests) == before + 1  # answered before its re-send: never re-sent
+    assert eventually_right(client, HOT, FULL, timeout=15, tag="after") >= 1
+
+
+def test_a_torn_direct_write_drops_the_connection_and_sends_again(
+    cluster: RedisAsyncLookupClient,
+    real_server: RealServer,
+    engine_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Half a submit on the wire (a full socket buffer): the connection is out of step,
+    so the sender drops it and sends the whole submit on a new one."""
+    client = cluster
+
+    def torn(link: LeanLink, commands: Sequence[Command]) -> bool | None:
+        conn: Any = link._conn
+        data = b"".join(link._pack(conn, commands))
+        conn._sock.sendall(data[: len(data) // 2])
+        return False
+
+    monkeypatch.setattr(LeanLink, "send_nowait", torn)
+    conn = redis.Redis.from_url(real_server.url)
+    requests = KeySpace(engine_id).requests
+    before = conn.xlen(requests)
+    errors = client.stats()["redis_errors"]
+    for i in range(3):
+        client.lookup(HOT, f"torn-{i}")
+        assert answer(client, f"torn-{i}", timeout=10) == FULL
+    assert client.stats()["redis_errors"] >= errors + 1
+    assert conn.xlen(requests) == before + 3  # each submit ran once, whole

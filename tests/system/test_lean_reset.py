@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import threading
 
+import fakeredis
 import pytest
 import redis
+from helpers import wait_until
 
 from broker_lookup.tools.faultproxy.proxy import FaultProxy
 from broker_lookup.transport.lean import LeanLink, open_link
@@ -66,3 +68,68 @@ def test_error_replies_come_back_as_values_in_order(fault_proxy: FaultProxy) -> 
     finally:
         link.close()
         client.close()
+
+
+# -- writes from another thread, replies read later (the client's own submits) --------
+
+
+def test_writes_that_never_wait_keep_their_replies_in_wire_order(fault_proxy: FaultProxy) -> None:
+    client, link = _link(fault_proxy.url)
+    try:
+        assert link.send_nowait([("PING",)]) is None  # not connected yet: nothing written
+        assert not link.accepts_direct
+        link.call([("DEL", "lean-direct")])
+        assert link.accepts_direct
+        assert link.send_nowait([("INCR", "lean-direct")]) is True
+        assert link.send_nowait([("NO-SUCH-COMMAND",), ("INCR", "lean-direct")]) is True
+        got = link.replies(3)
+        assert got[0] == 1 and isinstance(got[1], redis.ResponseError) and got[2] == 2
+        assert link.call([("GET", "lean-direct")]) == [b"2"]  # in step after them
+    finally:
+        link.call([("DEL", "lean-direct")])
+        link.close()
+        client.close()
+
+
+def test_ready_replies_never_wait_for_a_held_server(fault_proxy: FaultProxy) -> None:
+    client, link = _link(fault_proxy.url)
+    try:
+        link.call([("PING",)])
+        fault_proxy.hold()
+        assert link.send_nowait([("ECHO", "held")]) is True
+        assert link.replies(1, wait=False) == []  # no reply, and no wait for it
+        fault_proxy.release()
+        got: list[object] = []
+
+        def delivered() -> bool:
+            got.extend(link.replies(1 - len(got), wait=False))
+            return bool(got)
+
+        wait_until(delivered, message="the held reply arrives")
+        assert got == [b"held"]
+    finally:
+        link.close()
+        client.close()
+
+
+def test_a_reset_under_unread_replies_raises_and_drops(fault_proxy: FaultProxy) -> None:
+    client, link = _link(fault_proxy.url)
+    try:
+        link.call([("PING",)])
+        fault_proxy.lose_reply("ECHO", then="reset")
+        assert link.send_nowait([("ECHO", "lost")]) is True
+        with pytest.raises(redis.ConnectionError):
+            wait_until(lambda: link.replies(1, wait=False))
+        assert not link.accepts_direct  # dropped: nothing is written on it any more
+        assert link.call([("PING",)]) == [b"PONG"]
+    finally:
+        link.close()
+        client.close()
+
+
+def test_only_plain_sockets_take_writes_from_another_thread() -> None:
+    client = fakeredis.FakeRedis()
+    link = open_link(client)
+    assert isinstance(link, LeanLink)
+    link.call([("PING",)])
+    assert not link.accepts_direct and link.send_nowait([("PING",)]) is None
