@@ -25,7 +25,8 @@ next round trip. The reply only confirms (or, an error, answers 0); the ranks an
 listener need nothing from it. One lock (``_wire``) orders every write on the
 connection with the records of the replies to expect; the caller only *tries* it, and
 anything it cannot write at once (the lock busy, something queued, a full socket
-buffer) takes the queue as before. A torn write, a reset or a reply overdue by
+buffer) takes the queue as before, and so does a burst (a submit within
+:data:`DIRECT_GAP_S` of the last one), which stays one pipelined batch. A torn write, a reset or a reply overdue by
 ``socket_timeout_ms`` drops the connection, and the unanswered submits go back to the
 head of the queue: they are idempotent per (lookup id, generation), and one that
 finished meanwhile is not sent again.
@@ -69,6 +70,10 @@ logger = logging.getLogger(__name__)
 
 _MAX_BATCH = 512
 _PING: Command = ("PING",)
+#: A submit this soon after the caller's last one takes the queue: a burst costs the
+#: thread one wake-up and Redis one pipelined batch, where one write each would cost
+#: the caller a syscall each and split the ranks' reads into smaller batches.
+DIRECT_GAP_S = 0.0005
 #: While submits the caller wrote are unanswered, the thread reads their replies this
 #: often (and before its own next round trip).
 DIRECT_CHECK_S = 0.005
@@ -191,13 +196,16 @@ class Sender(Batcher[Item]):
             link = self._link
             if not self._direct or link is None or len(self._written) >= self._config.max_pending:
                 return False
+            now = time.monotonic()
+            if now - self._last_direct < DIRECT_GAP_S:
+                self._last_direct = now  # a burst: the rest of it is queued too
+                return False
             call = self._call_for(item)
             if call is None:
                 return True  # finished before it was sent: nothing to send
             done = link.send_nowait([self._scripts.command(call)])
             if done is None:
                 return False  # nothing written
-            now = time.monotonic()
             self._written.append(Written(item, now))
             self._last_direct = now
             self.direct_submits += 1

@@ -154,6 +154,19 @@ def test_the_caller_writes_its_own_submits_on_a_plain_connection(
     assert client.stats()["queued"] == 0
 
 
+def test_a_burst_of_submits_takes_the_queue_as_one_batch(cluster: RedisAsyncLookupClient) -> None:
+    """Lookups closer than DIRECT_GAP_S to the caller's last write go through the queue."""
+    client = cluster
+    before = client.stats()["direct_submits"]
+    ids = [f"burst-{i}" for i in range(50)]
+    for lookup_id in ids:
+        client.lookup(HOT, lookup_id)
+    for lookup_id in ids:
+        assert answer(client, lookup_id, timeout=10) == FULL
+    # The first may be written directly; a descheduled caller may write a few more.
+    assert client.stats()["direct_submits"] - before <= 25
+
+
 def test_a_direct_submit_whose_reply_is_lost_and_hangs_still_answers_and_recovers(
     real_server: RealServer,
     fault_proxy: FaultProxy,
