@@ -26,10 +26,11 @@ listener need nothing from it. One lock (``_wire``) orders every write on the
 connection with the records of the replies to expect; the caller only *tries* it, and
 anything it cannot write at once (the lock busy, something queued, a full socket
 buffer) takes the queue as before, and so does a burst (a submit within
-:data:`DIRECT_GAP_S` of the last one), which stays one pipelined batch. A torn write, a reset or a reply overdue by
-``socket_timeout_ms`` drops the connection, and the unanswered submits go back to the
-head of the queue: they are idempotent per (lookup id, generation), and one that
-finished meanwhile is not sent again.
+:data:`DIRECT_GAP_S` of the last one), which stays one pipelined batch. A torn write,
+a reset or a reply overdue by ``socket_timeout_ms`` drops the connection, and the
+unanswered submits go back to the head of the queue: they are idempotent per (lookup
+id, generation), and one that finished meanwhile is not sent again.
+``submit_on_caller_thread`` False keeps every submit on this thread.
 """
 
 from __future__ import annotations
@@ -368,7 +369,11 @@ class Sender(Batcher[Item]):
         self.batches += 1
         link = self._link
         if link is not None and not isinstance(results[0], BrokerUnavailable):
-            self._direct = link.accepts_direct and not self._stop.is_set()
+            self._direct = (
+                self._config.submit_on_caller_thread
+                and link.accepts_direct
+                and not self._stop.is_set()
+            )
         now = time.monotonic()
         for (item, _), res in zip(pairs, results, strict=True):
             if isinstance(res, Exception):

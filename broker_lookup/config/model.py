@@ -135,6 +135,11 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     dead_maxlen: int = 1000  #: approximate cap of the dead-letter stream
     key_grace_ms: int = 10000  #: a lookup hash lives lookup_timeout_ms + this
     max_pending: int = 100_000  #: lookups the client tracks at once; beyond, lookups answer 0
+    #: ``lookup()`` writes its submit itself where it can without waiting (a plain TCP or
+    #: unix connection, nothing queued, not a burst): one thread wake-up less per lookup,
+    #: a socket write more inside ``lookup()``. False: every submit goes through the
+    #: sender thread's queue
+    submit_on_caller_thread: bool = True
     #: finished lookups never cleared are forgotten after this; with lookup_timeout_ms it
     #: must fit in worker_pin_ttl_ms, so no result outlives the pins it promises. None:
     #: 30 s, or less where the pin TTL asks for it (see ``retention_ms``)

@@ -154,6 +154,18 @@ def test_the_caller_writes_its_own_submits_on_a_plain_connection(
     assert client.stats()["queued"] == 0
 
 
+def test_submit_on_caller_thread_off_sends_every_submit_from_the_sender(
+    real_server: RealServer, engine_id: str, rank_procs: StartRank, clients: MakeLookupClient
+) -> None:
+    rank_procs(real_server.url, engine_id, 1, 0, PROMPTS)
+    client = clients(config(real_server.url, submit_on_caller_thread=False), engine_id, 1)
+    alive(client)
+    for i in range(3):
+        client.lookup(HOT, f"queued-{i}")
+        assert answer(client, f"queued-{i}", timeout=10) == FULL
+    assert client.stats()["direct_submits"] == 0
+
+
 def test_a_burst_of_submits_takes_the_queue_as_one_batch(cluster: RedisAsyncLookupClient) -> None:
     """Lookups closer than DIRECT_GAP_S to the caller's last write go through the queue."""
     client = cluster
