@@ -42,9 +42,21 @@ def cluster(
     clients: MakeLookupClient,
 ) -> RedisAsyncLookupClient:
     """Two rank processes on the server and a client (world 2) through the proxy."""
+    return _two_ranks(real_server, fault_proxy, engine_id, rank_procs, clients)
+
+
+def _two_ranks(
+    real_server: RealServer,
+    fault_proxy: FaultProxy,
+    engine_id: str,
+    rank_procs: StartRank,
+    clients: MakeLookupClient,
+    **overrides: Any,
+) -> RedisAsyncLookupClient:
     for rank in range(2):
         rank_procs(real_server.url, engine_id, 2, rank, PROMPTS)
-    client = clients(config(fault_proxy.url, lookup_timeout_ms=3000), engine_id, 2)
+    cfg = config(fault_proxy.url, **{"lookup_timeout_ms": 3000, **overrides})
+    client = clients(cfg, engine_id, 2)
     alive(client)
     client.lookup(HOT, "warm")
     assert answer(client, "warm", timeout=10) == FULL
@@ -189,13 +201,9 @@ def test_a_direct_submit_whose_reply_is_lost_and_hangs_still_answers_and_recover
     """The server ran the caller's submit, its reply is lost and the connection hangs:
     the answer comes anyway (it needs no reply), the overdue reply drops the
     connection, and the submit sent again changes nothing."""
-    for rank in range(2):
-        rank_procs(real_server.url, engine_id, 2, rank, PROMPTS)
-    cfg = config(fault_proxy.url, lookup_timeout_ms=3000, socket_timeout_ms=1500)
-    client = clients(cfg, engine_id, 2)
-    alive(client)
-    client.lookup(HOT, "warm")
-    assert answer(client, "warm", timeout=10) == FULL
+    client = _two_ranks(
+        real_server, fault_proxy, engine_id, rank_procs, clients, socket_timeout_ms=1500
+    )
     conn = redis.Redis.from_url(real_server.url)
     requests = KeySpace(engine_id).requests
     before = conn.xlen(requests)
