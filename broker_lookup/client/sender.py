@@ -244,16 +244,17 @@ class Sender(Batcher[Item]):
         self._direct = False
         return super().stop(timeout_s)
 
-    def _run(self) -> None:
-        try:
-            super()._run()
-        finally:
-            link = self._link
-            if link is not None:
-                with self._wire:
-                    self._direct = False
-                    self._settle_written(link, wait=True, final=True)
-                    link.close()
+    def _closing(self) -> None:
+        # Under the lock the caller writes under: its socket is never closed (and its
+        # descriptor never reused) beneath a write. The client's close follows.
+        link = self._link
+        if link is not None:
+            with self._wire:
+                self._direct = False
+                # What has been answered is settled; the rest only confirmed lookups
+                # that closing abandons anyway, so a stalled server cannot stall close().
+                self._settle_written(link, wait=False, final=True)
+                link.close()
 
     def _tick(self) -> float:
         if self._written or time.monotonic() - self._last_direct < DIRECT_LINGER_S:

@@ -123,7 +123,11 @@ class Batcher(LoopThread, Generic[T]):
                     self.guard()
             self._drain(client)  # ordered shutdown: what close() queued still goes out
         finally:
+            self._closing()
             client.close()
+
+    def _closing(self) -> None:
+        """Called on this thread as it ends, before its client closes its connections."""
 
     def _drain(self, client: redis.Redis) -> None:
         while self._queue:
