@@ -12,6 +12,7 @@ recovers by itself.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -244,3 +245,42 @@ def test_a_torn_direct_write_drops_the_connection_and_sends_again(
         assert answer(client, f"torn-{i}", timeout=10) == FULL
     assert client.stats()["redis_errors"] >= errors + 1
     assert conn.xlen(requests) == before + 3  # each submit ran once, whole
+
+
+def test_close_while_the_caller_writes_submits_never_raises_into_it(
+    real_server: RealServer, engine_id: str, rank_procs: StartRank, clients: MakeLookupClient
+) -> None:
+    """close() on one thread while another keeps calling lookup() (each written on the
+    caller's thread): the caller only ever sees answers, and every connection closes."""
+    rank_procs(real_server.url, engine_id, 1, 0, PROMPTS)
+    client = clients(config(real_server.url), engine_id, 1)
+    alive(client)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def caller() -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                client.lookup(HOT, f"closing-{i}")
+                client.lookup_cache(f"closing-{i}")
+            except BaseException as exc:  # the assertion below names it
+                errors.append(exc)
+                return
+            i += 1
+            time.sleep(0.001)  # apart, so each one is written directly
+
+    conn = redis.Redis.from_url(real_server.url)
+
+    def mine() -> int:  # the client's connections, not the rank's
+        return sum(1 for c in conn.client_list() if c.get("name") == f"bl-client-{engine_id}")
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    wait_until(lambda: client.stats()["direct_submits"] >= 20, message="direct writes flow")
+    assert mine() >= 2  # the sender's and the listener's
+    client.close()
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive() and errors == []
+    wait_until(lambda: mine() == 0, timeout=5, message="close() closed them all")
