@@ -63,7 +63,6 @@ __all__ = [
     "open_link",
     "pairs",
     "read_replies",
-    "ready_replies",
 ]
 
 Arg = str | bytes | int | float
@@ -88,7 +87,7 @@ _PLAIN = frozenset({bytes, int, list, type(None)})
 _REDIS_READ = redis.connection.AbstractConnection.read_response
 
 
-def read_replies(conn: Any, n: int) -> list[Any]:
+def read_replies(conn: Any, n: int, wait: bool = True) -> list[Any]:
     """The next ``n`` replies on redis-py connection ``conn``, raw, an error reply as a
     ``ResponseError`` value; a connection-level error reply (LOADING, NOAUTH) is raised.
 
@@ -98,11 +97,18 @@ def read_replies(conn: Any, n: int) -> list[Any]:
     ``TimeoutError`` and ``ConnectionError``, as ``read_response`` does). Other
     parsers (no hiredis) and connection classes with their own ``read_response``
     (Sentinel's, fakeredis') go through ``read_response``.
+
+    ``wait`` False: only the replies already there (up to ``n``). The socket is read
+    only while ``select`` says it holds data, so a stalled server costs no wait; this
+    needs the direct path (:attr:`LeanLink.accepts_direct`).
     """
     parser = conn._parser
     direct = type(parser) is _HIREDIS_PARSER and type(conn).read_response is _REDIS_READ
     reader = parser._reader if direct else None
-    if reader is None:
+    sock: Any = getattr(conn, "_sock", None)
+    if reader is None or (not wait and sock is None):
+        if not wait:
+            raise ConnectionError("replies without waiting need a connected hiredis connection")
         return _read_responses(conn, n)
     out: list[Any] = []
     gets = reader.gets
@@ -110,6 +116,8 @@ def read_replies(conn: Any, n: int) -> list[Any]:
     while left:
         reply = gets(False)
         if reply is _NOT_ENOUGH:
+            if not wait and not select.select([sock], [], [], 0)[0]:
+                break
             try:
                 parser.read_from_socket()
             except OSError as exc:  # a reset peer: what read_response raises for it
@@ -126,40 +134,8 @@ def read_replies(conn: Any, n: int) -> list[Any]:
         out.append(reply)
         left -= 1
     interval = conn.health_check_interval
-    if interval:  # what read_response does per reply: the connection just proved alive
+    if interval and out:  # what read_response does per reply: the connection proved alive
         conn.next_health_check = time.monotonic() + interval
-    return out
-
-
-def ready_replies(conn: Any, n: int) -> list[Any]:
-    """Up to ``n`` replies on ``conn`` that are already there: no wait for the rest.
-
-    Same values and errors as :func:`read_replies`; the socket is read only while
-    ``select`` says it holds data, so a stalled server costs no wait here.
-    """
-    parser = conn._parser
-    reader = getattr(parser, "_reader", None)
-    sock = conn._sock
-    if type(parser) is not _HIREDIS_PARSER or reader is None or sock is None:
-        raise ConnectionError("ready_replies needs a connected hiredis connection")
-    out: list[Any] = []
-    while len(out) < n:
-        reply = reader.gets(False)
-        if reply is _NOT_ENOUGH:
-            if not select.select([sock], [], [], 0)[0]:
-                break
-            try:
-                parser.read_from_socket()
-            except OSError as exc:
-                raise ConnectionError(f"Error while reading from the socket: {exc!r}") from exc
-            continue
-        if isinstance(reply, ConnectionError):
-            raise reply
-        if type(reply) is _PUSH:
-            continue
-        if type(reply) is list and reply and isinstance(reply[0], ConnectionError):
-            raise reply[0]
-        out.append(reply)
     return out
 
 
@@ -288,7 +264,7 @@ class LeanLink:
             conn is not None
             and type(conn) in _DIRECT_CONNECTIONS
             and type(getattr(conn, "_sock", None)) is socket.socket
-            and type(conn._parser) is _HIREDIS_PARSER  # ready_replies reads its reader
+            and type(conn._parser) is _HIREDIS_PARSER  # replies(wait=False) reads its reader
         )
 
     def send_nowait(self, commands: Sequence[Command]) -> bool | None:
@@ -324,7 +300,7 @@ class LeanLink:
         if conn is None or not n:
             return []
         try:
-            return read_replies(conn, n) if wait else ready_replies(conn, n)
+            return read_replies(conn, n, wait)
         except BaseException:
             self._drop()
             raise
