@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import fakeredis
 import pytest
@@ -19,33 +20,33 @@ from broker_lookup.tools.faultproxy.proxy import FaultProxy
 from broker_lookup.transport.lean import LeanLink, open_link
 
 
-def _link(url: str) -> tuple[redis.Redis, LeanLink]:
-    client = redis.Redis.from_url(url, socket_timeout=5)
-    link = open_link(client)
-    assert isinstance(link, LeanLink)
-    return client, link
+@pytest.fixture
+def link(fault_proxy: FaultProxy) -> Iterator[LeanLink]:
+    """A lean link through the fault proxy, closed with its client after the test."""
+    client = redis.Redis.from_url(fault_proxy.url, socket_timeout=5)
+    lean = open_link(client)
+    assert isinstance(lean, LeanLink)
+    yield lean
+    lean.close()
+    client.close()
 
 
-def test_a_reset_while_a_read_waits_raises_redis_connection_error(fault_proxy: FaultProxy) -> None:
-    client, link = _link(fault_proxy.url)
-    try:
-        assert link.call([("PING",)]) == [b"PONG"]
-        link.call([], ("XREAD", "BLOCK", 4000, "STREAMS", "lean-reset", "$"))
-        threading.Timer(0.3, fault_proxy.reset).start()
-        with pytest.raises(redis.ConnectionError) as caught:
-            link.take_read()
-        assert not isinstance(caught.value, OSError)
-        assert not link.reading
-        assert link.call([("PING",)]) == [b"PONG"]  # reconnected on the next call
-    finally:
-        link.close()
-        client.close()
+def test_a_reset_while_a_read_waits_raises_redis_connection_error(
+    link: LeanLink, fault_proxy: FaultProxy
+) -> None:
+    assert link.call([("PING",)]) == [b"PONG"]
+    link.call([], ("XREAD", "BLOCK", 4000, "STREAMS", "lean-reset", "$"))
+    threading.Timer(0.3, fault_proxy.reset).start()
+    with pytest.raises(redis.ConnectionError) as caught:
+        link.take_read()
+    assert not isinstance(caught.value, OSError)
+    assert not link.reading
+    assert link.call([("PING",)]) == [b"PONG"]  # reconnected on the next call
 
 
 def test_a_reply_lost_after_the_server_ran_the_command_raises_and_reconnects(
-    fault_proxy: FaultProxy,
+    link: LeanLink, fault_proxy: FaultProxy
 ) -> None:
-    client, link = _link(fault_proxy.url)
     try:
         link.call([("DEL", "lean-lost")])
         fault_proxy.lose_reply("INCR", then="reset")
@@ -55,26 +56,18 @@ def test_a_reply_lost_after_the_server_ran_the_command_raises_and_reconnects(
         assert link.call([("GET", "lean-lost")]) == [b"1"]
     finally:
         link.call([("DEL", "lean-lost")])
-        link.close()
-        client.close()
 
 
-def test_error_replies_come_back_as_values_in_order(fault_proxy: FaultProxy) -> None:
-    client, link = _link(fault_proxy.url)
-    try:
-        replies = link.call([("PING",), ("NO-SUCH-COMMAND",), ("ECHO", "x")])
-        assert replies[0] == b"PONG" and replies[2] == b"x"
-        assert isinstance(replies[1], redis.ResponseError)
-    finally:
-        link.close()
-        client.close()
+def test_error_replies_come_back_as_values_in_order(link: LeanLink) -> None:
+    replies = link.call([("PING",), ("NO-SUCH-COMMAND",), ("ECHO", "x")])
+    assert replies[0] == b"PONG" and replies[2] == b"x"
+    assert isinstance(replies[1], redis.ResponseError)
 
 
 # -- writes from another thread, replies read later (the client's own submits) --------
 
 
-def test_writes_that_never_wait_keep_their_replies_in_wire_order(fault_proxy: FaultProxy) -> None:
-    client, link = _link(fault_proxy.url)
+def test_writes_that_never_wait_keep_their_replies_in_wire_order(link: LeanLink) -> None:
     try:
         assert link.send_nowait([("PING",)]) is None  # not connected yet: nothing written
         assert not link.accepts_direct
@@ -87,44 +80,36 @@ def test_writes_that_never_wait_keep_their_replies_in_wire_order(fault_proxy: Fa
         assert link.call([("GET", "lean-direct")]) == [b"2"]  # in step after them
     finally:
         link.call([("DEL", "lean-direct")])
-        link.close()
-        client.close()
 
 
-def test_ready_replies_never_wait_for_a_held_server(fault_proxy: FaultProxy) -> None:
-    client, link = _link(fault_proxy.url)
-    try:
-        link.call([("PING",)])
-        fault_proxy.hold()
-        assert link.send_nowait([("ECHO", "held")]) is True
-        assert link.replies(1, wait=False) == []  # no reply, and no wait for it
-        fault_proxy.release()
-        got: list[object] = []
+def test_replies_without_waiting_never_wait_for_a_held_server(
+    link: LeanLink, fault_proxy: FaultProxy
+) -> None:
+    link.call([("PING",)])
+    fault_proxy.hold()
+    assert link.send_nowait([("ECHO", "held")]) is True
+    assert link.replies(1, wait=False) == []  # no reply, and no wait for it
+    fault_proxy.release()
+    got: list[object] = []
 
-        def delivered() -> bool:
-            got.extend(link.replies(1 - len(got), wait=False))
-            return bool(got)
+    def delivered() -> bool:
+        got.extend(link.replies(1 - len(got), wait=False))
+        return bool(got)
 
-        wait_until(delivered, message="the held reply arrives")
-        assert got == [b"held"]
-    finally:
-        link.close()
-        client.close()
+    wait_until(delivered, message="the held reply arrives")
+    assert got == [b"held"]
 
 
-def test_a_reset_under_unread_replies_raises_and_drops(fault_proxy: FaultProxy) -> None:
-    client, link = _link(fault_proxy.url)
-    try:
-        link.call([("PING",)])
-        fault_proxy.lose_reply("ECHO", then="reset")
-        assert link.send_nowait([("ECHO", "lost")]) is True
-        with pytest.raises(redis.ConnectionError):
-            wait_until(lambda: link.replies(1, wait=False))
-        assert not link.accepts_direct  # dropped: nothing is written on it any more
-        assert link.call([("PING",)]) == [b"PONG"]
-    finally:
-        link.close()
-        client.close()
+def test_a_reset_under_unread_replies_raises_and_drops(
+    link: LeanLink, fault_proxy: FaultProxy
+) -> None:
+    link.call([("PING",)])
+    fault_proxy.lose_reply("ECHO", then="reset")
+    assert link.send_nowait([("ECHO", "lost")]) is True
+    with pytest.raises(redis.ConnectionError):
+        wait_until(lambda: link.replies(1, wait=False))
+    assert not link.accepts_direct  # dropped: nothing is written on it any more
+    assert link.call([("PING",)]) == [b"PONG"]
 
 
 def test_only_plain_sockets_take_writes_from_another_thread() -> None:
