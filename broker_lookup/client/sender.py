@@ -284,10 +284,8 @@ class Sender(Batcher[Item]):
             item = self._written.popleft().item
             if is_noscript(reply):
                 again.append(item)  # did not run: the batch path reloads the scripts
-            elif isinstance(reply, Exception):
-                self._failed(item, reply)
             else:
-                self._table.confirmed(item.lookup_id, item.entry, now)
+                self._settle(item, reply, now)
         self._queue.extendleft(reversed(again))
         if self._written and now - self._written[0].at > self._overdue_s:
             late = f"no reply within socket_timeout_ms={self._config.socket_timeout_ms}"
@@ -377,12 +375,16 @@ class Sender(Batcher[Item]):
             )
         now = time.monotonic()
         for (item, _), res in zip(pairs, results, strict=True):
-            if isinstance(res, Exception):
-                self._failed(item, res)
-            elif isinstance(item, Submit):
-                self._table.confirmed(item.lookup_id, item.entry, now)
-            elif isinstance(item, Deadline):
-                self._answered(item, res)
+            self._settle(item, res, now)
+
+    def _settle(self, item: Item, res: Any, now: float) -> None:
+        """One script's answer for ``item``, sent in a batch or by the caller itself."""
+        if isinstance(res, Exception):
+            self._failed(item, res)
+        elif isinstance(item, Submit):
+            self._table.confirmed(item.lookup_id, item.entry, now)
+        elif isinstance(item, Deadline):
+            self._answered(item, res)
 
     def _answered(self, item: Deadline, reply: Any) -> None:
         """``deadline.lua``'s answer for ``item``: settle the entry; ranks keep a partial one."""
