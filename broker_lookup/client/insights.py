@@ -51,8 +51,8 @@ class Sampler:
     """Which submits are timed: at most ``max_per_s`` a second (0: every one).
 
     Used under the sender's write lock only (its thread's and the caller's submits).
-    :meth:`take` answers each submit's weight: 0 for an
-    untimed one, else 1 plus the untimed submits since the last timed one.
+    :meth:`take` answers each submit's weight: 0 for an untimed one, else 1 plus the
+    untimed submits since the last timed one.
     """
 
     __slots__ = ("_gap", "_next", "_skipped")
@@ -108,7 +108,7 @@ class RankInsights:
         self.recorded = 0
         #: The lookups those stand for: the sum of their weights.
         self.represented = 0
-        #: Decides which submits are timed (sender thread).
+        #: Decides which submits are timed (under the sender's write lock).
         self.sampler = Sampler(max_per_s)
         self.warnings = 0
         self._warn = RateLimitedLog(logger, warn_every_s)
