@@ -264,3 +264,39 @@ def test_features_cost_compares_both_sides(
             _positive(cost[side][key], f"{side} {key}")
         assert cost["ratio"]["e2e_p50_ms"] is not None
     json.dumps(results)
+
+
+def test_floor_compares_ours_with_the_protocols_floor(
+    real_server: RealServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from broker_lookup.tools.bench.floor_gap import FIGURES
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    out = tmp_path / "floor.json"
+    argv = ["bench", "--floor", "--quick", "--redis-url", real_server.url, "--out", str(out)]
+    args = parser.parse_args([*argv, "--lookups", "40"])
+    before = _descendants_and_strays(None)
+    assert cmd_bench(args) == 0
+    table = capsys.readouterr().out
+    assert "ours against the protocol's floor, one lookup in flight (40 lookups" in table
+    for _, label in FIGURES:
+        assert label in table
+    assert _descendants_and_strays(None) - before == set(), "processes left behind"
+    results = json.loads(out.read_text())
+    gap = results["floor_gap"]
+    assert set(gap["worlds"]) == {"1", "2"}  # --quick's worlds
+    for world, entry in gap["worlds"].items():
+        for side in ("ours", "floor"):
+            # Every lookup of both sides answered the stub's full hit: the floor's ranks
+            # ran report.lua to completion, not a shortcut.
+            assert entry[side]["results"] == {"1024": 40}, (world, side)
+            for key, _ in FIGURES:
+                _positive(entry[side][key], f"world {world} {side} {key}")
+        assert set(entry["ratio"]["ours_floor"]) == {key for key, _ in FIGURES}
+        assert "lmcache" not in entry  # no --vs-lmcache
+    client = redis.Redis.from_url(real_server.url)
+    try:
+        assert not list(client.scan_iter(match=f"bl:{{bench-{results['meta']['run_id']}-*"))
+    finally:
+        client.close()

@@ -8,7 +8,9 @@ the ratios. ``--quick`` is the CI smoke mode (world sizes 1 and 2, a few hundred
 lookups, small hashing sizes, well under a minute). ``--features-cost`` runs only the
 one-in-flight loop and the throughput loop with issue 13's client features (rank
 insights, size-aware deadlines, partial answers) off and on, and prints both and the
-ratio (``features_cost.py``). The
+ratio (``features_cost.py``). ``--floor`` runs only the one-in-flight loop on ours and on
+the protocol's floor (``floor.py``: the same scripts and commands, none of the machinery),
+and with ``--vs-lmcache`` on LMCache too, and prints the ratios (``floor_gap.py``). The
 polling model is described in ``broker_lookup.tools.bench.measure``; the results and how
 to read them in ``docs/performance.md``.
 
@@ -49,6 +51,7 @@ __all__ = [
     "configure_parser",
     "run_bench",
     "run_features_cost",
+    "run_floor_gap",
 ]
 
 HELP = "measure lookup latency, caller cost, throughput, hashing, memory and CPU"
@@ -186,6 +189,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "size-aware deadlines and partial answers off and on (world 2, or the largest of "
         "--worlds), and print the ratio",
     )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="only compare the one-in-flight figures of ours with the protocol's floor (the "
+        "same scripts and commands without our client's and ranks' machinery) per world "
+        "size, and with --vs-lmcache with LMCache's too, and print the ratios",
+    )
     p.add_argument("--lookups", type=int, help="measured lookups per latency run")
     p.add_argument("--duration", type=float, help="seconds per throughput run")
     p.add_argument("--poll-us", type=float, help="sleep between polls in µs (0: sleep(0))")
@@ -264,6 +274,50 @@ def _cmd_features_cost(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def run_floor_gap(opts: BenchOptions) -> dict[str, Any]:
+    """``--floor``: :func:`floor_gap.floor_gap` on the bench's server.
+
+    Raises:
+        BenchError: a rank or lookup failed, or lmcache is missing for ``vs_lmcache``.
+        BrokerUnavailable: the embedded server did not start.
+    """
+    from broker_lookup.tools.bench.floor_gap import floor_gap
+
+    if opts.vs_lmcache:  # fail before the long part, not after it
+        from broker_lookup.tools.bench.lmcache_side import require_lmcache
+
+        require_lmcache()
+    run_id = uuid.uuid4().hex[:8]
+    with _redis_url(opts) as (url, kind):
+        meta: dict[str, Any] = {
+            "run_id": run_id,
+            "source": _source_version(),
+            "loadavg_start": os.getloadavg(),
+            "redis": _server_meta(url, kind),
+            "options": asdict(opts),
+        }
+        try:
+            return {"meta": meta, "floor_gap": floor_gap(opts, url, run_id)}
+        finally:
+            if kind == "external":
+                _delete_keys(url, run_id)
+
+
+def _cmd_floor_gap(args: argparse.Namespace) -> int:
+    from broker_lookup.tools.bench.floor_gap import render_floor_gap
+
+    try:
+        results = run_floor_gap(_options(args))
+    except (BrokerUnavailable, BenchError) as exc:
+        print(f"broker-lookup bench: {exc}", file=sys.stderr)
+        return ExitCode.UNREACHABLE if isinstance(exc, BrokerUnavailable) else ExitCode.FAILED
+    print(render_floor_gap(results["floor_gap"]))
+    if args.out:  # the full run's file is not overwritten by this figure
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\nresults written to {args.out}")
+    return ExitCode.OK
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the bench from parsed arguments: JSON to ``--out``, a table on stdout."""
     if getattr(args, "cluster", False):
@@ -272,6 +326,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_cluster_bench(args)
     if getattr(args, "features_cost", False):
         return _cmd_features_cost(args)
+    if getattr(args, "floor", False):
+        return _cmd_floor_gap(args)
     opts = _options(args)
     out = args.out or "bench-results.json"
     try:
