@@ -53,6 +53,13 @@ def _descendants_and_strays(run_id: str | None) -> set[int]:
     return found
 
 
+def _bench_args(*argv: str) -> argparse.Namespace:
+    """``broker-lookup bench ARGV`` parsed by the subcommand's own parser."""
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    return parser.parse_args(["bench", *argv])
+
+
 def _positive(value: Any, what: str) -> None:
     assert isinstance(value, (int, float)) and value > 0, f"{what} = {value!r}"
 
@@ -143,11 +150,9 @@ def test_quick_run_has_every_section_and_leaves_nothing(real_server: RealServer)
 def test_cli_writes_json_and_table(
     real_server: RealServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    parser = argparse.ArgumentParser()
-    add_bench_parser(parser.add_subparsers())
     out = tmp_path / "results.json"
-    argv = ["bench", "--quick", "--redis-url", real_server.url, "--out", str(out)]
-    args = parser.parse_args([*argv, "--worlds", "1", "--engines", "1", "--lookups", "30"])
+    argv = ["--quick", "--redis-url", real_server.url, "--out", str(out)]
+    args = _bench_args(*argv, "--worlds", "1", "--engines", "1", "--lookups", "30")
     assert args.func is cmd_bench
     assert cmd_bench(args) == 0
     results = json.loads(out.read_text())
@@ -241,10 +246,9 @@ def test_features_cost_compares_both_sides(
 ) -> None:
     from broker_lookup.tools.bench.features_cost import FIGURES
 
-    parser = argparse.ArgumentParser()
-    add_bench_parser(parser.add_subparsers())
-    argv = ["bench", "--features-cost", "--quick", "--redis-url", real_server.url]
-    args = parser.parse_args([*argv, "--lookups", "40"])
+    args = _bench_args(
+        "--features-cost", "--quick", "--redis-url", real_server.url, "--lookups", "40"
+    )
     before = _descendants_and_strays(None)
     assert cmd_bench(args) == 0
     table = capsys.readouterr().out
@@ -271,11 +275,9 @@ def test_floor_compares_ours_with_the_protocols_floor(
 ) -> None:
     from broker_lookup.tools.bench.floor_gap import FIGURES
 
-    parser = argparse.ArgumentParser()
-    add_bench_parser(parser.add_subparsers())
     out = tmp_path / "floor.json"
-    argv = ["bench", "--floor", "--quick", "--redis-url", real_server.url, "--out", str(out)]
-    args = parser.parse_args([*argv, "--lookups", "40"])
+    argv = ["--floor", "--quick", "--redis-url", real_server.url, "--out", str(out)]
+    args = _bench_args(*argv, "--lookups", "40")
     before = _descendants_and_strays(None)
     assert cmd_bench(args) == 0
     table = capsys.readouterr().out

@@ -28,7 +28,7 @@ import platform
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -239,6 +239,27 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     return opts
 
 
+def _one_figure(
+    opts: BenchOptions, name: str, measure: Callable[[str, str], dict[str, Any]]
+) -> dict[str, Any]:
+    """``{"meta": ..., name: measure(url, run_id)}`` on the bench's server (an external
+    one keeps none of the run's keys)."""
+    run_id = uuid.uuid4().hex[:8]
+    with _redis_url(opts) as (url, kind):
+        meta: dict[str, Any] = {
+            "run_id": run_id,
+            "source": _source_version(),
+            "loadavg_start": os.getloadavg(),
+            "redis": _server_meta(url, kind),
+            "options": asdict(opts),
+        }
+        try:
+            return {"meta": meta, name: measure(url, run_id)}
+        finally:
+            if kind == "external":
+                _delete_keys(url, run_id)
+
+
 def run_features_cost(opts: BenchOptions, world: int = 2) -> dict[str, Any]:
     """``--features-cost``: :func:`features_cost.features_cost` on the bench's server.
 
@@ -248,30 +269,9 @@ def run_features_cost(opts: BenchOptions, world: int = 2) -> dict[str, Any]:
     """
     from broker_lookup.tools.bench.features_cost import features_cost
 
-    run_id = uuid.uuid4().hex[:8]
-    with _redis_url(opts) as (url, kind):
-        meta = {"run_id": run_id, "redis": _server_meta(url, kind), "options": asdict(opts)}
-        try:
-            return {"meta": meta, "features_cost": features_cost(opts, url, run_id, world)}
-        finally:
-            if kind == "external":
-                _delete_keys(url, run_id)
-
-
-def _cmd_features_cost(args: argparse.Namespace) -> int:
-    from broker_lookup.tools.bench.features_cost import render_features_cost
-
-    opts = _options(args)
-    try:
-        results = run_features_cost(opts, max(args.worlds) if args.worlds else 2)
-    except (BrokerUnavailable, BenchError) as exc:
-        print(f"broker-lookup bench: {exc}", file=sys.stderr)
-        return ExitCode.UNREACHABLE if isinstance(exc, BrokerUnavailable) else ExitCode.FAILED
-    print(render_features_cost(results["features_cost"]))
-    if args.out:  # the full run's file is not overwritten by this small figure
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"\nresults written to {args.out}")
-    return ExitCode.OK
+    return _one_figure(
+        opts, "features_cost", lambda url, run_id: features_cost(opts, url, run_id, world)
+    )
 
 
 def run_floor_gap(opts: BenchOptions) -> dict[str, Any]:
@@ -287,35 +287,48 @@ def run_floor_gap(opts: BenchOptions) -> dict[str, Any]:
         from broker_lookup.tools.bench.lmcache_side import require_lmcache
 
         require_lmcache()
-    run_id = uuid.uuid4().hex[:8]
-    with _redis_url(opts) as (url, kind):
-        meta: dict[str, Any] = {
-            "run_id": run_id,
-            "source": _source_version(),
-            "loadavg_start": os.getloadavg(),
-            "redis": _server_meta(url, kind),
-            "options": asdict(opts),
-        }
-        try:
-            return {"meta": meta, "floor_gap": floor_gap(opts, url, run_id)}
-        finally:
-            if kind == "external":
-                _delete_keys(url, run_id)
+    return _one_figure(opts, "floor_gap", lambda url, run_id: floor_gap(opts, url, run_id))
+
+
+def _cmd_one_figure(
+    args: argparse.Namespace,
+    run: Callable[[], dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+) -> int:
+    """Run one figure's mode and print its table; JSON only to an explicit ``--out``."""
+    try:
+        results = run()
+    except (BrokerUnavailable, BenchError) as exc:
+        print(f"broker-lookup bench: {exc}", file=sys.stderr)
+        return ExitCode.UNREACHABLE if isinstance(exc, BrokerUnavailable) else ExitCode.FAILED
+    print(render(results))
+    if args.out:  # the full run's file is not overwritten by this small figure
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\nresults written to {args.out}")
+    return ExitCode.OK
+
+
+def _cmd_features_cost(args: argparse.Namespace) -> int:
+    from broker_lookup.tools.bench.features_cost import render_features_cost
+
+    opts = _options(args)
+    world = max(args.worlds) if args.worlds else 2
+    return _cmd_one_figure(
+        args,
+        lambda: run_features_cost(opts, world),
+        lambda results: render_features_cost(results["features_cost"]),
+    )
 
 
 def _cmd_floor_gap(args: argparse.Namespace) -> int:
     from broker_lookup.tools.bench.floor_gap import render_floor_gap
 
-    try:
-        results = run_floor_gap(_options(args))
-    except (BrokerUnavailable, BenchError) as exc:
-        print(f"broker-lookup bench: {exc}", file=sys.stderr)
-        return ExitCode.UNREACHABLE if isinstance(exc, BrokerUnavailable) else ExitCode.FAILED
-    print(render_floor_gap(results["floor_gap"]))
-    if args.out:  # the full run's file is not overwritten by this figure
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"\nresults written to {args.out}")
-    return ExitCode.OK
+    opts = _options(args)
+    return _cmd_one_figure(
+        args,
+        lambda: run_floor_gap(opts),
+        lambda results: render_floor_gap(results["floor_gap"]),
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
