@@ -132,6 +132,14 @@ def _source_version() -> str | None:
     return done.stdout.strip() or None
 
 
+def _lmcache_first(opts: BenchOptions) -> None:
+    """With ``vs_lmcache``, fail now if lmcache is missing, not after the long part."""
+    if opts.vs_lmcache:
+        from broker_lookup.tools.bench.lmcache_side import require_lmcache
+
+        require_lmcache()
+
+
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
     """Run every measurement ``opts`` asks for; return the results as a JSON-able dict.
 
@@ -139,10 +147,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         BenchError: a rank or driver failed, or lmcache is missing for ``vs_lmcache``.
         BrokerUnavailable: the embedded server did not start.
     """
-    if opts.vs_lmcache:  # fail before the long part, not after it
-        from broker_lookup.tools.bench.lmcache_side import require_lmcache
-
-        require_lmcache()
+    _lmcache_first(opts)
     run_id = uuid.uuid4().hex[:8]
     meta: dict[str, Any] = {
         "run_id": run_id,
@@ -283,10 +288,7 @@ def run_floor_gap(opts: BenchOptions) -> dict[str, Any]:
     """
     from broker_lookup.tools.bench.floor_gap import floor_gap
 
-    if opts.vs_lmcache:  # fail before the long part, not after it
-        from broker_lookup.tools.bench.lmcache_side import require_lmcache
-
-        require_lmcache()
+    _lmcache_first(opts)
     return _one_figure(opts, "floor_gap", lambda url, run_id: floor_gap(opts, url, run_id))
 
 
