@@ -91,7 +91,11 @@ class _Wire:
 class FloorClient:
     """The protocol's scheduler side, bare: ``lookup`` writes ``submit.lua`` from the
     caller's thread (its reply read at the next call, when it is there), one thread
-    reads completions into a dict, ``lookup_cache`` reads the dict."""
+    reads completions into a dict, ``lookup_cache`` reads the dict.
+
+    The dict holds every completion until :meth:`clear_lookup_status`, as the bench's
+    loops call it for each id; nothing else bounds it (tooling, not a client to deploy).
+    """
 
     def __init__(self, url: str, engine_id: str, world: int) -> None:
         self._keys = KeySpace(engine_id)
