@@ -17,16 +17,11 @@ implementation adds over the protocol; floor / LMCache is what the broker's desi
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
 import redis
 
-from broker_lookup.processes import python_module
-from broker_lookup.tools.bench.children import start_rank_host, stop_all
 from broker_lookup.tools.bench.floor import FloorClient
 from broker_lookup.tools.bench.measure import (
     BenchOptions,
@@ -39,7 +34,6 @@ from broker_lookup.tools.bench.ours import (
     client_for,
     engine_id,
     rank_host,
-    wait_heartbeats,
 )
 
 __all__ = ["FIGURES", "floor_gap", "render_floor_gap"]
@@ -54,24 +48,8 @@ FIGURES = (
     ("redis_cpu_us", "Redis CPU µs/lookup"),
 )
 _LMCACHE = "backoff0"  #: the LMCache variant compared (lmcache_side.VARIANTS)
-
-
-@contextmanager
-def _floor_ranks(opts: BenchOptions, url: str, eid: str, world: int) -> Iterator[list[int]]:
-    argv = python_module("broker_lookup.tools.bench.floor", ["--redis-url", url])
-    argv += ["--engine", f"{eid}:{world}"]
-    host, pids = start_rank_host(
-        "floor rank host", argv, dict(os.environ), world, opts.startup_timeout_s
-    )
-    try:
-        server = redis.Redis.from_url(url)
-        try:
-            wait_heartbeats(server, {eid: list(pids[eid])}, 30.0)
-        finally:
-            server.close()
-        yield list(pids[eid].values())
-    finally:
-        stop_all([host])
+#: The floor's rank host (``floor.main``).
+_FLOOR_HOST = "broker_lookup.tools.bench.floor"
 
 
 def _measure(
@@ -111,10 +89,10 @@ def _ours(opts: BenchOptions, url: str, run_id: str, world: int) -> dict[str, An
 
 def _floor(opts: BenchOptions, url: str, run_id: str, world: int) -> dict[str, Any]:
     eid = engine_id(run_id, f"gap-floor-w{world}")
-    with _floor_ranks(opts, url, eid, world) as pids:
+    with rank_host(opts, url, {eid: world}, module=_FLOOR_HOST) as pids:
         client = FloorClient(url, eid, world)
         try:
-            return _measure(opts, url, client, pids, world, "gap-floor")
+            return _measure(opts, url, client, list(pids[eid].values()), world, "gap-floor")
         finally:
             client.close()
 

@@ -86,10 +86,18 @@ def wait_heartbeats(server: redis.Redis, ranks: dict[str, list[int]], timeout_s:
 
 @contextmanager
 def rank_host(
-    opts: BenchOptions, url: str, engines: dict[str, int], mute: frozenset[str] = frozenset()
+    opts: BenchOptions,
+    url: str,
+    engines: dict[str, int],
+    mute: frozenset[str] = frozenset(),
+    module: str = "broker_lookup.tools.bench.our_ranks",
 ) -> Iterator[dict[str, dict[int, int]]]:
-    """Serve ``engines`` (id -> world size) from one rank host; yield the rank pids."""
-    argv = python_module("broker_lookup.tools.bench.our_ranks", ["--redis-url", url])
+    """Serve ``engines`` (id -> world size) from one rank host; yield the rank pids.
+
+    ``module`` is the host (``our_ranks``, or ``floor`` for the protocol's floor): it
+    takes ``--redis-url`` and ``--engine``, and its ranks keep a heartbeat key.
+    """
+    argv = python_module(module, ["--redis-url", url])
     for eid, world in engines.items():
         argv += ["--engine", f"{eid}:{world}" + (":mute" if eid in mute else "")]
     host, pids = start_rank_host(
