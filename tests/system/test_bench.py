@@ -60,6 +60,20 @@ def _bench_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["bench", *argv])
 
 
+def _one_figure_table(
+    args: argparse.Namespace, capsys: pytest.CaptureFixture[str], labels: list[str]
+) -> str:
+    """Run a one-figure mode through the CLI: it succeeds, prints every label and leaves
+    no process behind; its table."""
+    before = _descendants_and_strays(None)
+    assert cmd_bench(args) == 0
+    table = capsys.readouterr().out
+    for label in labels:
+        assert label in table
+    assert _descendants_and_strays(None) - before == set(), "processes left behind"
+    return table
+
+
 def _positive(value: Any, what: str) -> None:
     assert isinstance(value, (int, float)) and value > 0, f"{what} = {value!r}"
 
@@ -249,14 +263,9 @@ def test_features_cost_compares_both_sides(
     args = _bench_args(
         "--features-cost", "--quick", "--redis-url", real_server.url, "--lookups", "40"
     )
-    before = _descendants_and_strays(None)
-    assert cmd_bench(args) == 0
-    table = capsys.readouterr().out
+    table = _one_figure_table(args, capsys, [label for _, label in FIGURES])
     assert "partial answers (world 2, 40 lookups a side" in table
-    for _, label in FIGURES:
-        assert label in table
     assert "results written" not in table  # no --out: bench-results.json is left alone
-    assert _descendants_and_strays(None) - before == set(), "processes left behind"
     results = run_features_cost(
         BenchOptions.defaults(quick=True, redis_url=real_server.url, lookups=20)
     )
@@ -278,13 +287,8 @@ def test_floor_compares_ours_with_the_protocols_floor(
     out = tmp_path / "floor.json"
     argv = ["--floor", "--quick", "--redis-url", real_server.url, "--out", str(out)]
     args = _bench_args(*argv, "--lookups", "40")
-    before = _descendants_and_strays(None)
-    assert cmd_bench(args) == 0
-    table = capsys.readouterr().out
+    table = _one_figure_table(args, capsys, [label for _, label in FIGURES])
     assert "ours against the protocol's floor, one lookup in flight (40 lookups" in table
-    for _, label in FIGURES:
-        assert label in table
-    assert _descendants_and_strays(None) - before == set(), "processes left behind"
     results = json.loads(out.read_text())
     gap = results["floor_gap"]
     assert set(gap["worlds"]) == {"1", "2"}  # --quick's worlds
