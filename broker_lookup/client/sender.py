@@ -26,7 +26,8 @@ listener need nothing from it. One lock (``_wire``) orders every write on the
 connection with the records of the replies to expect; the caller only *tries* it, and
 anything it cannot write at once (the lock busy, something queued, a full socket
 buffer) takes the queue as before, and so does a burst (a submit within
-:data:`DIRECT_GAP_S` of the last one), which stays one pipelined batch. A torn write,
+:data:`DIRECT_GAP_S` of the last one while that one is unanswered), which stays one
+pipelined batch. A torn write,
 a reset or a reply overdue by ``socket_timeout_ms`` drops the connection, and the
 unanswered submits go back to the head of the queue: they are idempotent per (lookup
 id, generation), and one that finished meanwhile is not sent again.
@@ -71,9 +72,10 @@ logger = logging.getLogger(__name__)
 
 _MAX_BATCH = 512
 _PING: Command = ("PING",)
-#: A submit this soon after the caller's last one takes the queue: a burst costs the
-#: thread one wake-up and Redis one pipelined batch, where one write each would cost
-#: the caller a syscall each and split the ranks' reads into smaller batches.
+#: A submit this soon after the caller's last one, while that one is still unanswered,
+#: takes the queue: a burst costs the thread one wake-up and Redis one pipelined batch,
+#: where one write each would cost the caller a syscall each and split the ranks' reads
+#: into smaller batches.
 DIRECT_GAP_S = 0.0005
 #: While submits the caller wrote are unanswered, the thread reads their replies this
 #: often (and before its own next round trip).
@@ -168,6 +170,10 @@ class Sender(Batcher[Item]):
         #: The caller's write was torn: this thread must drop the connection.
         self._torn = False
         self._last_direct = 0.0
+        #: The entry of the caller's last submit, written or queued as part of a burst.
+        #: A submit soon after it is only a burst while it is unanswered: one lookup at
+        #: a time, each answered within DIRECT_GAP_S, is still written directly.
+        self._last_entry: Entry | None = None
         self._overdue_s = config.socket_timeout_ms / 1000
         self.direct_submits = 0
         self._warn_rewired = RateLimitedLog(logger)
@@ -198,7 +204,9 @@ class Sender(Batcher[Item]):
             if not self._direct or link is None or len(self._written) >= self._config.max_pending:
                 return False
             now = time.monotonic()
-            if now - self._last_direct < DIRECT_GAP_S:
+            last = self._last_entry
+            self._last_entry = item.entry
+            if now - self._last_direct < DIRECT_GAP_S and last is not None and last.result is None:
                 self._last_direct = now  # a burst: the rest of it is queued too
                 return False
             call = self._call_for(item)

@@ -23,6 +23,7 @@ from faultkit import MakeLookupClient, StartRank, alive, answer, config, eventua
 from helpers import RealServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
+from broker_lookup.client import sender as sender_module
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.faultproxy.proxy import FaultProxy
 from broker_lookup.transport.lean import Command, LeanLink
@@ -190,6 +191,34 @@ def test_a_burst_of_submits_takes_the_queue_as_one_batch(cluster: RedisAsyncLook
         assert answer(client, lookup_id, timeout=10) == FULL
     # The first may be written directly; a descheduled caller may write a few more.
     assert client.stats()["direct_submits"] - before <= 25
+
+
+def test_one_lookup_at_a_time_is_written_directly_however_soon_it_follows(
+    cluster: RedisAsyncLookupClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submit soon after the last one is a burst only while that one is unanswered.
+
+    Every submit here follows the last within DIRECT_GAP_S; those issued one at a time,
+    each after the last was answered, are written by the caller all the same (a fast
+    answer once made the caller hand nearly every submit to the sender thread), and a
+    burst still takes the queue.
+    """
+    monkeypatch.setattr(sender_module, "DIRECT_GAP_S", 3600.0)
+    client = cluster
+    before = client.stats()["direct_submits"]
+    for i in range(10):
+        client.lookup(HOT, f"one-{i}")
+        assert answer(client, f"one-{i}", timeout=10) == FULL
+    # The sender thread holds the wire for a moment every few ms while it reads the
+    # replies: a submit that meets it takes the queue, so allow one or two of those.
+    direct = client.stats()["direct_submits"] - before
+    assert direct >= 8
+    ids = [f"burst-{i}" for i in range(20)]
+    for lookup_id in ids:
+        client.lookup(HOT, lookup_id)
+    for lookup_id in ids:
+        assert answer(client, lookup_id, timeout=10) == FULL
+    assert client.stats()["direct_submits"] - before - direct <= 10
 
 
 def test_a_direct_submit_whose_reply_is_lost_and_hangs_still_answers_and_recovers(
