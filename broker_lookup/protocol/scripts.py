@@ -281,8 +281,6 @@ class ScriptSet:
             for c in calls:
                 # execute_command, not pipe.evalsha: redis-py's ClusterPipeline blocks its
                 # evalsha method (it cannot reload scripts), and we handle NOSCRIPT here.
-                # execute_command, not pipe.evalsha: redis-py's ClusterPipeline blocks its
-                # evalsha method (it cannot reload scripts), and we handle NOSCRIPT here.
                 pipe.execute_command(*self.command(c))  # type: ignore[no-untyped-call]
             results = list(pipe.execute(raise_on_error=False))
             for res in results[:ahead]:
