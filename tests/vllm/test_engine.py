@@ -15,6 +15,7 @@ from vllm_harness import (
     CHUNK,
     CORRUPTED_MIN_DIFF,
     LOGPROB_TOLERANCE,
+    departs,
     max_logprob_diff,
 )
 from vllm_harness import client as _client
@@ -56,7 +57,8 @@ def test_corrupted_kv_changes_the_logprobs(mode: str, request: pytest.FixtureReq
     hit = _ok(request.getfixturevalue(f"{mode}_report"))["steps"]["hit"]
     last = hit["probes"][-1]
     assert _client(last)["outcomes"]["hit"] == 2 and _loads(last) == 2  # it was loaded
-    assert max_logprob_diff(hit["computed_2"], hit["corrupted"]) >= CORRUPTED_MIN_DIFF
+    # The noise is random: often the generation keeps no top token in common at all.
+    assert departs(hit["computed_2"], hit["corrupted"], CORRUPTED_MIN_DIFF) is not None
 
 
 def test_abort_reaches_cancel_lookup_and_the_worker_releases(
