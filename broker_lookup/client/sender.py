@@ -27,10 +27,10 @@ connection with the records of the replies to expect; the caller only *tries* it
 anything it cannot write at once (the lock busy, something queued, a full socket
 buffer) takes the queue as before, and so does a burst (a submit within
 :data:`DIRECT_GAP_S` of the last one while that one is unanswered), which stays one
-pipelined batch. A torn write,
-a reset or a reply overdue by ``socket_timeout_ms`` drops the connection, and the
-unanswered submits go back to the head of the queue: they are idempotent per (lookup
-id, generation), and one that finished meanwhile is not sent again.
+pipelined batch. A torn write, a reset or a reply overdue by ``socket_timeout_ms``
+drops the connection, and the unanswered submits go back to the head of the queue:
+they are idempotent per (lookup id, generation), and one that finished meanwhile is
+not sent again.
 ``submit_on_caller_thread`` False keeps every submit on this thread.
 """
 

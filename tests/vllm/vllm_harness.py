@@ -147,18 +147,14 @@ def max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return float(max(diffs))
 
 
-def departs(a: dict[str, Any], b: dict[str, Any], min_diff: float) -> str | None:
-    """How generation ``b`` departs from ``a`` (None: it does not): other greedy tokens, a
-    position whose top tokens share none with ``a``'s (rounding never does that), or a
-    shared token's logprob moved by ``min_diff`` or more."""
+def departs(a: dict[str, Any], b: dict[str, Any], min_diff: float) -> bool:
+    """Whether generation ``b`` departs from ``a``: other greedy tokens, a position whose
+    top tokens share none with ``a``'s (rounding never does that), or a shared token's
+    logprob moved by ``min_diff`` or more."""
     if a["tokens"] != b["tokens"]:
-        return "other tokens"
-    assert len(a["logprobs"]) == len(b["logprobs"])
-    for pos, (x, y) in enumerate(zip(a["logprobs"], b["logprobs"], strict=True)):
+        return True
+    for x, y in zip(a["logprobs"], b["logprobs"], strict=True):
         shared = x.keys() & y.keys()
-        if not shared:
-            return f"no common top token at position {pos}"
-        moved = max(abs(x[token] - y[token]) for token in shared)
-        if moved >= min_diff:
-            return f"a logprob moved by {moved:.3f} at position {pos}"
-    return None
+        if not shared or max(abs(x[token] - y[token]) for token in shared) >= min_diff:
+            return True
+    return False
