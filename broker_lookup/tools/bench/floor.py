@@ -12,8 +12,14 @@ machine, and the gap between the floor and LMCache is the price of the broker's 
 hops, not of our code. Nothing here is safe to deploy: a lost reply or a dead rank hangs
 it. It is tooling, like the rest of the bench.
 
-``python -m broker_lookup.tools.bench.floor --redis-url URL --engine E:4`` serves the
-floor's ranks (one process each, forked from one host: ``rank_host``); the client,
+The *native floor* is the same rank with its turn in C (``_native_floor.c``, an optional
+extension): the socket's reads and writes, the replies' framing and the commands' packing
+run with no Python between the wake-up and the write but the request's decoding and the
+report's arguments (:class:`_Answer`, shared with the Python floor). So it says what a
+native rank turn could cost on this machine. The scheduler side is the floor's for both.
+
+``python -m broker_lookup.tools.bench.floor --redis-url URL --engine E:4 [--native]`` serves
+the floor's ranks (one process each, forked from one host: ``rank_host``); the client,
 :class:`FloorClient`, runs in the bench's process and is driven by the same loops as
 ours and LMCache's (``measure.sequential_latency``).
 """
@@ -60,12 +66,12 @@ class _Wire:
 
     def __init__(self, url: str) -> None:
         parsed = urlparse(url)
-        self._sock = socket.create_connection((parsed.hostname or "localhost", parsed.port or 6379))
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = socket.create_connection((parsed.hostname or "localhost", parsed.port or 6379))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._reader = hiredis.Reader()
 
     def send(self, commands: list[Command]) -> None:
-        self._sock.sendall(b"".join(_pack(tuple(c)) for c in commands))
+        self.sock.sendall(b"".join(_pack(tuple(c)) for c in commands))
 
     def reply(self) -> Any:
         """The next reply, waiting for it; an error reply is returned as a value."""
@@ -73,7 +79,7 @@ class _Wire:
             reply = self._reader.gets()
             if reply is not False:
                 return reply
-            data = self._sock.recv(65536)
+            data = self.sock.recv(65536)
             if not data:
                 raise ConnectionError("Redis closed the connection")
             self._reader.feed(data)
@@ -82,10 +88,10 @@ class _Wire:
         """Whether a reply can be read without waiting."""
         if self._reader.has_data():
             return True
-        return bool(select.select([self._sock], [], [], 0)[0])
+        return bool(select.select([self.sock], [], [], 0)[0])
 
     def close(self) -> None:
-        self._sock.close()
+        self.sock.close()
 
 
 class FloorClient:
@@ -192,27 +198,66 @@ class FloorClient:
                 results[event.lookup_id] = event.result
 
 
-def _serve_floor_rank(url: str, fraction: float, spec: RankSpec, stop: threading.Event) -> int:
-    """One rank of the floor: read, answer ``fraction`` of the prompt, report, ack."""
-    keys = KeySpace(spec.engine_id)
+def _join(url: str, keys: KeySpace, rank: int) -> ScriptSet:
+    """Load the scripts, create the rank's group and its heartbeat (the bench waits for it)."""
     scripts = ScriptSet()
     admin = redis.Redis.from_url(url)
-    group = keys.group(spec.rank)
     try:
         scripts.load(admin)
         try:
-            admin.xgroup_create(keys.requests, group, id="$", mkstream=True)
+            admin.xgroup_create(keys.requests, keys.group(rank), id="$", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-        admin.set(keys.heartbeat(spec.rank), "floor", px=_TTL_MS)  # the bench waits for it
+        admin.set(keys.heartbeat(rank), "floor", px=_TTL_MS)
     finally:
         admin.close()
+    return scripts
+
+
+class _Answer:
+    """A floor rank's answer to one entry: ``fraction`` of its chunks hit, as ``report.lua``."""
+
+    def __init__(self, keys: KeySpace, scripts: ScriptSet, rank: int, fraction: float) -> None:
+        self._keys = keys
+        self._scripts = scripts
+        self._rank = rank
+        self._fraction = fraction
+        self._chunk = ChunkedTokenHasher().chunk_size
+
+    def report(self, fields: dict[bytes, bytes] | None) -> Command | None:
+        """The report's EVALSHA for a lookup entry; None for an abort or a keep."""
+        msg = decode_request(fields)
+        if type(msg) is not LookupRequest:
+            return None
+        call = report_call(
+            self._keys,
+            msg.lookup_id,
+            rank=self._rank,
+            gen=msg.gen,
+            hits=int(len(msg.offsets) * self._fraction) * self._chunk,
+            done_maxlen=_DONE_MAXLEN,
+            done_ttl_ms=_TTL_MS,
+        )
+        return self._scripts.command(call)
+
+    def native(self, entry_id: bytes, m: bytes) -> Command | None:
+        """:meth:`report` in ``_native_floor.turn``'s shape (it hands over ``m`` alone)."""
+        return self.report({b"m": m})
+
+
+def _read(keys: KeySpace, rank: int) -> Command:
+    head = ("XREADGROUP", "GROUP", keys.group(rank), keys.consumer(rank), "COUNT", _BATCH)
+    return (*head, "BLOCK", _BLOCK_MS, "STREAMS", keys.requests, ">")
+
+
+def _serve_floor_rank(url: str, fraction: float, spec: RankSpec, stop: threading.Event) -> int:
+    """One rank of the floor: read, answer ``fraction`` of the prompt, report, ack."""
+    keys = KeySpace(spec.engine_id)
+    answer = _Answer(keys, _join(url, keys, spec.rank), spec.rank, fraction)
+    group = keys.group(spec.rank)
     wire = _Wire(url)
-    chunk = ChunkedTokenHasher().chunk_size
-    consumer = keys.consumer(spec.rank)
-    head = ("XREADGROUP", "GROUP", group, consumer, "COUNT", _BATCH, "BLOCK", _BLOCK_MS)
-    read: Command = (*head, "STREAMS", keys.requests, ">")
+    read = _read(keys, spec.rank)
     ready(spec)
     try:
         wire.send([read])
@@ -222,20 +267,9 @@ def _serve_floor_rank(url: str, fraction: float, spec: RankSpec, stop: threading
             if entries:
                 commands.append(("XACK", keys.requests, group, *[e for e, _ in entries]))
             for _, fields in entries:
-                msg = decode_request(fields)
-                if type(msg) is not LookupRequest:
-                    continue
-                hits = int(len(msg.offsets) * fraction) * chunk
-                call = report_call(
-                    keys,
-                    msg.lookup_id,
-                    rank=spec.rank,
-                    gen=msg.gen,
-                    hits=hits,
-                    done_maxlen=_DONE_MAXLEN,
-                    done_ttl_ms=_TTL_MS,
-                )
-                commands.append(scripts.command(call))
+                report = answer.report(fields)
+                if report is not None:
+                    commands.append(report)
             wire.send([*commands, read])
             for _ in commands:
                 wire.reply()
@@ -244,15 +278,50 @@ def _serve_floor_rank(url: str, fraction: float, spec: RankSpec, stop: threading
         wire.close()
 
 
+def _serve_native_rank(url: str, fraction: float, spec: RankSpec, stop: threading.Event) -> int:
+    """One rank of the native floor: the same turn, its I/O, framing and packing in C."""
+    from broker_lookup.tools.bench import _native_floor
+
+    keys = KeySpace(spec.engine_id)
+    answer = _Answer(keys, _join(url, keys, spec.rank), spec.rank, fraction)
+    ack_head = ("XACK", keys.requests, keys.group(spec.rank))
+    read = _pack(_read(keys, spec.rank))
+    wire = _Wire(url)
+    pending = bytearray()
+    # A turn returns at least once a BLOCK, so a stop is seen; a reply never comes later
+    # than that plus the server's own work.
+    timeout_ms = 10 * _BLOCK_MS
+    ready(spec)
+    try:
+        wire.sock.sendall(read)
+        while not stop.is_set():
+            _native_floor.turn(
+                wire.sock.fileno(), timeout_ms, pending, read, ack_head, answer.native
+            )
+        return ExitCode.OK
+    finally:
+        wire.close()
+
+
+def native_floor_built() -> bool:
+    """Whether the native floor's C extension was compiled (it is optional)."""
+    try:
+        from broker_lookup.tools.bench import _native_floor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Serve the floor's ranks until SIGTERM."""
+    """Serve the floor's ranks until SIGTERM (``--native``: the native floor's)."""
     p = host_parser("python -m broker_lookup.tools.bench.floor", __doc__)
     p.add_argument("--redis-url", required=True)
+    p.add_argument("--native", action="store_true", help="the turn in C (_native_floor)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    serve = _serve_native_rank if args.native else _serve_floor_rank
     return run_host(
-        args.engine,
-        lambda spec, stop: _serve_floor_rank(args.redis_url, args.hit_fraction, spec, stop),
+        args.engine, lambda spec, stop: serve(args.redis_url, args.hit_fraction, spec, stop)
     )
 
 

@@ -1,14 +1,16 @@
 """``broker-lookup bench --floor``: ours against the protocol's floor (and LMCache), one in flight.
 
 For each world size the same one-in-flight loop (:func:`measure.sequential_latency`) runs
-on our client and ranks, then on the floor (:mod:`broker_lookup.tools.bench.floor`: the
-same scripts and commands, none of the machinery), alternating which goes first from
-one world to the next so a drift of the machine's load falls on both. With
+on our client and ranks, on the floor (:mod:`broker_lookup.tools.bench.floor`: the same
+scripts and commands, none of the machinery) and on the native floor (the floor's ranks
+with their turn in C, where its optional extension was built), in an order that rotates
+from one world to the next so a drift of the machine's load falls on all. With
 ``--vs-lmcache``, LMCache at backoff 0 runs the same loop afterwards.
 
 The ratios say where a gap to LMCache comes from: ours / floor is what our
 implementation adds over the protocol; floor / LMCache is what the broker's design costs
-(two hops through Redis) in Python on this machine.
+(two hops through Redis) in Python on this machine; native / LMCache is what it costs
+when no Python but the request's decoding runs in a rank's turn.
 
 >>> out = floor_gap(BenchOptions.defaults(quick=True), url, "r1")   # doctest: +SKIP
 >>> out["worlds"]["1"]["ratio"]["ours_floor"]["rank_cpu_us"]          # doctest: +SKIP
@@ -22,7 +24,7 @@ from typing import Any
 
 import redis
 
-from broker_lookup.tools.bench.floor import FloorClient
+from broker_lookup.tools.bench.floor import FloorClient, native_floor_built
 from broker_lookup.tools.bench.measure import (
     BenchOptions,
     LookupClientLike,
@@ -87,17 +89,27 @@ def _ours(opts: BenchOptions, url: str, run_id: str, world: int) -> dict[str, An
             client.close()
 
 
-def _floor(opts: BenchOptions, url: str, run_id: str, world: int) -> dict[str, Any]:
-    eid = engine_id(run_id, f"gap-floor-w{world}")
-    with rank_host(opts, url, {eid: world}, module=_FLOOR_HOST) as pids:
-        client = FloorClient(url, eid, world)
+def _floor_side(
+    opts: BenchOptions, url: str, run_id: str, world: int, name: str, host_args: tuple[str, ...]
+) -> dict[str, Any]:
+    eid = engine_id(run_id, f"gap-{name}-w{world}")
+    with rank_host(opts, url, {eid: world}, module=_FLOOR_HOST, host_args=host_args) as pids:
+        client = FloorClient(url, eid, world)  # both floors share the floor's client
         try:
-            return _measure(opts, url, client, list(pids[eid].values()), world, "gap-floor")
+            return _measure(opts, url, client, list(pids[eid].values()), world, f"gap-{name}")
         finally:
             client.close()
 
 
-_SIDES = {"ours": _ours, "floor": _floor}
+def _floor(opts: BenchOptions, url: str, run_id: str, world: int) -> dict[str, Any]:
+    return _floor_side(opts, url, run_id, world, "floor", ())
+
+
+def _native(opts: BenchOptions, url: str, run_id: str, world: int) -> dict[str, Any]:
+    return _floor_side(opts, url, run_id, world, "native", ("--native",))
+
+
+_SIDES = {"ours": _ours, "floor": _floor, "native": _native}
 
 
 def _lmcache(opts: BenchOptions, run_id: str) -> dict[str, dict[str, Any]]:
@@ -132,9 +144,10 @@ def floor_gap(opts: BenchOptions, url: str, run_id: str) -> dict[str, Any]:
         BenchError: a rank failed to start or a lookup never finished; with
             ``opts.vs_lmcache``, lmcache is missing.
     """
+    names = [*_SIDES] if native_floor_built() else ["ours", "floor"]
     worlds: dict[str, dict[str, Any]] = {}
     for i, world in enumerate(opts.worlds):
-        order = ("ours", "floor") if i % 2 == 0 else ("floor", "ours")
+        order = names[i % len(names) :] + names[: i % len(names)]
         sides = {side: _SIDES[side](opts, url, run_id, world) for side in order}
         worlds[str(world)] = {
             **sides,
@@ -146,11 +159,35 @@ def floor_gap(opts: BenchOptions, url: str, run_id: str) -> dict[str, Any]:
             entry["lmcache"] = side
             entry["ratio"]["floor_lmcache"] = _ratio(entry["floor"], side)
             entry["ratio"]["ours_lmcache"] = _ratio(entry["ours"], side)
-    return {"lookups_per_side": opts.lookups, "tokens": opts.tokens, "worlds": worlds}
+            if "native" in entry:
+                entry["ratio"]["native_lmcache"] = _ratio(entry["native"], side)
+    return {
+        "lookups_per_side": opts.lookups,
+        "tokens": opts.tokens,
+        "native_built": "native" in names,
+        "worlds": worlds,
+    }
 
 
 def _cell(value: float | None, width: int) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}.2f}"
+
+
+def _columns(entry: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The table's columns for one world, as (title, figures): the sides, then the ratios."""
+    ratio = entry["ratio"]
+    sides = [(t, entry[k]) for t, k in _SIDE_TITLES if k in entry]
+    ratios = [(t, ratio[k]) for t, k in _RATIO_TITLES if k in ratio]
+    return sides + ratios
+
+
+_SIDE_TITLES = (("ours", "ours"), ("floor", "floor"), ("native", "native"), ("LMCache", "lmcache"))
+_RATIO_TITLES = (
+    ("ours/fl", "ours_floor"),
+    ("fl/LMC", "floor_lmcache"),
+    ("nat/LMC", "native_lmcache"),
+    ("ours/LMC", "ours_lmcache"),
+)
 
 
 def render_floor_gap(result: dict[str, Any]) -> str:
@@ -159,19 +196,11 @@ def render_floor_gap(result: dict[str, Any]) -> str:
         "ours against the protocol's floor, one lookup in flight "
         f"({result['lookups_per_side']} lookups a side, {result['tokens']} tokens)"
     ]
+    if not result.get("native_built", True):
+        lines.append("  (no native floor: its optional C extension was not compiled)")
     for world, entry in result["worlds"].items():
-        lm = "lmcache" in entry
-        head = f"  world {world:<27}{'ours':>9}{'floor':>9}"
-        head += f"{'LMCache':>9}" if lm else ""
-        head += f"{'ours/fl':>9}" + (f"{'fl/LMC':>9}{'ours/LMC':>9}" if lm else "")
-        lines.append(head)
-        ratio = entry["ratio"]
+        columns = _columns(entry)
+        lines.append(f"  world {world:<27}" + "".join(f"{t:>9}" for t, _ in columns))
         for key, label in FIGURES:
-            row = f"    {label:<30}{_cell(entry['ours'][key], 9)}{_cell(entry['floor'][key], 9)}"
-            if lm:
-                row += _cell(entry["lmcache"][key], 9)
-            row += _cell(ratio["ours_floor"][key], 9)
-            if lm:
-                row += _cell(ratio["floor_lmcache"][key], 9) + _cell(ratio["ours_lmcache"][key], 9)
-            lines.append(row)
+            lines.append(f"    {label:<30}" + "".join(_cell(c.get(key), 9) for _, c in columns))
     return "\n".join(lines)

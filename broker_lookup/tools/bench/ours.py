@@ -91,13 +91,15 @@ def rank_host(
     engines: dict[str, int],
     mute: frozenset[str] = frozenset(),
     module: str = "broker_lookup.tools.bench.our_ranks",
+    host_args: tuple[str, ...] = (),
 ) -> Iterator[dict[str, dict[int, int]]]:
     """Serve ``engines`` (id -> world size) from one rank host; yield the rank pids.
 
     ``module`` is the host (``our_ranks``, or ``floor`` for the protocol's floor): it
-    takes ``--redis-url`` and ``--engine``, and its ranks keep a heartbeat key.
+    takes ``--redis-url`` and ``--engine`` (and ``host_args``), and its ranks keep a
+    heartbeat key.
     """
-    argv = python_module(module, ["--redis-url", url])
+    argv = python_module(module, ["--redis-url", url, *host_args])
     for eid, world in engines.items():
         argv += ["--engine", f"{eid}:{world}" + (":mute" if eid in mute else "")]
     host, pids = start_rank_host(
