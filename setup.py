@@ -1,8 +1,9 @@
 """The optional C extensions only; all metadata is in pyproject.toml.
 
 ``optional=True``: where they cannot be compiled (no compiler, no Python headers) the
-package still installs; ``broker_lookup.protocol.hashing`` then hashes in pure Python,
-and ``broker-lookup bench --floor`` leaves out the native floor (bench tooling only).
+package still installs; ``broker_lookup.protocol.hashing`` then hashes in pure Python, a
+rank reads every batch in Python (``workers.pipeline.reader``), and ``broker-lookup bench
+--floor`` leaves out the native floor (bench tooling only).
 """
 
 from setuptools import Extension, setup
@@ -14,6 +15,12 @@ setup(
             ["broker_lookup/protocol/_chunk_hash.c"],
             optional=True,
             extra_compile_args=["-O3"],
+        ),
+        Extension(
+            "workers.pipeline._scan",
+            ["workers/pipeline/_scan.c"],
+            optional=True,
+            extra_compile_args=["-O2"],
         ),
         Extension(
             "broker_lookup.tools.bench._native_floor",
