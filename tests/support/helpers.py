@@ -6,12 +6,16 @@ Importable from any test as ``from helpers import Backend, wait_until``: pytest 
 
 from __future__ import annotations
 
+import importlib
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import fakeredis
+import pytest
 import redis
 from redis.typing import EncodableT, FieldT
 
@@ -158,3 +162,15 @@ class MakeClient(Protocol):
         cls: type[RedisAsyncLookupClient] = ...,
         **overrides: Any,
     ) -> RedisAsyncLookupClient: ...
+
+
+def optional_extension(module: str) -> ModuleType:
+    """The optional C extension ``module`` (dotted name); skips the test where it was not
+    built, except under ``CI``, which must build every one (``pip install -e .``)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        name = module.rpartition(".")[2]
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must build the C extension {name} (pip install -e .)")
+        pytest.skip(f"the {name} extension is not built")

@@ -8,7 +8,6 @@ Without the extension built these skip, except under ``CI``, which must build it
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Iterator
 from types import ModuleType
@@ -16,6 +15,7 @@ from typing import Any
 
 import hiredis
 import pytest
+from helpers import optional_extension
 
 #: hiredis' packer (its stub types the argument as a 1-tuple; it takes any).
 _pack: Any = hiredis.pack_command
@@ -25,13 +25,7 @@ READ = _pack((b"XREADGROUP", b"GROUP", b"g", b"c", b"BLOCK", 5, b"STREAMS", b"s"
 
 @pytest.fixture
 def native() -> ModuleType:
-    try:
-        from broker_lookup.tools.bench import _native_floor
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail("CI must build the C extension _native_floor (pip install -e .)")
-        pytest.skip("the _native_floor extension is not built")
-    return _native_floor
+    return optional_extension("broker_lookup.tools.bench._native_floor")
 
 
 @pytest.fixture

@@ -9,13 +9,13 @@ except under ``CI``, which must build it.
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 from typing import Any
 from unittest import mock
 
 import msgspec
 import pytest
+from helpers import optional_extension
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -53,13 +53,7 @@ class FixedClock(ServerClock):
 
 @pytest.fixture(scope="module")
 def native() -> ModuleType:
-    try:
-        from workers.pipeline import _scan
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail("CI must build the C extension _scan (pip install -e .)")
-        pytest.skip("the _scan extension is not built")
-    return _scan
+    return optional_extension("workers.pipeline._scan")
 
 
 def _reader(now: float | None, world: int | None) -> Reader:
