@@ -88,6 +88,12 @@ class Reader:
         self._rank = rank
         self._clock = clock
         self._world_size = world_size
+        #: ``_scan.scan``'s limits, fixed per rank: max chunks, max id length, world (-1: none).
+        self._limits = (
+            config.max_chunks_per_request,
+            config.max_lookup_id_length,
+            -1 if world_size is None else world_size,
+        )
         self._group = keys.group(rank)
         self._name = keys.consumer(rank)
         self._recreate = False  # after NOGROUP: the new group starts at 0
@@ -174,7 +180,7 @@ class Reader:
         (``_scan.c``) in one call, with the same result; it hands any other batch back.
         """
         if _scan is not None and reply and not self._sent_replaying:
-            fast = self._scan(reply)
+            fast = self._read_natively(reply)
             if fast is not None:
                 return fast
         entries = stream_entries(reply)
@@ -198,17 +204,9 @@ class Reader:
             messages.sort(key=lambda pair: not isinstance(pair[0], Abort))  # stable: aborts first
         return Batch(messages, [entry_id for entry_id, _ in entries], dead)
 
-    def _scan(self, reply: Any) -> Batch | None:
-        config = self._config
-        world = -1 if self._world_size is None else self._world_size
+    def _read_natively(self, reply: Any) -> Batch | None:
         found = _scan.scan(
-            reply,
-            decode_request_payload,
-            LookupRequest,
-            self._clock.now_ms(),
-            config.max_chunks_per_request,
-            config.max_lookup_id_length,
-            world,
+            reply, decode_request_payload, LookupRequest, self._clock.now_ms(), *self._limits
         )
         if found is None:
             return None
