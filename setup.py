@@ -2,7 +2,8 @@
 
 ``optional=True``: where they cannot be compiled (no compiler, no Python headers) the
 package still installs; ``broker_lookup.protocol.hashing`` then hashes in pure Python, a
-rank reads every batch in Python (``workers.pipeline.reader``), and ``broker-lookup bench
+rank reads every batch and packs every write in Python (``workers.pipeline.reader``,
+``workers.pipeline.reporter``), and ``broker-lookup bench
 --floor`` leaves out the native floor (bench tooling only).
 """
 
@@ -19,6 +20,12 @@ setup(
         Extension(
             "workers.pipeline._scan",
             ["workers/pipeline/_scan.c"],
+            optional=True,
+            extra_compile_args=["-O2"],
+        ),
+        Extension(
+            "workers.pipeline._pack",
+            ["workers/pipeline/_pack.c"],
             optional=True,
             extra_compile_args=["-O2"],
         ),

@@ -257,6 +257,29 @@ class LeanLink:
             raise
 
     @property
+    def accepts_packed(self) -> bool:
+        """Whether :meth:`call_packed` may be used: hiredis packs this pool's commands (its
+        bytes are what a caller's own packer must equal) and the read goes with the write."""
+        return self._hiredis and not self._defer
+
+    def call_packed(self, data: bytes, n: int, read: bool) -> list[Any]:
+        """:meth:`call` for a write packed by the caller: ``n`` commands' replies, errors
+        as values; ``read``: the write ends with a read, whose reply waits for
+        :meth:`take_read`. Only where :attr:`accepts_packed`."""
+        if self.reading:
+            raise RuntimeError("LeanLink.call_packed while a read is outstanding")
+        conn = self._conn
+        if conn is None or not conn.is_connected:
+            conn = self._connection()
+        try:
+            conn.send_packed_command([data])
+            self._on_wire = read
+            return read_replies(conn, n) if n else []
+        except BaseException:
+            self._drop()
+            raise
+
+    @property
     def accepts_direct(self) -> bool:
         """Whether :meth:`send_nowait` can write on the current connection."""
         conn = self._conn

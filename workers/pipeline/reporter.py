@@ -10,6 +10,10 @@ Redis never stalls the engine (LMCache D14). The queue is bounded: a report that
 not fit is answered ``overflow`` at once, so its lookup is released instead of queued
 without limit while Redis is away.
 
+The read loop's write (dead letters aside) is packed by the optional C extension
+``_pack.c`` in one call where the link takes packed bytes: the same bytes as the Python
+path's commands, without a Call and a command tuple per report.
+
 Every report's answer (the script's, or ``error`` or ``overflow``) goes to ``settle``.
 """
 
@@ -19,7 +23,7 @@ import logging
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import redis
 from redis.exceptions import RedisError, ResponseError
@@ -28,6 +32,7 @@ from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import (
+    REPORT,
     Call,
     ScriptSet,
     is_noscript,
@@ -35,7 +40,12 @@ from broker_lookup.protocol.scripts import (
     report_call,
 )
 from broker_lookup.transport.batcher import Batcher
-from broker_lookup.transport.lean import Command, Link
+from broker_lookup.transport.lean import Command, LeanLink, Link
+
+try:
+    from workers.pipeline import _pack
+except ImportError:  # the optional C extension was not compiled: the Python path packs all
+    _pack = None  # type: ignore[assignment]
 
 __all__ = ["Report", "Reporter", "Served", "Settle"]
 
@@ -118,6 +128,7 @@ class Reporter(Batcher[Report]):
         self._lock = threading.Lock()
         self._riding: list[Report] | None = None  # open while the read loop serves a batch
         self._window = _Window(self)
+        self._packer = self._new_packer()
         #: Reports that did not fit in the queue.
         self.overflows = 0
 
@@ -154,14 +165,8 @@ class Reporter(Batcher[Report]):
         read again, then deduped.
         """
         reports = batch.reports
-        commands: list[Command] = list(batch.dead)
-        if batch.ack_ids:
-            commands.append(("XACK", self._stream, self._group, *batch.ack_ids))
-        ahead = len(commands)
-        calls = [self._call(r) for r in reports]
-        commands += [self._scripts.command(c) for c in calls]
         try:
-            replies = link.call(commands, read)
+            replies, ahead = self._write(link, batch, read)
             for reply in replies[:ahead]:
                 if isinstance(reply, ResponseError):
                     raise reply
@@ -169,6 +174,7 @@ class Reporter(Batcher[Report]):
             # A script's answer is a bulk string; only something else can be NOSCRIPT.
             if any(type(r) is not bytes and is_noscript(r) for r in results):
                 link.settle_read()  # the connection is needed now: take the read's reply
+                calls = [self._call(r) for r in reports]
                 results = self._scripts.rerun_missing(link, client, calls, results)
         except (BrokerLookupError, RedisError):
             for report in reports:
@@ -176,6 +182,37 @@ class Reporter(Batcher[Report]):
             raise
         for report, result in zip(reports, results, strict=True):
             self._settle(report, self._answer(result))
+
+    def _write(self, link: Link, batch: Served, read: Command | None) -> tuple[list[Any], int]:
+        """Write ``batch`` and ``read`` on ``link``: the replies, and how many of them come
+        before the reports' (the dead letters' and the XACK's)."""
+        ahead = len(batch.dead) + (1 if batch.ack_ids else 0)
+        if self._packer is not None and not batch.dead and isinstance(link, LeanLink):
+            if link.accepts_packed:
+                data = self._packer.pack(batch.ack_ids, batch.reports, read)
+                if data is not None:
+                    n = ahead + len(batch.reports)
+                    return link.call_packed(data, n, read is not None), ahead
+        commands: list[Command] = list(batch.dead)
+        if batch.ack_ids:
+            commands.append(("XACK", self._stream, self._group, *batch.ack_ids))
+        commands += [self._scripts.command(self._call(r)) for r in batch.reports]
+        return link.call(commands, read), ahead
+
+    def _new_packer(self) -> _pack.Packer | None:
+        """The C packer of the loop's write, fixed per rank; None without the extension."""
+        if _pack is None:
+            return None
+        return _pack.Packer(
+            self._stream,
+            self._group,
+            self._scripts.sha[REPORT],
+            self._keys.done,
+            self._rank,
+            self._config.done_maxlen,
+            self._config.key_grace_ms or 1,
+            self._keys.lookup,
+        )
 
     # -- the queued path (this reporter's thread) -----------------------------------
 
