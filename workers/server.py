@@ -158,7 +158,6 @@ class RedisAsyncLookupServer:
             ),
             "last_heartbeat": loop.heartbeat.last_beat,
             "ready": loop.ready.is_set(),
-            "settles_later": loop.settles_later,
             "alive": loop.alive() and self._sweeper.alive(),
         }
 

@@ -279,13 +279,6 @@ class LeanLink:
             self._drop()
             raise
 
-    def pack(self, commands: Sequence[Command]) -> bytes:
-        """The wire bytes of ``commands`` on this link's connection (:meth:`call_packed`)."""
-        conn = self._conn
-        if conn is None or not conn.is_connected:
-            conn = self._connection()
-        return b"".join(self._pack(conn, commands))
-
     @property
     def accepts_direct(self) -> bool:
         """Whether :meth:`send_nowait` can write on the current connection."""

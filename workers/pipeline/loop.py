@@ -3,24 +3,17 @@
 Each turn takes one batch (:class:`~workers.pipeline.reader.Reader`), hands each entry
 to the :class:`~workers.pipeline.dispatch.Dispatcher` (the lifecycle decides, the engine
 starts), and writes the reports made meanwhile, the batch's XACK and the next
-XREADGROUP BLOCK without waiting in between, on
-lean links (:class:`~broker_lookup.transport.lean.LeanLink`: raw commands on redis-py
-connections; a ``ClientLink`` over redis-py's pipeline for Redis Cluster). Where the
-links take packed writes (not on Cluster or fakeredis), the XACK and the reports go on
-a second connection and their replies are read when the next read returns: they wait
-in that socket instead of waking the thread between a batch and its next read. The
-next turn starts by taking that read's reply (then settling the last batch's reports).
-Elsewhere all of it is one write on one connection, the replies read at once. A turn
-whose heartbeat is due, a replay read and a stop send acks and reports the single-write
-way: nothing is left to settle, and a replay never reads an entry whose XACK is still in
-flight. Reports the engine makes later, on its own threads, go through the reporter's
-thread instead.
+XREADGROUP BLOCK at once: one round trip per batch, on a
+:class:`~broker_lookup.transport.lean.LeanLink` (raw commands on one redis-py
+connection; a ``ClientLink`` over redis-py's pipeline for Redis Cluster). The next
+turn starts by taking that read's reply. A turn whose heartbeat is due sends no read
+with its acks: it keeps the group and the heartbeat first. Reports the engine makes
+later, on its own threads, go through the reporter's thread instead.
 
 Errors: a missing group (NOGROUP) is re-created at once; any other Redis error is
 counted and backed off; after either, the own pending entries are read again, so
 nothing read stays unserved (a lost reply to the acks or to the read drops the
-connection: what it delivered is still pending, and re-reported idempotently; reports
-whose replies were lost are queued for the reporter's thread).
+connection: what it delivered is still pending, and re-reported idempotently).
 Anything else is a bug, counted and logged by the loop's guard, and the loop goes on.
 """
 
@@ -40,7 +33,7 @@ from broker_lookup.errors import BrokerLookupError, NoGroup, translate_redis_err
 from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.threads import LoopThread
-from broker_lookup.transport.lean import LeanLink, Link, open_link
+from broker_lookup.transport.lean import Link, open_link
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.dispatch import Dispatcher
 from workers.pipeline.heartbeat import Heartbeat
@@ -53,12 +46,6 @@ __all__ = ["RankLoop"]
 ERROR_BACKOFF_S = 0.2
 #: How often the group's pending count and lag are read (for stats and metrics).
 GROUP_INFO_EVERY_S = 5.0
-
-
-def _splits(link: Link, acks: Link) -> bool:
-    """Whether the acks and reports can go on ``acks`` while ``link`` reads: both lean
-    links that take packed writes (not a Cluster client's, not fakeredis')."""
-    return all(isinstance(x, LeanLink) and x.accepts_packed for x in (link, acks))
 
 
 class RankLoop(LoopThread):
@@ -102,8 +89,6 @@ class RankLoop(LoopThread):
         #: Set while the group exists and the loop is reading.
         self.ready = threading.Event()
         self._next_group_info = 0.0
-        #: The connection the acks and reports go on when they settle a turn later.
-        self._acks: LeanLink | None = None
         self._serving = f"serving {keys.requests} as {keys.group(rank)}"
 
     def _run(self) -> None:
@@ -114,36 +99,19 @@ class RankLoop(LoopThread):
             # socket timeout and could swallow a delivery.
             client.set_retry(Retry(NoBackoff(), 0))
         link = open_link(client)
-        # The acks and reports go on a connection of their own where both take packed
-        # writes: their replies then wait in its socket until the next turn instead of
-        # waking this thread between a batch and the next read.
-        acks = open_link(client)
-        self._acks = acks if isinstance(acks, LeanLink) and _splits(link, acks) else None
         try:
             # A read sent with the last batch's acks is still served at a stop: what it
             # delivers is answered, not left pending until a restart replays it.
             while not self._stop.is_set() or link.reading:
                 self._turn(link, client)
-            try:
-                self._settle_written(client)
-            except BrokerLookupError:
-                pass  # its reports were queued: the reporter's thread sends them as it stops
         finally:
             self.heartbeat.clear(link)
             link.close()
-            acks.close()
             client.close()
-
-    @property
-    def settles_later(self) -> bool:
-        """Whether the acks and reports go on their own connection, settled a turn later."""
-        return self._acks is not None
 
     def _turn(self, link: Link, client: redis.Redis) -> None:
         try:
             if not link.reading:
-                # Before any read: a replay must not see entries whose XACK is in flight.
-                self._settle_written(client)
                 if not self.ready.is_set():  # first turn, or after an error: the group may be gone
                     self.reader.ensure_group(link)
                     self.ready.set()
@@ -152,8 +120,6 @@ class RankLoop(LoopThread):
             # One translation for the whole hot path (it costs as much as a command).
             with translate_redis_errors(self._serving):
                 reply = link.take_read()
-                if self._acks is not None:
-                    self._reporter.settle_written(self._acks, client)
                 self._serve(link, client, self.reader.parse(reply))
             self._fingerprint.tick()
         except NoGroup as exc:
@@ -180,18 +146,7 @@ class RankLoop(LoopThread):
                 self._dispatcher.handle(msg, remaining_ms)
         piggyback = not (self._stop.is_set() or self.heartbeat.due(time.monotonic()))
         read = self.reader.read_command() if piggyback else None
-        served = Served(reports, batch.ack_ids, batch.dead)
-        if self._acks is not None and read is not None and not self.reader.replay_sent:
-            self._reporter.send_to_settle_later(self._acks, served)
-            link.call([], read)
-        else:
-            self._reporter.send_with_ack(link, client, served, read)
-
-    def _settle_written(self, client: redis.Redis) -> None:
-        """Settle the last batch's reports now if their replies were left for later."""
-        if self._acks is not None:
-            with translate_redis_errors(self._serving):
-                self._reporter.settle_written(self._acks, client)
+        self._reporter.send_with_ack(link, client, Served(reports, batch.ack_ids, batch.dead), read)
 
     def _keep_alive(self, link: Link) -> None:
         """The heartbeat when due, with a fresh sample of the server's clock and group info."""

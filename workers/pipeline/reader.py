@@ -173,11 +173,6 @@ class Reader:
             return (*head, "STREAMS", self._keys.requests, "0")
         return (*head, "BLOCK", self._config.block_ms, "STREAMS", self._keys.requests, ">")
 
-    @property
-    def replay_sent(self) -> bool:
-        """Whether the last read asked for (:meth:`read_command`) re-reads own pending entries."""
-        return self._sent_replaying
-
     def parse(self, reply: Any) -> Batch:
         """The batch of one XREADGROUP reply (raw or redis-py's shape); dead letters named.
 

@@ -129,8 +129,6 @@ class Reporter(Batcher[Report]):
         self._riding: list[Report] | None = None  # open while the read loop serves a batch
         self._window = _Window(self)
         self._packer = self._new_packer()
-        #: The read loop's write whose replies it reads on its next turn (its thread only).
-        self._unsettled: Served | None = None
         #: Reports that did not fit in the queue.
         self.overflows = 0
 
@@ -166,48 +164,9 @@ class Reporter(Batcher[Report]):
         (the loop translates its whole turn at once): the entries stay pending and are
         read again, then deduped.
         """
-        try:
-            replies = self._write(link, batch, read)
-        except (BrokerLookupError, RedisError):
-            self._requeue(batch)
-            raise
-        self._finish(link, client, batch, replies)
-
-    def send_to_settle_later(self, link: LeanLink, batch: Served) -> None:
-        """Write ``batch`` on ``link``, a connection of its own, without waiting for the
-        replies: :meth:`settle_written` reads them on the loop's next turn, when they have
-        long arrived, so their arrival wakes no thread. Errors as :meth:`send_with_ack`."""
-        if self._unsettled is not None:
-            raise RuntimeError("Reporter.send_to_settle_later before the last write settled")
-        try:
-            self._write(link, batch, None, wait=False)
-        except (BrokerLookupError, RedisError):
-            self._requeue(batch)
-            raise
-        self._unsettled = batch
-
-    def settle_written(self, link: LeanLink, client: redis.Redis) -> None:
-        """Read the replies of the write :meth:`send_to_settle_later` left on ``link`` (if
-        any) and settle its reports; errors as :meth:`send_with_ack`."""
-        batch = self._unsettled
-        if batch is None:
-            return
-        self._unsettled = None
-        try:
-            replies = link.replies(
-                len(batch.dead) + (1 if batch.ack_ids else 0) + len(batch.reports)
-            )
-        except (BrokerLookupError, RedisError):
-            self._requeue(batch)
-            raise
-        self._finish(link, client, batch, replies)
-
-    def _finish(self, link: Link, client: redis.Redis, batch: Served, replies: list[Any]) -> None:
-        """Settle ``batch``'s reports by their ``replies``, once the dead letters' and the
-        XACK's showed no error; scripts the server lost are loaded and run again."""
         reports = batch.reports
-        ahead = len(batch.dead) + (1 if batch.ack_ids else 0)
         try:
+            replies, ahead = self._write(link, batch, read)
             for reply in replies[:ahead]:
                 if isinstance(reply, ResponseError):
                     raise reply
@@ -218,39 +177,27 @@ class Reporter(Batcher[Report]):
                 calls = [self._call(r) for r in reports]
                 results = self._scripts.rerun_missing(link, client, calls, results)
         except (BrokerLookupError, RedisError):
-            self._requeue(batch)
+            for report in reports:
+                self._enqueue(report)
             raise
         for report, result in zip(reports, results, strict=True):
             self._settle(report, self._answer(result))
 
-    def _requeue(self, batch: Served) -> None:
-        for report in batch.reports:
-            self._enqueue(report)
-
-    def _write(
-        self, link: Link, batch: Served, read: Command | None, wait: bool = True
-    ) -> list[Any]:
-        """Write ``batch`` and ``read`` on ``link``; the replies (none read unless ``wait``:
-        then ``link`` must be a :class:`LeanLink` that accepts packed bytes)."""
-        n = len(batch.dead) + (1 if batch.ack_ids else 0) + len(batch.reports)
-        if not (isinstance(link, LeanLink) and link.accepts_packed):
-            if not wait:
-                raise RuntimeError("Reporter: only a packing LeanLink leaves replies for later")
-            return link.call(self._commands(batch), read)
-        data = None
-        if self._packer is not None and not batch.dead:
-            data = self._packer.pack(batch.ack_ids, batch.reports, read)
-        if data is None:
-            data = link.pack([*self._commands(batch), *([read] if read is not None else [])])
-        return link.call_packed(data, n if wait else 0, read is not None)
-
-    def _commands(self, batch: Served) -> list[Command]:
-        """``batch``'s dead letters, XACK and reports, as the Python path builds them."""
+    def _write(self, link: Link, batch: Served, read: Command | None) -> tuple[list[Any], int]:
+        """Write ``batch`` and ``read`` on ``link``: the replies, and how many of them come
+        before the reports' (the dead letters' and the XACK's)."""
+        ahead = len(batch.dead) + (1 if batch.ack_ids else 0)
+        if self._packer is not None and not batch.dead and isinstance(link, LeanLink):
+            if link.accepts_packed:
+                data = self._packer.pack(batch.ack_ids, batch.reports, read)
+                if data is not None:
+                    n = ahead + len(batch.reports)
+                    return link.call_packed(data, n, read is not None), ahead
         commands: list[Command] = list(batch.dead)
         if batch.ack_ids:
             commands.append(("XACK", self._stream, self._group, *batch.ack_ids))
         commands += [self._scripts.command(self._call(r)) for r in batch.reports]
-        return commands
+        return link.call(commands, read), ahead
 
     def _new_packer(self) -> _pack.Packer | None:
         """The C packer of the loop's write, fixed per rank; None without the extension."""
