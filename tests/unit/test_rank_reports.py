@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
+import fakeredis
 import pytest
+from helpers import wait_until
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.protocol.keys import KeySpace
@@ -74,3 +77,34 @@ def test_a_report_beyond_the_bounded_queue_is_answered_overflow(
 def test_one_request_configs_rule_for_client_and_ranks(configs: object, kind: str | None) -> None:
     problem = request_configs_problem(configs, 64)
     assert (problem.kind if problem else None) == kind
+
+
+def test_an_idle_reporter_thread_sleeps_until_a_report_rings_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No idle ticks inside a vLLM worker: the thread wakes for reports, not for a clock."""
+    fake = fakeredis.FakeServer()
+    settled: list[tuple[Report, str]] = []
+    reporter = Reporter(
+        LookupConfig(),
+        KeySpace("e"),
+        0,
+        lambda: fakeredis.FakeRedis(server=fake),
+        lambda r, a: settled.append((r, a)),
+    )
+    wakes = 0
+
+    def counting(client: Any) -> None:
+        nonlocal wakes
+        wakes += 1
+
+    monkeypatch.setattr(reporter, "_idle", counting)
+    reporter.start()
+    try:
+        time.sleep(0.5)  # five ticks of the Batcher's default
+        assert wakes <= 1
+        reporter.put(Report("late", 1, 4))  # queued: rings the sleeping thread
+        wait_until(lambda: bool(settled), timeout=5, message="the queued report sent")
+    finally:
+        assert reporter.stop(5)
+    assert settled[0][0] == Report("late", 1, 4)
