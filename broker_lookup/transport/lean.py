@@ -248,13 +248,8 @@ class LeanLink:
         conn = self._conn
         if conn is None or not conn.is_connected:
             conn = self._connection()
-        try:
-            conn.send_packed_command(self._pack(conn, wire))
-            self._on_wire = read is not None and not self._defer
-            return read_replies(conn, len(commands)) if commands else []
-        except BaseException:
-            self._drop()
-            raise
+        reads = read is not None and not self._defer
+        return self._send(conn, self._pack(conn, wire), len(commands), reads)
 
     @property
     def accepts_packed(self) -> bool:
@@ -271,9 +266,14 @@ class LeanLink:
         conn = self._conn
         if conn is None or not conn.is_connected:
             conn = self._connection()
+        return self._send(conn, [data], n, read)
+
+    def _send(self, conn: Any, chunks: list[bytes], n: int, reads: bool) -> list[Any]:
+        """Write ``chunks`` on ``conn``; the replies of the first ``n`` commands. ``reads``:
+        the write ends with a read whose reply stays on the wire. Errors drop the connection."""
         try:
-            conn.send_packed_command([data])
-            self._on_wire = read
+            conn.send_packed_command(chunks)
+            self._on_wire = reads
             return read_replies(conn, n) if n else []
         except BaseException:
             self._drop()

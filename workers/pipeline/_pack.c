@@ -204,33 +204,26 @@ static int put_report(Packer *self, Buf *buf, PyObject *report) {
     if (key == NULL) {
         return -1;
     }
-    int put = 1;
-    if (put_bytes(buf, self->report_head) < 0) {
-        put = -1;
-    }
-    if (put == 1) {
-        put = PyUnicode_CheckExact(key) ? put_arg(buf, key) : 0;
-    }
+    int put = put_bytes(buf, self->report_head) < 0 ? -1
+              : PyUnicode_CheckExact(key)           ? put_arg(buf, key)
+                                                    : 0;
     Py_DECREF(key);
-    if (put == 1 && put_bytes(buf, self->report_mid) < 0) {
-        put = -1;
+    if (put != 1) {
+        return put;
     }
-    if (put == 1) {
-        put = put_arg(buf, gen);
+    if (put_bytes(buf, self->report_mid) < 0) {
+        return -1;
     }
-    if (put == 1) {
-        put = put_arg(buf, hits);
+    if ((put = put_arg(buf, gen)) != 1 || (put = put_arg(buf, hits)) != 1) {
+        return put;
     }
-    if (put == 1 && put_bytes(buf, self->maxlen) < 0) {
-        put = -1;
+    if (put_bytes(buf, self->maxlen) < 0) {
+        return -1;
     }
-    if (put == 1) {
-        put = put_arg(buf, lookup_id);
+    if ((put = put_arg(buf, lookup_id)) != 1) {
+        return put;
     }
-    if (put == 1 && put_bytes(buf, self->ttl) < 0) {
-        put = -1;
-    }
-    return put;
+    return put_bytes(buf, self->ttl) < 0 ? -1 : 1;
 }
 
 /* The whole write; same return convention as put_arg. */

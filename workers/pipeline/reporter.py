@@ -192,12 +192,12 @@ class Reporter(Batcher[Report]):
         """Write ``batch`` and ``read`` on ``link``: the replies, and how many of them come
         before the reports' (the dead letters' and the XACK's)."""
         ahead = len(batch.dead) + (1 if batch.ack_ids else 0)
-        if self._packer is not None and not batch.dead and isinstance(link, LeanLink):
-            if link.accepts_packed:
-                data = self._packer.pack(batch.ack_ids, batch.reports, read)
-                if data is not None:
-                    n = ahead + len(batch.reports)
-                    return link.call_packed(data, n, read is not None), ahead
+        packer = self._packer if not batch.dead else None
+        if packer is not None and isinstance(link, LeanLink) and link.accepts_packed:
+            data = packer.pack(batch.ack_ids, batch.reports, read)
+            if data is not None:
+                n = ahead + len(batch.reports)
+                return link.call_packed(data, n, read is not None), ahead
         commands: list[Command] = list(batch.dead)
         if batch.ack_ids:
             commands.append(("XACK", self._stream, self._group, *batch.ack_ids))
