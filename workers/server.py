@@ -10,7 +10,8 @@ rank's parts together; each is one step of the data path::
                             Reporter.send_with_ack: the reports made meanwhile + XACK
     engine (any thread)     send_response_to_scheduler -> Dispatcher.report -> Reporter
     Reporter (its thread)   report.lua for queued reports -> Dispatcher.settle
-    Sweeper (its thread)    Dispatcher.sweep: the watchdog's 0s, pins past their TTL
+    Sweeper (its thread)    Dispatcher.sweep: the watchdog's 0s, pins past their TTL,
+                            when the Lifecycle's plan says (no idle tick)
 
 What happens to each lookup id is decided by one
 :class:`~workers.pipeline.lifecycle.Lifecycle` (running -> reporting -> held ->
@@ -38,8 +39,12 @@ __all__ = ["RedisAsyncLookupServer"]
 
 logger = logging.getLogger(__name__)
 
-#: How often the watchdog, pin TTL and memo expiry run.
+#: The least time between two sweeps (watchdog, pin TTL, memo expiry, progress): a busy
+#: rank sweeps at this period, an idle one when something falls due.
 SWEEP_EVERY_S = 0.05
+#: The longest the sweeper sleeps with nothing due: what a lost ring could delay a
+#: watchdog by (its grace is 2 s by default); memos expire at most this late.
+SWEEP_IDLE_S = 1.0
 
 
 class RedisAsyncLookupServer:
@@ -74,6 +79,7 @@ class RedisAsyncLookupServer:
             cfg.worker_pin_ttl_ms / 1000,
             cfg.key_ttl_ms / 1000,
             cfg.worker_watchdog_grace_ms / 1000,
+            progress_delay_s=SWEEP_EVERY_S,
         )
         #: Publishes this rank's hashing fingerprint from the read loop, and checks.
         self.fingerprint = Publisher(
@@ -81,7 +87,14 @@ class RedisAsyncLookupServer:
         )
         self._dispatcher = Dispatcher(engine, self.tracker, cfg, self.keys, self.rank, factory)
         self._reporter = self._dispatcher.reporter
-        self._sweeper = Sweeper(f"rank {self.rank} sweeper", SWEEP_EVERY_S, self._dispatcher.sweep)
+        self._sweeper = Sweeper(
+            f"rank {self.rank} sweeper",
+            self._dispatcher.sweep,
+            self.tracker.plan_sweep,
+            SWEEP_EVERY_S,
+            SWEEP_IDLE_S,
+        )
+        self.tracker.ring_sweeper(self._sweeper.ring)
         self._loop = RankLoop(
             cfg,
             self.keys,

@@ -18,6 +18,7 @@ from helpers import Backend, MakeClient, MakeServer, stream_fields, text, wait_u
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
 from broker_lookup.tools.stub_engine import StubEngine
+from workers import server as server_module
 from workers.server import RedisAsyncLookupServer
 
 TOKENS = prompt(0, chunks=10)
@@ -101,6 +102,31 @@ def test_watchdog_reports_zero_itself_and_a_late_report_changes_nothing(
     assert _counts(server)["report_late"] == 1
     assert _hash(conn, ks, "d9")["result"] == "0"
     assert engine.released == ["d9"]
+
+
+def test_an_idle_rank_sleeps_and_the_watchdog_still_fires_on_time(
+    make_server: MakeServer,
+    backend: Backend,
+    engine_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sweeper has no idle tick: with nothing due it sleeps (here up to a minute), and
+    the lookup's watchdog timer rings it, so the engine's silence is still answered 0."""
+    monkeypatch.setattr(server_module, "SWEEP_IDLE_S", 60.0)
+    ks = KeySpace(engine_id)
+    engine = StubEngine()
+    server = make_server(engine, worker_watchdog_grace_ms=200)
+    ready(server)
+    sweeper = server._sweeper
+    before = sweeper.sweeps
+    time.sleep(0.5)  # ten sweeps of the old 50 ms tick
+    assert sweeper.sweeps - before <= 1
+    conn = backend.factory()
+    _submit(conn, ks, "quiet", gen=1, budget_ms=300)
+    wait_until(lambda: engine.started_ids() == ["quiet"])
+    wait_until(lambda: _hash(conn, ks, "quiet").get("result") == "0", timeout=10)
+    assert _counts(server)["watchdog"] == 1
+    assert engine.released == ["quiet"]
 
 
 def test_stale_answer_of_an_old_generation_never_releases_the_new_one(

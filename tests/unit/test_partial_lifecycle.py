@@ -31,29 +31,29 @@ def running(lookup_id: str = "a", gen: int = 1) -> Lifecycle:
 
 def test_progress_is_taken_once_and_only_when_it_grew() -> None:
     t = running()
-    assert t.on_progress("a", 4)
-    assert not t.on_progress("a", 4)  # not above what it confirmed
-    assert not t.on_progress("a", 3)
-    assert t.on_progress("a", 8)
+    assert t.on_progress("a", 4, 0.0)
+    assert not t.on_progress("a", 4, 0.0)  # not above what it confirmed
+    assert not t.on_progress("a", 3, 0.0)
+    assert t.on_progress("a", 8, 0.0)
     [job] = t.take_progress()
     assert (job.lookup_id, job.gen, job.progress) == ("a", 1, 8)
     assert t.take_progress() == []  # nothing grew since
-    assert t.on_progress("a", 12)
+    assert t.on_progress("a", 12, 0.0)
     assert [j.progress for j in t.take_progress()] == [12]
 
 
 def test_progress_of_an_id_that_does_not_run_is_ignored() -> None:
     t = running()
-    assert not t.on_progress("other", 4)
+    assert not t.on_progress("other", 4, 0.0)
     t.on_report("a", 1.0)  # reporting now: its final answer is on the way
-    assert not t.on_progress("a", 4)
+    assert not t.on_progress("a", 4, 0.0)
     assert t.take_progress() == []
     assert t.sizes()["progressed"] == 0
 
 
 def test_progress_map_forgets_released_jobs() -> None:
     t = running()
-    t.on_progress("a", 4)
+    t.on_progress("a", 4, 0.0)
     assert t.sizes()["progressed"] == 1
     assert t.on_abort("a", 1, 1.0) == NOTHING  # running: released once it reports
     outcome, _, step = t.on_report("a", 1.5)
@@ -64,7 +64,7 @@ def test_progress_map_forgets_released_jobs() -> None:
 
 def test_keep_of_a_running_job_trims_then_holds_it_without_a_report() -> None:
     t = running()
-    t.on_progress("a", 8)
+    t.on_progress("a", 8, 0.0)
     decision, step = t.on_keep("a", 1, 8)
     assert decision == "kept" and step == Step(keep=8)
     assert t.take_progress() == []  # decided: its progress is worth nothing now

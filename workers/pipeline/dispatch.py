@@ -139,7 +139,7 @@ class Dispatcher:
         if type(tokens) is not int or tokens <= 0:
             self.count("progress_invalid")
             return
-        self._tracker.on_progress(lookup_id, tokens)
+        self._tracker.on_progress(lookup_id, tokens, time.monotonic())
 
     # -- from the reporter -----------------------------------------------------------
 

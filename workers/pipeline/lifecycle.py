@@ -27,6 +27,12 @@ generation of that id runs is counted as late and changes nothing; if a newer
 generation already runs, the two cannot be told apart (LMCache's engine contract has
 no generation), and the report counts for the newer one.
 
+When the sweeper runs is planned here too (:meth:`Lifecycle.plan_sweep`): at the
+earliest timer, hold, memo expiry or progress to send, or at once for holds beyond
+``capacity``. A timer, hold or progress due before the sweeper's planned wake rings it
+(memos only free memory: their expiry waits for the next sweep). So an idle rank's
+sweeper sleeps instead of ticking, and a busy one sweeps no more often than before.
+
 Bounds: ``held`` by the pin TTL and ``capacity``; ``running`` and ``reporting`` by
 time (the watchdog, and the pin TTL for a report that never settles); ``waiting`` by
 one per tracked id; the memos by ``capacity`` and time; the timer heap by time.
@@ -36,8 +42,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -97,9 +105,18 @@ class Lifecycle:
         pin_ttl_s: How long a reported generation's pins are held at most.
         memo_ttl_s: How long a seen or aborted (id, gen) is remembered.
         grace_s: How long past its deadline a running generation may stay unreported.
+        progress_delay_s: How long progress waits before it is sent, so that a lookup
+            which ends meanwhile costs no write for it.
     """
 
-    def __init__(self, capacity: int, pin_ttl_s: float, memo_ttl_s: float, grace_s: float) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        pin_ttl_s: float,
+        memo_ttl_s: float,
+        grace_s: float,
+        progress_delay_s: float = 0.05,
+    ) -> None:
         self._lock = threading.Lock()
         self._capacity = capacity
         self._pin_ttl_s = pin_ttl_s
@@ -118,6 +135,13 @@ class Lifecycle:
         # much, and the lifecycle updates it several times per lookup.
         self._states: dict[str, int] = dict.fromkeys(_STATES, 0)
         self._events: Counter[str] = Counter()
+        self._progress_delay_s = progress_delay_s
+        self._progress_due = math.inf  # when the oldest progress not yet taken is sent
+        # The sweeper's plan: when it wakes next, and the soonest it may sweep. Until it
+        # first plans it is awake (it plans before it sleeps), so nothing rings it.
+        self._wake_at = -math.inf
+        self._soonest = -math.inf
+        self._ring: Callable[[], None] | None = None
 
     # -- the three inputs -----------------------------------------------------------
 
@@ -183,7 +207,7 @@ class Lifecycle:
                 return NOTHING
             return self._finish(job, now)
 
-    def on_progress(self, lookup_id: str, tokens: int) -> bool:
+    def on_progress(self, lookup_id: str, tokens: int, now: float) -> bool:
         """The engine confirmed ``tokens`` of ``lookup_id``'s prefix loaded and pinned.
 
         True if that is news worth sending (the generation runs and ``tokens`` is above
@@ -194,6 +218,11 @@ class Lifecycle:
             if job is None or job.state != "running" or not job.progress < tokens <= job.tokens:
                 return False
             job.progress = tokens
+            if not self._progressed:
+                # Sent once it is this old: a lookup that ends sooner costs no write.
+                self._progress_due = now + self._progress_delay_s
+                if self._progress_due < self._wake_at:
+                    self._sooner(self._progress_due)
             self._progressed[lookup_id] = job
             return True
 
@@ -241,6 +270,22 @@ class Lifecycle:
             return NOTHING
 
     # -- time -------------------------------------------------------------------------
+
+    def plan_sweep(self, soonest: float, latest: float) -> float:
+        """When the sweeper runs next (monotonic): the earliest timer, hold or memo expiry,
+        progress to send, or at once for holds beyond ``capacity``, kept within
+        [``soonest``, ``latest``]. Until then, what falls due sooner rings it
+        (:meth:`ring_sweeper`)."""
+        with self._lock:
+            wake = min(max(self._next_due(), soonest), latest)
+            self._wake_at = wake
+            self._soonest = soonest
+            return wake
+
+    def ring_sweeper(self, ring: Callable[[], None]) -> None:
+        """Call ``ring`` (any thread, lock held: it must only signal) when something falls
+        due before the sweeper's planned wake."""
+        self._ring = ring
 
     def due(self, now: float) -> list[tuple[str, Job, Step]]:
         """Generations whose time ran out, now released: ``watchdog`` (never reported by
@@ -332,7 +377,12 @@ class Lifecycle:
 
     def _hold(self, job: Job, now: float) -> None:
         self._move(job, "held")
-        self._held[job.lookup_id] = now + self._pin_ttl_s
+        until = now + self._pin_ttl_s
+        self._held[job.lookup_id] = until
+        if until < self._wake_at:
+            self._sooner(until)
+        elif len(self._held) > self._capacity and self._soonest < self._wake_at:
+            self._sooner(-math.inf)  # over capacity: the oldest goes at the next sweep
 
     def _move(self, job: Job, state: State) -> None:
         self._states[job.state] -= 1
@@ -341,3 +391,26 @@ class Lifecycle:
 
     def _timer(self, when: float, job: Job) -> None:
         heapq.heappush(self._timers, (when, next(self._seq), job.lookup_id, job.gen, job.state))
+        if when < self._wake_at:
+            self._sooner(when)
+
+    def _sooner(self, when: float) -> None:
+        """Something falls due at ``when``, before the sweeper's planned wake: bring the
+        wake forward (never before the soonest sweep allowed) and ring it."""
+        when = max(when, self._soonest)
+        if when < self._wake_at:
+            self._wake_at = when
+            if self._ring is not None:
+                self._ring()
+
+    def _next_due(self) -> float:
+        """When the sweep has work next: -inf for now, inf for never."""
+        if len(self._held) > self._capacity:
+            return -math.inf
+        due = self._timers[0][0] if self._timers else math.inf
+        if self._progressed:
+            due = min(due, self._progress_due)
+        if self._held:
+            due = min(due, next(iter(self._held.values())))
+        memos = (self._seen, self._aborted, self._late)
+        return min(due, *(memo.next_expiry() for memo in memos))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Generic, TypeVar
@@ -43,6 +44,10 @@ class Memo(Generic[K]):
             if expires > now:
                 break
             del self._items[key]
+
+    def next_expiry(self) -> float:
+        """When the oldest key expires (monotonic seconds); inf when empty."""
+        return next(iter(self._items.values()), math.inf)
 
     def clear(self) -> None:
         """Forget everything."""
