@@ -25,6 +25,7 @@ from broker_lookup.tools.bench.command import (
     run_bench,
     run_features_cost,
 )
+from broker_lookup.tools.bench.figures import RATIO_VARIANT
 from broker_lookup.tools.bench.floor import native_floor_built
 from broker_lookup.tools.bench.lmcache_side import VARIANTS, require_lmcache
 from broker_lookup.tools.bench.measure import BenchError
@@ -116,6 +117,10 @@ def _check_ours(ours: dict[str, Any], opts: BenchOptions) -> None:
     ):
         _positive(pending[key], key)
     assert pending["key_bytes_per_lookup"] < 64 * 1024
+    idle = ours["idle"]  # every engine's ranks (the mute one's too), then one client
+    assert idle["rank_processes"] == sum(opts.worlds) + 1
+    _positive(idle["rank_ms_per_s"], "an idle rank's CPU")  # it beats and reads: never 0
+    _positive(idle["scheduler_ms_per_s"], "an idle client's CPU")
     assert isinstance(pending["redis_bytes_per_lookup"], float)  # a shared server may blur it
 
 
@@ -230,6 +235,9 @@ def _check_issue12_shape(results: dict[str, Any], opts: BenchOptions) -> None:
         _positive(ratio["throughput"], f"{name} throughput ratio")
         _positive(ratio["in_flight_cpu_per_lookup"], f"{name} CPU in flight ratio")
         _positive(ratio["hashing_speedup"]["8192"]["tensor"], f"{name} hashing speed-up")
+    theirs = results["figures"]["lmcache"][RATIO_VARIANT]["idle"]
+    assert theirs["rank_processes"] == sum(opts.worlds)
+    assert theirs["rank_ms_per_s"] >= 0 and theirs["scheduler_ms_per_s"] >= 0
     names = " | ".join(t["name"] for t in results["targets"])
     for part in (
         "rank CPU per lookup, one in flight, world 1",
@@ -252,6 +260,7 @@ def _check_issue12_shape(results: dict[str, Any], opts: BenchOptions) -> None:
         "ours / LMCache backoff0",
         "LMCache / ours",
         "Targets (ratios: ours / LMCache backoff0",
+        "Idle: no lookup, every rank process up, one client",
     ):
         assert line in table
 

@@ -67,6 +67,8 @@ def _side(side: dict[str, Any]) -> dict[str, Any]:
     }
     if "throughput" in side:
         out["in_flight"] = _in_flight(side["throughput"])
+    if "idle" in side:
+        out["idle"] = side["idle"]
     return out
 
 
@@ -127,6 +129,10 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
                 mine_cpu.get("total", 0) - mine_cpu.get("redis", 0), theirs_cpu.get("total")
             ),
             "hashing_speedup": speedups,
+            "idle": {
+                k: _ratio(ours.get("idle", {}).get(k), lm.get("idle", {}).get(k))
+                for k in ("rank_ms_per_s", "scheduler_ms_per_s")
+            },
         }
     return out
 

@@ -30,6 +30,7 @@ from broker_lookup.tools.bench.measure import (
     Prompts,
     closed_loop,
     cpu_seconds_of,
+    idle_cpu,
     sequential_latency,
 )
 from broker_lookup.tools.bench.rank_host import RankSpec, host_parser, ready, run_host
@@ -183,6 +184,19 @@ def _variant_run(
         _close_safely(lm, client, path, lm.Response(lookup_id="bench-stop", num_hit_tokens=0))
 
 
+def _idle(
+    lm: SimpleNamespace, opts: BenchOptions, eid: str, world: int, rank_pids: list[int]
+) -> dict[str, float]:
+    """Every rank process and one backoff-0 client, with no lookup (see :func:`idle_cpu`)."""
+    client = lm.Client(_config(lm, VARIANTS["backoff0"]), _metadata(lm, eid, world, 0))
+    path = lm.path(eid, "lookup_scheduler", 0, 0)
+    try:
+        time.sleep(0.5)  # past the client's start-up, as for ours
+        return idle_cpu(rank_pids, opts.idle_s)
+    finally:
+        _close_safely(lm, client, path, lm.Response(lookup_id="bench-stop", num_hit_tokens=0))
+
+
 def _cpu_per_1000(start: tuple[float, float, float], pids: list[int], n: int) -> dict[str, float]:
     now = (time.process_time(), time.thread_time(), cpu_seconds_of(pids))
     k = 1000 / max(1, n)
@@ -208,6 +222,9 @@ def bench_lmcache(opts: BenchOptions, run_id: str) -> dict[str, Any]:
         "lmcache rank host", argv, dict(os.environ), sum(ids), opts.startup_timeout_s
     )
     try:
+        every_rank = [pid for ranks in pids.values() for pid in ranks.values()]
+        first = opts.worlds[0]
+        out["backoff0"]["idle"] = _idle(lm, opts, ids[first], first, every_rank)
         for w, eid in ids.items():
             for name, backoff in VARIANTS.items():
                 run = _variant_run(lm, opts, eid, w, backoff, list(pids[eid].values()))

@@ -29,6 +29,7 @@ __all__ = [
     "Prompts",
     "closed_loop",
     "cpu_seconds_of",
+    "idle_cpu",
     "sequential_latency",
     "summarize_ns",
 ]
@@ -61,6 +62,7 @@ class BenchOptions:
     duration_s: float = 5.0  #: length of each throughput run
     engines: tuple[int, ...] = (1, 4, 16)  #: concurrent engines (one client process each)
     pending: int = 1000  #: lookups left in flight for the memory and pending-count probes
+    idle_s: float = 5.0  #: how long the idle processes' CPU is measured, with no lookup
     hash_sizes: tuple[int, ...] = (1024, 8192, 32768, 131072)
     vs_lmcache: bool = False
     startup_timeout_s: float = 180.0
@@ -79,6 +81,7 @@ class BenchOptions:
                 "duration_s": 1.0,
                 "engines": (1, 2),
                 "pending": 200,
+                "idle_s": 1.0,
                 "hash_sizes": (1024, 8192),
             }
             overrides = {**small, **overrides}
@@ -181,6 +184,20 @@ def cpu_seconds_of(pids: Iterable[int]) -> float:
     schedstat where the kernel has it, else utime + stime from ``/proc/<pid>/stat``."""
     read = _schedstat_seconds if _PRECISE else _stat_seconds
     return sum(read(pid) or 0.0 for pid in pids)
+
+
+def idle_cpu(rank_pids: list[int], seconds: float) -> dict[str, float]:
+    """What idle processes cost, in ms of CPU a second, over ``seconds`` with no lookup:
+    each rank process (the average of ``rank_pids``) and this one, whose calling thread
+    sleeps, so what it spends is the client's threads (the scheduler process's share)."""
+    process, ranks = time.process_time(), cpu_seconds_of(rank_pids)
+    time.sleep(seconds)
+    k = 1000 / seconds
+    return {
+        "rank_ms_per_s": (cpu_seconds_of(rank_pids) - ranks) * k / max(1, len(rank_pids)),
+        "scheduler_ms_per_s": (time.process_time() - process) * k,
+        "rank_processes": len(rank_pids),
+    }
 
 
 def _pause(poll_s: float) -> None:

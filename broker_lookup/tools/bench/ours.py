@@ -26,6 +26,7 @@ from broker_lookup.tools.bench.measure import (
     Prompts,
     closed_loop,
     cpu_seconds_of,
+    idle_cpu,
     sequential_latency,
 )
 from broker_lookup.tools.bench.probe import pending_probe
@@ -149,6 +150,16 @@ def _world_run(
         client.close()
 
 
+def _idle(opts: BenchOptions, url: str, eid: str, rank_pids: list[int]) -> dict[str, float]:
+    """Every rank process and one client, with no lookup (see :func:`idle_cpu`)."""
+    client = client_for(url, eid, opts.worlds[0])
+    try:
+        time.sleep(0.5)  # past the client's start-up
+        return idle_cpu(rank_pids, opts.idle_s)
+    finally:
+        client.close()
+
+
 def latency_and_probes(opts: BenchOptions, url: str, run_id: str) -> dict[str, Any]:
     """Latency per world size, throughput at ``throughput_world``, the pending/memory probe."""
     engines = {engine_id(run_id, f"w{w}"): w for w in opts.worlds}
@@ -166,6 +177,8 @@ def latency_and_probes(opts: BenchOptions, url: str, run_id: str) -> dict[str, A
                 out["pending"] = pending_probe(client, Prompts(opts.tokens), opts.pending, server)
             finally:
                 client.close()
+            every_rank = [pid for ranks in pids.values() for pid in ranks.values()]
+            out["idle"] = _idle(opts, url, engine_id(run_id, f"w{opts.worlds[0]}"), every_rank)
             for w in opts.worlds:
                 eid = engine_id(run_id, f"w{w}")
                 run = _world_run(opts, url, eid, w, list(pids[eid].values()), server)

@@ -136,6 +136,21 @@ def _in_flight_cpu_rows(results: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _idle_rows(results: dict[str, Any]) -> list[str]:
+    figs = results["figures"]
+    ours = figs["ours"].get("idle")
+    if not ours:
+        return []
+    lm0 = figs.get("lmcache", {}).get(_LM0, {}).get("idle", {})
+    ratio = results.get("ratios", {}).get(_LM0, {}).get("idle", {})
+    rows = [f"{'':>18} {'ours':>6} {'LM0':>6} {'ratio':>5}"]
+    for key, name in (("rank_ms_per_s", "rank process"), ("scheduler_ms_per_s", "scheduler")):
+        rows.append(
+            f"{name:>18} {_f(ours.get(key)):>6} {_f(lm0.get(key)):>6} {_f(ratio.get(key)):>5}"
+        )
+    return rows
+
+
 def _hash_rows(results: dict[str, Any]) -> list[str]:
     lm = results.get("lmcache", {}).get("hashing", {})
     speedup = results.get("ratios", {}).get(_LM0, {}).get("hashing_speedup", {})
@@ -215,6 +230,10 @@ def render(results: dict[str, Any]) -> str:
         *_in_flight_cpu_rows(results),
         "",
         *_caller_rows(results),
+        "",
+        "Idle: no lookup, every rank process up, one client (ms of CPU a second; scheduler:"
+        " the client's threads)",
+        *_idle_rows(results),
         "",
         "CPU seconds per 1,000 lookups (throughput runs)",
         *_cpu_rows(results),
