@@ -83,6 +83,12 @@ DIRECT_CHECK_S = 0.005
 #: It keeps that pace this long after the caller's last submit before it sleeps long
 #: again, so a steady trickle of lookups never needs the bell.
 DIRECT_LINGER_S = 0.05
+#: The longest the thread sleeps with nothing queued or unanswered while Redis answers.
+#: Then its tick has nothing to do but log the breaker's transitions, and every item
+#: rings the bell; each idle wake-up costs the scheduler process about 0.15 ms of CPU.
+#: While the breaker is open it keeps the Batcher's short tick: it probes, and logs the
+#: closing, on time.
+HEALTHY_IDLE_S = 1.0
 
 
 class Submit(NamedTuple):
@@ -267,7 +273,9 @@ class Sender(Batcher[Item]):
     def _tick(self) -> float:
         if self._written or time.monotonic() - self._last_direct < DIRECT_LINGER_S:
             return DIRECT_CHECK_S
-        return super()._tick()
+        if self._torn or self._breaker.is_open():
+            return super()._tick()
+        return HEALTHY_IDLE_S
 
     def _settle_written(self, link: LeanLink, wait: bool, final: bool = False) -> None:
         """Read the replies of the caller's submits (those there, or all: ``wait``) and

@@ -100,10 +100,10 @@ class Batcher(LoopThread, Generic[T]):
 
     def _sleep(self) -> None:
         """Wait for the bell, at most :meth:`_tick`, unless items already wait."""
-        self._sleep_s = self._tick()
         self._asleep = True
-        # Checked after _asleep is set: an item queued before it is seen here, one
-        # queued after it rings the bell.
+        # The tick and the queue are read after _asleep is set: what a caller did before
+        # is seen here, what it does after rings the bell.
+        self._sleep_s = self._tick()
         if not self._queue and not self._stop.is_set():
             try:
                 self._bell.get(timeout=self._sleep_s)

@@ -8,6 +8,7 @@ after a kill, no connection left at close).
 
 from __future__ import annotations
 
+import time
 from typing import Any, cast
 
 import fakeredis
@@ -17,6 +18,7 @@ from faultkit import config
 from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
+from broker_lookup.client.sender import HEALTHY_IDLE_S
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import CANCEL, Call, ScriptSet
@@ -105,3 +107,28 @@ def test_resp3_replies_are_read_too(
         wait_until(lambda: engine.started_ids() == ["r3"])
         engine.report("r3", 16)
         assert wait_until(lambda: client.lookup_cache("r3") == 16)
+
+
+def test_an_idle_healthy_sender_sleeps_and_a_lookup_rings_it(
+    make_server: MakeServer, make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No idle ticks inside vLLM's scheduler process while Redis answers: the sender wakes
+    for lookups, cancels and their replies, not for a clock (its tick probes only while
+    the breaker is open, which the breaker tests cover)."""
+    engine, client = _ready_pair(make_server, make_client, submit_on_caller_thread=False)
+    sender = client._sender
+    wakes = 0
+    idle = sender._idle
+
+    def counting(redis_client: Any) -> None:
+        nonlocal wakes
+        wakes += 1
+        idle(redis_client)
+
+    monkeypatch.setattr(sender, "_idle", counting)
+    wait_until(lambda: sender._sleep_s == HEALTHY_IDLE_S, message="the sender's long sleep")
+    wakes = 0
+    time.sleep(0.5)  # five ticks of the Batcher's default
+    assert wakes <= 1
+    client.lookup(TOKENS, "rings")  # queued (not written by the caller): rings the sender
+    wait_until(lambda: engine.started_ids() == ["rings"], timeout=5, message="the lookup sent")
