@@ -221,8 +221,7 @@ class Lifecycle:
             if not self._progressed:
                 # Sent once it is this old: a lookup that ends sooner costs no write.
                 self._progress_due = now + self._progress_delay_s
-                if self._progress_due < self._wake_at:
-                    self._sooner(self._progress_due)
+                self._sooner(self._progress_due)
             self._progressed[lookup_id] = job
             return True
 
@@ -381,7 +380,7 @@ class Lifecycle:
         self._held[job.lookup_id] = until
         if until < self._wake_at:
             self._sooner(until)
-        elif len(self._held) > self._capacity and self._soonest < self._wake_at:
+        elif len(self._held) > self._capacity:
             self._sooner(-math.inf)  # over capacity: the oldest goes at the next sweep
 
     def _move(self, job: Job, state: State) -> None:
