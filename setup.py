@@ -30,6 +30,12 @@ setup(
             extra_compile_args=["-O2"],
         ),
         Extension(
+            "workers.pipeline._transitions",
+            ["workers/pipeline/_transitions.c"],
+            optional=True,
+            extra_compile_args=["-O2"],
+        ),
+        Extension(
             "broker_lookup.tools.bench._native_floor",
             ["broker_lookup/tools/bench/_native_floor.c"],
             optional=True,

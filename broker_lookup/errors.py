@@ -27,6 +27,7 @@ from types import TracebackType
 import redis.exceptions as rexc
 
 __all__ = [
+    "REDIS_ERRORS",
     "BrokerLookupError",
     "BrokerResponseError",
     "BrokerUnavailable",
@@ -36,6 +37,7 @@ __all__ = [
     "NoGroup",
     "UnknownScheme",
     "translate_redis_errors",
+    "translated",
 ]
 
 
@@ -101,15 +103,29 @@ class translate_redis_errors:  # lower case: it reads as the function it replace
     ) -> None:
         if exc is None:
             return
-        what = self._what
-        if isinstance(exc, (rexc.ConnectionError, rexc.TimeoutError)):
-            raise BrokerUnavailable(f"Redis unavailable while {what}: {exc}") from exc
-        if isinstance(exc, (rexc.RedisClusterException, rexc.ClusterError)):
-            # Redis Cluster: slot not covered, CLUSTERDOWN, redirects exhausted ("TTL
-            # exhausted"), no node reachable. RedisClusterException is no RedisError, and
-            # ClusterError no ConnectionError: untranslated, they would end a loop thread.
-            raise BrokerUnavailable(f"Redis Cluster unavailable while {what}: {exc}") from exc
-        if isinstance(exc, rexc.ResponseError):
-            if str(exc).startswith("NOGROUP"):
-                raise NoGroup(f"consumer group missing while {what}: {exc}") from exc
-            raise BrokerResponseError(f"Redis error while {what}: {exc}") from exc
+        ours = translated(exc, self._what)
+        if ours is not None:
+            raise ours from exc
+
+
+#: What :func:`translated` maps: a hot loop catches these around its whole turn and raises
+#: the translation, which costs nothing while no error is raised (the context manager
+#: costs three calls each time it is entered).
+REDIS_ERRORS = (rexc.RedisError, rexc.RedisClusterException)
+
+
+def translated(exc: BaseException, what: str) -> BrokerLookupError | None:
+    """Our exception for redis-py's ``exc`` raised while doing ``what``; None for any
+    other exception (it propagates as it is). Raise the result ``from exc``."""
+    if isinstance(exc, (rexc.ConnectionError, rexc.TimeoutError)):
+        return BrokerUnavailable(f"Redis unavailable while {what}: {exc}")
+    if isinstance(exc, (rexc.RedisClusterException, rexc.ClusterError)):
+        # Redis Cluster: slot not covered, CLUSTERDOWN, redirects exhausted ("TTL
+        # exhausted"), no node reachable. RedisClusterException is no RedisError, and
+        # ClusterError no ConnectionError: untranslated, they would end a loop thread.
+        return BrokerUnavailable(f"Redis Cluster unavailable while {what}: {exc}")
+    if isinstance(exc, rexc.ResponseError):
+        if str(exc).startswith("NOGROUP"):
+            return NoGroup(f"consumer group missing while {what}: {exc}")
+        return BrokerResponseError(f"Redis error while {what}: {exc}")
+    return None

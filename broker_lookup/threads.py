@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 
-__all__ = ["LoopGuard", "LoopThread"]
+__all__ = ["LoopGuard", "LoopThread", "set_from_signal"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,3 +65,14 @@ class LoopThread:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+
+def set_from_signal(event: threading.Event) -> None:
+    """Set ``event`` from a signal handler, which must never set it itself.
+
+    Python runs a handler on the main thread between two bytecodes, and that may be inside
+    ``event.wait()`` while the main thread holds the event's own lock: ``event.set()``
+    there waits for that lock forever, and a SIGTERM hangs the process instead of stopping
+    it. A short-lived thread sets it instead, as soon as the main thread lets go.
+    """
+    threading.Thread(target=event.set, name="broker-lookup-signal", daemon=True).start()

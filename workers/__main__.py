@@ -6,13 +6,15 @@ import signal
 import sys
 import threading
 
+from broker_lookup.threads import set_from_signal
+
 # Catch SIGTERM/SIGINT before the heavy imports below (torch takes seconds): a rank
 # told to stop while still starting must exit 0 in order, not die by the signal.
 _stop = threading.Event()
 
 
 def _early(signum: int, _frame: object) -> None:
-    _stop.set()
+    set_from_signal(_stop)
 
 
 signal.signal(signal.SIGTERM, _early)

@@ -27,7 +27,13 @@ from broker_lookup.client.breaker import Breaker
 from broker_lookup.client.insights import RankInsights
 from broker_lookup.client.table import LookupTable, Outcome
 from broker_lookup.config import LookupConfig
-from broker_lookup.errors import BrokerLookupError, MalformedMessage, translate_redis_errors
+from broker_lookup.errors import (
+    REDIS_ERRORS,
+    BrokerLookupError,
+    MalformedMessage,
+    translate_redis_errors,
+    translated,
+)
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import decode_done
@@ -130,8 +136,8 @@ class Listener(LoopThread):
             self._stop.wait(0.2)
 
     def _read(self, client: redis.Redis) -> None:
-        with translate_redis_errors("reading completions"):
-            link = self._link
+        link = self._link
+        try:
             if link is None:
                 resp: Any = client.xread(
                     {self._keys.done: self._last_id}, count=1000, block=self._config.block_ms
@@ -139,6 +145,12 @@ class Listener(LoopThread):
             else:
                 # A plain call, not a piggy-backed read: nothing rides with it.
                 resp = _raise_error(link.call([self._xread_command()])[0])
+        except REDIS_ERRORS as exc:
+            # Translated only when raised: the context manager costs three calls a read.
+            ours = translated(exc, "reading completions")
+            if ours is None:
+                raise
+            raise ours from exc
         insights = self.insights
         for entry_id, fields in stream_entries(resp):
             self._last_id = entry_id

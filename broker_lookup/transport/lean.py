@@ -48,6 +48,7 @@ from typing import Any, Protocol
 
 import redis
 from redis.exceptions import ConnectionError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.utils import HIREDIS_AVAILABLE
 
 if HIREDIS_AVAILABLE:
@@ -85,6 +86,8 @@ _PLAIN = frozenset({bytes, int, list, type(None)})
 #: redis-py's own ``read_response``: a connection class that overrides it (Sentinel's
 #: re-routes on READONLY, fakeredis has no socket) is read through its override.
 _REDIS_READ = redis.connection.AbstractConnection.read_response
+#: What redis-py's parsers raise for a peer that closed the connection.
+_SERVER_CLOSED = "Connection closed by server."
 
 
 def read_replies(conn: Any, n: int, wait: bool = True) -> list[Any]:
@@ -112,16 +115,15 @@ def read_replies(conn: Any, n: int, wait: bool = True) -> list[Any]:
         return _read_responses(conn, n)
     out: list[Any] = []
     gets = reader.gets
+    # A plain TCP or unix socket is read here, as the parser would (TLS goes through it).
+    buffer = parser._buffer if type(sock) is socket.socket else None
     left = n
     while left:
         reply = gets(False)
         if reply is _NOT_ENOUGH:
             if not wait and not select.select([sock], [], [], 0)[0]:
                 break
-            try:
-                parser.read_from_socket()
-            except OSError as exc:  # a reset peer: what read_response raises for it
-                raise ConnectionError(f"Error while reading from the socket: {exc!r}") from exc
+            _refill(parser, sock, buffer)
             continue
         kind = type(reply)
         if kind not in _PLAIN:
@@ -137,6 +139,35 @@ def read_replies(conn: Any, n: int, wait: bool = True) -> list[Any]:
     if interval and out:  # what read_response does per reply: the connection proved alive
         conn.next_health_check = time.monotonic() + interval
     return out
+
+
+def _refill(parser: Any, sock: Any, buffer: bytearray | None) -> None:
+    """Read what the socket holds into ``parser``'s hiredis reader; ``buffer`` (the
+    parser's own) for a plain socket read here, None to let the parser read it."""
+    try:
+        if buffer is None:
+            parser.read_from_socket()
+            return
+        got = sock.recv_into(buffer)
+    except TimeoutError as exc:  # socket.timeout: what the parser raises for it
+        raise RedisTimeoutError("Timeout reading from socket") from exc
+    except OSError as exc:  # a reset peer: what read_response raises for it
+        raise ConnectionError(f"Error while reading from the socket: {exc!r}") from exc
+    if not got:
+        raise ConnectionError(_SERVER_CLOSED)
+    parser._reader.feed(buffer, 0, got)
+
+
+def _send_all(sock: socket.socket, chunks: list[bytes]) -> None:
+    """``send_packed_command`` on a plain socket: the same errors, without its layers (the
+    caller drops the connection on any of them, as redis-py would)."""
+    try:
+        for chunk in chunks:
+            sock.sendall(chunk)
+    except TimeoutError as exc:  # socket.timeout
+        raise RedisTimeoutError("Timeout writing to socket") from exc
+    except OSError as exc:
+        raise ConnectionError(f"Error while writing to socket: {exc!r}") from exc
 
 
 def _read_responses(conn: Any, n: int) -> list[Any]:
@@ -223,10 +254,15 @@ class LeanLink:
         self._on_wire = False  # a read was written and its reply not read yet
         self._kept: Any = _NO_READ  # a read's reply, read early by settle_read
         self._deferred: Command | None = None  # fakeredis: the read, sent when taken
+        #: A plain TCP or unix connection of redis-py's own: written here, not through it.
+        self._plain = False
         self._defer = pool.connection_class.__module__.startswith("fakeredis")
         # Fixed per pool, so decided once: hiredis packs str as UTF-8, nothing else.
         encoding = pool.connection_kwargs.get("encoding", "utf-8")
         self._hiredis = HIREDIS_AVAILABLE and encoding == "utf-8"
+        #: Whether :meth:`call_packed` may be used: hiredis packs this pool's commands (its
+        #: bytes are what a caller's own packer must equal) and the read goes with the write.
+        self.accepts_packed = self._hiredis and not self._defer
 
     @property
     def reading(self) -> bool:
@@ -251,20 +287,15 @@ class LeanLink:
         reads = read is not None and not self._defer
         return self._send(conn, self._pack(conn, wire), len(commands), reads)
 
-    @property
-    def accepts_packed(self) -> bool:
-        """Whether :meth:`call_packed` may be used: hiredis packs this pool's commands (its
-        bytes are what a caller's own packer must equal) and the read goes with the write."""
-        return self._hiredis and not self._defer
-
     def call_packed(self, data: bytes, n: int, read: bool) -> list[Any]:
         """:meth:`call` for a write packed by the caller: ``n`` commands' replies, errors
         as values; ``read``: the write ends with a read, whose reply waits for
         :meth:`take_read`. Only where :attr:`accepts_packed`."""
-        if self.reading:
+        # reading and is_connected, spelled out: this runs once per rank turn.
+        if self._on_wire or self._kept is not _NO_READ or self._deferred is not None:
             raise RuntimeError("LeanLink.call_packed while a read is outstanding")
         conn = self._conn
-        if conn is None or not conn.is_connected:
+        if conn is None or (conn._sock is None if self._plain else not conn.is_connected):
             conn = self._connection()
         return self._send(conn, [data], n, read)
 
@@ -272,7 +303,11 @@ class LeanLink:
         """Write ``chunks`` on ``conn``; the replies of the first ``n`` commands. ``reads``:
         the write ends with a read whose reply stays on the wire. Errors drop the connection."""
         try:
-            conn.send_packed_command(chunks)
+            sock = conn._sock if self._plain else None
+            if sock is None or conn.next_health_check < time.monotonic():
+                conn.send_packed_command(chunks)  # connects, or PINGs a quiet connection first
+            else:
+                _send_all(sock, chunks)
             self._on_wire = reads
             return read_replies(conn, n) if n else []
         except BaseException:
@@ -334,16 +369,17 @@ class LeanLink:
 
     def take_read(self) -> Any:
         """The reply of the outstanding read (waits for it); an error reply is raised."""
-        if not self.reading:
-            raise RuntimeError("LeanLink.take_read with no read outstanding")
         kept = self._kept
         if kept is not _NO_READ:
             self._kept = _NO_READ
             if isinstance(kept, ResponseError):
                 raise kept
             return kept
+        if not (self._on_wire or self._deferred is not None):
+            raise RuntimeError("LeanLink.take_read with no read outstanding")
         conn = self._conn
-        if conn is None or not conn.is_connected:
+        # is_connected, spelled out: this runs once per rank turn.
+        if conn is None or (conn._sock is None if self._plain else not conn.is_connected):
             conn = self._connection()
         try:
             deferred = self._deferred
@@ -385,6 +421,7 @@ class LeanLink:
         conn = self._conn
         if conn is None:
             conn = self._conn = self._pool.get_connection()  # connected by the pool
+            self._plain = type(conn) in _DIRECT_CONNECTIONS
         elif not conn.is_connected:
             # Through the connection's own connect(): a Sentinel-managed one asks the
             # sentinels for the master again (a write would reconnect to the old address).

@@ -65,10 +65,7 @@ class _PackedLink(LeanLink):
         self.data: bytes | None = None
         self.read: bool | None = None
         self.fell_back = False
-
-    @property
-    def accepts_packed(self) -> bool:
-        return True
+        self.accepts_packed = True
 
     def call_packed(self, data: bytes, n: int, read: bool) -> list[Any]:
         self.data, self.read = data, read

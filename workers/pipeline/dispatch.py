@@ -102,6 +102,13 @@ class Dispatcher:
             return
         # Local and monotonic from here on; capped so no wire value outlives the pin TTL.
         deadline = now + min(remaining_ms / 1000, self._pin_ttl_s)
+        if self._tracker.try_start(msg, now, deadline):  # a fresh id: the common case
+            with self._lock:
+                counts = self._counts
+                counts["start"] = counts.get("start", 0) + 1
+                counts["requests"] = counts.get("requests", 0) + 1
+            self._start(msg)
+            return
         decision, step = self._tracker.on_request(msg, now, deadline)
         self._apply(msg.lookup_id, step, decision)
 
@@ -110,6 +117,14 @@ class Dispatcher:
     def report(self, lookup_id: str, hits: object) -> None:
         """The engine finished ``lookup_id`` with ``hits`` tokens loaded: send it, if wanted."""
         now = time.monotonic()
+        job = self._tracker.try_report(lookup_id, now)  # the common case, in one call
+        if job is None:
+            self._report_otherwise(lookup_id, hits, now)
+            return
+        self._send_report(job, hits, now)
+
+    def _report_otherwise(self, lookup_id: str, hits: object, now: float) -> None:
+        """:meth:`report` through the lifecycle's full decision."""
         outcome, job, step = self._tracker.on_report(lookup_id, now)
         if job is None:
             self.count("report_" + outcome)
@@ -121,14 +136,22 @@ class Dispatcher:
                     lookup_id,
                 )
             return
-        self._observe(now - job.started)
         if outcome == "skipped":  # aborted or superseded: nobody wants the answer
+            self._observe(now - job.started)
             self._apply(lookup_id, step, "report_skipped_aborted")
             return
         if outcome == "kept":  # answered at the deadline: held, nothing to send
+            self._observe(now - job.started)
             self.count("report_after_keep")
             return
-        self.reporter.put(Report(lookup_id, job.gen, self._valid_hits(job, hits)))
+        self._send_report(job, hits, now)
+
+    def _send_report(self, job: Job, hits: object, now: float) -> None:
+        """The engine's time for ``job`` observed; its hits (0 if invalid) to the reporter."""
+        self._observe(now - job.started)
+        if type(hits) is not int or not 0 <= hits <= job.tokens:
+            hits = self._invalid_hits(job, hits)
+        self.reporter.put(Report(job.lookup_id, job.gen, hits))
 
     def progress(self, lookup_id: str, tokens: object) -> None:
         """The engine confirmed ``tokens`` of ``lookup_id``'s prefix loaded and pinned (any
@@ -148,9 +171,12 @@ class Dispatcher:
         if report.progress:  # nothing to decide: the lookup runs on
             self.count("progress_" + answer)
             return
-        step = self._tracker.on_settled(
-            report.lookup_id, report.gen, answer in _KEEP, time.monotonic()
-        )
+        now = time.monotonic()
+        keep = answer in _KEEP
+        if keep and self._tracker.try_hold(report.lookup_id, report.gen, now):  # the common case
+            self.count("report_" + answer)
+            return
+        step = self._tracker.on_settled(report.lookup_id, report.gen, keep, now)
         self._apply(report.lookup_id, step, "report_" + answer)
 
     # -- from the sweeper's clock ----------------------------------------------------
@@ -253,9 +279,8 @@ class Dispatcher:
             self.count("engine_errors")
             logger.exception("rank %d: engine failed to release %s", self._rank, lookup_id)
 
-    def _valid_hits(self, job: Job, hits: object) -> int:
-        if type(hits) is int and 0 <= hits <= job.tokens:
-            return hits
+    def _invalid_hits(self, job: Job, hits: object) -> int:
+        """0 for ``hits`` outside ``0..job.tokens``: counted and logged."""
         self.count("engine_invalid_hits")
         logger.error(
             "rank %d: engine reported %r hits for %s (%d tokens); reporting 0",

@@ -177,16 +177,19 @@ class Reporter(Batcher[Report]):
                     raise reply
             results = replies[ahead:]
             # A script's answer is a bulk string; only something else can be NOSCRIPT.
-            if any(type(r) is not bytes and is_noscript(r) for r in results):
-                link.settle_read()  # the connection is needed now: take the read's reply
-                calls = [self._call(r) for r in reports]
-                results = self._scripts.rerun_missing(link, client, calls, results)
+            for result in results:
+                if type(result) is not bytes and is_noscript(result):
+                    link.settle_read()  # the connection is needed now: take the read's reply
+                    calls = [self._call(r) for r in reports]
+                    results = self._scripts.rerun_missing(link, client, calls, results)
+                    break
         except (BrokerLookupError, RedisError):
             for report in reports:
                 self._enqueue(report)
             raise
+        settle = self._settle
         for report, result in zip(reports, results, strict=True):
-            self._settle(report, self._answer(result))
+            settle(report, result.decode() if type(result) is bytes else self._answer(result))
 
     def _write(self, link: Link, batch: Served, read: Command | None) -> tuple[list[Any], int]:
         """Write ``batch`` and ``read`` on ``link``: the replies, and how many of them come

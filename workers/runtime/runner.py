@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
 from broker_lookup.errors import ConfigError
 from broker_lookup.processes import ExitCode, child_env, long_options
+from broker_lookup.threads import set_from_signal
 from workers.runtime.rank import RankRunner, RankSpec, UsageError
 from workers.runtime.supervisor import supervise
 
@@ -211,7 +212,7 @@ def _install_signals(stop: threading.Event) -> None:
 
     def on_signal(signum: int, _frame: object) -> None:
         logger.info("%s received: shutting down", signal.Signals(signum).name)
-        stop.set()
+        set_from_signal(stop)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from broker_lookup.processes import ExitCode, die_with_parent
+from broker_lookup.threads import set_from_signal
 from broker_lookup.tools.bench.children import emit
 
 __all__ = ["RankSpec", "Serve", "host_parser", "ready", "run_host"]
@@ -83,8 +84,8 @@ def _fork_rank(spec: RankSpec, serve: Serve) -> int:
     try:
         die_with_parent()
         stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, lambda *_: set_from_signal(stop))
+        signal.signal(signal.SIGINT, lambda *_: set_from_signal(stop))
         code = serve(spec, stop)
     except BaseException:  # the child must never return into the host's code
         logger.exception("%s failed", spec)
