@@ -60,4 +60,3 @@ def test_the_rank_runners_handler_stops_on_a_sigterm_inside_wait() -> None:
 def test_the_early_handler_of_python_m_workers_stops_on_a_sigterm_inside_wait() -> None:
     # workers/__main__ installs it on import, before the heavy imports.
     _stops("import runpy\nearly = runpy.run_module('workers.__main__')", "early['_stop']")
-

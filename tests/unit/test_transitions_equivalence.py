@@ -239,6 +239,20 @@ def _count(counts: dict[str, int], name: str) -> None:
     counts[name] += 1
 
 
+def _serve(life: Lifecycle, lookup_id: str, gen: int, now: float) -> None:
+    """A lookup's usual start and report, through the C transitions where they take it."""
+    if not life.try_start(_req(lookup_id, gen), now, now + 1.0):
+        life.on_request(_req(lookup_id, gen), now, now + 1.0)
+    if life.try_report(lookup_id, now) is None:
+        life.on_report(lookup_id, now)
+
+
+def _settle(life: Lifecycle, lookup_id: str, gen: int, now: float) -> Step:
+    if life.try_hold(lookup_id, gen, now):
+        return NOTHING
+    return life.on_settled(lookup_id, gen, True, now)
+
+
 def test_a_hold_beyond_capacity_rings_the_sweeper_as_python_does(native: ModuleType) -> None:
     rings: dict[str, int] = {}
     twins = (("c", Lifecycle(2, 30.0, MEMO_TTL, GRACE)), ("python", _python_lifecycle(2, 30.0)))
@@ -247,12 +261,20 @@ def test_a_hold_beyond_capacity_rings_the_sweeper_as_python_does(native: ModuleT
         life.ring_sweeper(partial(_count, rings, name))
         for n, lookup_id in enumerate(("a", "b", "c")):
             now = float(n)
-            life.plan_sweep(now + 0.05, now + 10.0)  # the sweeper sleeps past every timer
-            if not life.try_start(_req(lookup_id, 1), now, now + 1.0):
-                life.on_request(_req(lookup_id, 1), now, now + 1.0)
-            if life.try_report(lookup_id, now) is None:
-                life.on_report(lookup_id, now)
-            if not life.try_hold(lookup_id, 1, now):
-                life.on_settled(lookup_id, 1, True, now)
+            life.due(now)  # past timers gone: the sweeper plans to sleep past this step
+            life.plan_sweep(now + 0.05, now + 10.0)
+            _serve(life, lookup_id, 1, now)
+            assert _settle(life, lookup_id, 1, now) == NOTHING
         assert life.sizes()["held"] == 3  # one over capacity: the next sweep releases it
     assert rings["c"] == rings["python"] >= 1
+
+
+def test_a_report_settled_while_a_newer_generation_waits_is_released_not_held(
+    native: ModuleType,
+) -> None:
+    for life in (Lifecycle(CAPACITY, PIN_TTL, MEMO_TTL, GRACE), _python_lifecycle()):
+        _serve(life, "a", 1, 0.0)
+        assert life.on_request(_req("a", 2), 0.1, 1.0)[0] == "queued"
+        step = _settle(life, "a", 1, 0.2)
+        assert (step.release, step.start) == (True, _req("a", 2))  # gen 2 starts at once
+        assert life.sizes()["held"] == 0 and life.sizes()["running"] == 1

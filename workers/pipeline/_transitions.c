@@ -214,6 +214,18 @@ static void unlock(PyObject *lk) {
         }                                                          \
     } while (0)
 
+/* The job the lifecycle holds for lookup_id: 1 (a new reference in *out), 0 none, -1 error. */
+static int job_of(PyObject *lc, PyObject *lookup_id, PyObject **out) {
+    PyObject *jobs = PyObject_GetAttr(lc, s_jobs);
+    if (jobs == NULL) return -1;
+    *out = PyObject_GetItem(jobs, lookup_id);
+    Py_DECREF(jobs);
+    if (*out != NULL) return 1;
+    if (!PyErr_ExceptionMatches(PyExc_KeyError)) return -1;
+    PyErr_Clear();
+    return 0;
+}
+
 /* on_request's first "start": a fresh id (nothing runs for it, (id, gen) neither seen nor
  * aborted, gen >= 0) is remembered, becomes a running Job and gets its watchdog timer.
  * Under the lock: 1 started, 0 not this case (nothing changed), -1 error. */
@@ -261,15 +273,9 @@ done:
  * *out, a new reference), 0 not this case, -1 error. */
 static int report_locked(PyObject *lc, PyObject *lookup_id, double now, PyObject **out) {
     int result = -1;
-    PyObject *jobs = NULL, *job = NULL, *gen = NULL, *states = NULL;
+    PyObject *job = NULL, *gen = NULL, *states = NULL;
     double pin_ttl;
-    if ((jobs = PyObject_GetAttr(lc, s_jobs)) == NULL) goto done;
-    if ((job = PyObject_GetItem(jobs, lookup_id)) == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_KeyError)) goto done;
-        PyErr_Clear();
-        result = 0;
-        goto done;
-    }
+    ONLY_IF(job_of(lc, lookup_id, &job));
     ONLY_IF(attr_equals(job, s_state, s_running));
     ONLY_IF(false_attr(job, s_aborted_attr));
     ONLY_IF(false_attr(job, s_superseded));
@@ -283,7 +289,6 @@ static int report_locked(PyObject *lc, PyObject *lookup_id, double now, PyObject
     job = NULL;
     result = 1;
 done:
-    Py_XDECREF(jobs);
     Py_XDECREF(job);
     Py_XDECREF(gen);
     Py_XDECREF(states);
@@ -295,17 +300,10 @@ done:
  * -1 error. */
 static int hold_locked(PyObject *lc, PyObject *lookup_id, PyObject *gen, double now) {
     int result = -1;
-    PyObject *jobs = NULL, *job = NULL, *waiting = NULL, *held = NULL, *states = NULL,
-             *until_obj = NULL;
+    PyObject *job = NULL, *waiting = NULL, *held = NULL, *states = NULL, *until_obj = NULL;
     double pin_ttl, wake_at;
     Py_ssize_t capacity, size;
-    if ((jobs = PyObject_GetAttr(lc, s_jobs)) == NULL) goto done;
-    if ((job = PyObject_GetItem(jobs, lookup_id)) == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_KeyError)) goto done;
-        PyErr_Clear();
-        result = 0;
-        goto done;
-    }
+    ONLY_IF(job_of(lc, lookup_id, &job));
     ONLY_IF(attr_equals(job, s_gen, gen));
     ONLY_IF(attr_equals(job, s_state, s_reporting));
     ONLY_IF(false_attr(job, s_aborted_attr));
@@ -329,7 +327,6 @@ static int hold_locked(PyObject *lc, PyObject *lookup_id, PyObject *gen, double 
     }
     result = 1;
 done:
-    Py_XDECREF(jobs);
     Py_XDECREF(job);
     Py_XDECREF(waiting);
     Py_XDECREF(held);
