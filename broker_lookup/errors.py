@@ -23,6 +23,7 @@ at the boundary, always ``from`` the original so the cause stays in the tracebac
 from __future__ import annotations
 
 from types import TracebackType
+from typing import NoReturn
 
 import redis.exceptions as rexc
 
@@ -36,6 +37,7 @@ __all__ = [
     "MalformedMessage",
     "NoGroup",
     "UnknownScheme",
+    "raise_translated",
     "translate_redis_errors",
     "translated",
 ]
@@ -108,9 +110,9 @@ class translate_redis_errors:  # lower case: it reads as the function it replace
             raise ours from exc
 
 
-#: What :func:`translated` maps: a hot loop catches these around its whole turn and raises
-#: the translation, which costs nothing while no error is raised (the context manager
-#: costs three calls each time it is entered).
+#: What :func:`translated` maps: a hot loop catches these around its whole turn and calls
+#: :func:`raise_translated`, which costs nothing while no error is raised (the context
+#: manager costs three calls each time it is entered).
 REDIS_ERRORS = (rexc.RedisError, rexc.RedisClusterException)
 
 
@@ -129,3 +131,12 @@ def translated(exc: BaseException, what: str) -> BrokerLookupError | None:
             return NoGroup(f"consumer group missing while {what}: {exc}")
         return BrokerResponseError(f"Redis error while {what}: {exc}")
     return None
+
+
+def raise_translated(exc: BaseException, what: str) -> NoReturn:
+    """Raise our exception for ``exc`` (from it), or ``exc`` itself where we have none:
+    ``except REDIS_ERRORS as exc: raise_translated(exc, "doing what")``."""
+    ours = translated(exc, what)
+    if ours is None:
+        raise exc
+    raise ours from exc

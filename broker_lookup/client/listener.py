@@ -31,8 +31,8 @@ from broker_lookup.errors import (
     REDIS_ERRORS,
     BrokerLookupError,
     MalformedMessage,
+    raise_translated,
     translate_redis_errors,
-    translated,
 )
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
@@ -145,12 +145,8 @@ class Listener(LoopThread):
             else:
                 # A plain call, not a piggy-backed read: nothing rides with it.
                 resp = _raise_error(link.call([self._xread_command()])[0])
-        except REDIS_ERRORS as exc:
-            # Translated only when raised: the context manager costs three calls a read.
-            ours = translated(exc, "reading completions")
-            if ours is None:
-                raise
-            raise ours from exc
+        except REDIS_ERRORS as exc:  # no context manager entered per read
+            raise_translated(exc, "reading completions")
         insights = self.insights
         for entry_id, fields in stream_entries(resp):
             self._last_id = entry_id

@@ -304,7 +304,9 @@ class LeanLink:
         the write ends with a read whose reply stays on the wire. Errors drop the connection."""
         try:
             sock = conn._sock if self._plain else None
-            if sock is None or conn.next_health_check < time.monotonic():
+            if sock is None or (
+                conn.health_check_interval and conn.next_health_check < time.monotonic()
+            ):
                 conn.send_packed_command(chunks)  # connects, or PINGs a quiet connection first
             else:
                 _send_all(sock, chunks)

@@ -104,11 +104,8 @@ static int move(PyObject *states, PyObject *job, PyObject *state) {
     return PyObject_SetAttr(job, s_state, state);
 }
 
-/* The lifecycle's _sooner(when) where `when` falls before the sweeper's planned wake. */
-static int ring_if_sooner(PyObject *lc, double when) {
-    double wake_at;
-    if (float_attr(lc, s_wake_at, &wake_at) < 0) return -1;
-    if (!(when < wake_at)) return 0;
+/* The lifecycle's _sooner(when). */
+static int sooner(PyObject *lc, double when) {
     PyObject *arg = PyFloat_FromDouble(when);
     if (arg == NULL) return -1;
     PyObject *out = PyObject_CallMethodOneArg(lc, s_sooner, arg);
@@ -116,6 +113,13 @@ static int ring_if_sooner(PyObject *lc, double when) {
     if (out == NULL) return -1;
     Py_DECREF(out);
     return 0;
+}
+
+/* The lifecycle's _sooner(when) where `when` falls before the sweeper's planned wake. */
+static int ring_if_sooner(PyObject *lc, double when) {
+    double wake_at;
+    if (float_attr(lc, s_wake_at, &wake_at) < 0) return -1;
+    return when < wake_at ? sooner(lc, when) : 0;
 }
 
 /* Lifecycle._timer(when, job) for a job of (lookup_id, gen) in `state`. */
@@ -319,11 +323,11 @@ static int hold_locked(PyObject *lc, PyObject *lookup_id, PyObject *gen, double 
     if (PyObject_SetItem(held, lookup_id, until_obj) < 0) goto done;
     if (float_attr(lc, s_wake_at, &wake_at) < 0) goto done;
     if (until < wake_at) {
-        if (ring_if_sooner(lc, until) < 0) goto done;
+        if (sooner(lc, until) < 0) goto done;
     } else {
         if (ssize_attr(lc, s_capacity, &capacity) < 0) goto done;
         if ((size = PyObject_Size(held)) < 0) goto done;
-        if (size > capacity && ring_if_sooner(lc, -Py_HUGE_VAL) < 0) goto done;
+        if (size > capacity && sooner(lc, -Py_HUGE_VAL) < 0) goto done;
     }
     result = 1;
 done:

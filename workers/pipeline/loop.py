@@ -29,7 +29,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from broker_lookup.config import LookupConfig
-from broker_lookup.errors import REDIS_ERRORS, BrokerLookupError, NoGroup, translated
+from broker_lookup.errors import REDIS_ERRORS, BrokerLookupError, NoGroup, raise_translated
 from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.threads import LoopThread
@@ -120,12 +120,8 @@ class RankLoop(LoopThread):
             try:
                 reply = link.take_read()
                 self._serve(link, client, self.reader.parse(reply))
-            except REDIS_ERRORS as exc:
-                # One translation for the whole hot path, made only when one is raised.
-                ours = translated(exc, self._serving)
-                if ours is None:
-                    raise
-                raise ours from exc
+            except REDIS_ERRORS as exc:  # one translation for the whole hot path
+                raise_translated(exc, self._serving)
             self._fingerprint.tick()
         except NoGroup as exc:
             self.ready.clear()
