@@ -36,6 +36,12 @@ setup(
             extra_compile_args=["-O2"],
         ),
         Extension(
+            "workers.pipeline._dispatch",
+            ["workers/pipeline/_dispatch.c"],
+            optional=True,
+            extra_compile_args=["-O2"],
+        ),
+        Extension(
             "broker_lookup.tools.bench._native_floor",
             ["broker_lookup/tools/bench/_native_floor.c"],
             optional=True,

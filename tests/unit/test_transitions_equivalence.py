@@ -12,7 +12,6 @@ the fast path is not vacuous. Without the extension built these skip, except und
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -25,6 +24,8 @@ from helpers import optional_extension
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from lifecycle_state import job_fields as _job
+from lifecycle_state import lifecycle_state as _maps
 
 from broker_lookup.protocol.messages import LookupRequest
 from workers.pipeline import lifecycle as lifecycle_module
@@ -61,30 +62,8 @@ def _python_lifecycle(capacity: int = CAPACITY, ttl: float = PIN_TTL) -> Lifecyc
         return Lifecycle(capacity, ttl, min(ttl, MEMO_TTL), GRACE)
 
 
-def _job(job: Job | None) -> tuple[Any, ...] | None:
-    return None if job is None else dataclasses.astuple(job)
-
-
 def _step(step: Step) -> tuple[Any, ...]:
     return (step.release, step.start, step.keep)
-
-
-def _maps(life: Lifecycle) -> dict[str, Any]:
-    """Everything the lifecycle holds, comparable across two instances."""
-    state = vars(life)
-    return {
-        "jobs": {i: _job(j) for i, j in state["_jobs"].items()},
-        "waiting": {i: (w.req, w.deadline) for i, w in state["_waiting"].items()},
-        "held": list(state["_held"].items()),
-        "progressed": {i: _job(j) for i, j in state["_progressed"].items()},
-        "timers": sorted(state["_timers"]),
-        "seen": list(state["_seen"].items()),
-        "aborted": list(state["_aborted"].items()),
-        "late": list(state["_late"].items()),
-        "states": dict(state["_states"]),
-        "events": dict(state["_events"]),
-        "plan": (state["_wake_at"], state["_soonest"], state["_progress_due"]),
-    }
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 import redis
 
@@ -35,12 +36,20 @@ from broker_lookup.protocol.messages import Abort, Keep, LookupRequest, Request
 from workers.pipeline.lifecycle import Job, Lifecycle, Step
 from workers.pipeline.reporter import Report, Reporter
 
+try:
+    from workers.pipeline import _dispatch
+except ImportError:  # the optional C extension was not compiled: Python takes every call
+    _dispatch = None  # type: ignore[assignment]
+
 __all__ = ["Dispatcher"]
 
 logger = logging.getLogger(__name__)
 
 #: Report answers after which the rank holds the generation's pins.
 _KEEP = ("complete", "recorded", "duplicate")
+
+if _dispatch is not None:
+    _dispatch.setup(LookupRequest, Report, LATENCY_BUCKETS)
 
 
 class Dispatcher:
@@ -53,6 +62,7 @@ class Dispatcher:
         keys: the engine's key space.
         rank: this rank.
         factory: connections for the reporter's own thread.
+        clock: the monotonic clock (a test's own, to compare two dispatchers).
     """
 
     def __init__(
@@ -63,7 +73,28 @@ class Dispatcher:
         keys: KeySpace,
         rank: int,
         factory: Callable[[], redis.Redis],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # The three entry points: the common case in one C call each where ``_dispatch.c``
+        # is built (bound here, so no Python frame runs around it; it hands every other
+        # case to the Python method, nothing changed), else the Python method.
+        native = _dispatch
+        #: ``handle(msg, remaining_ms)``: serve one entry; ``remaining_ms`` is how long it
+        #: stays worth answering (the read loop).
+        self.handle: Callable[[Request, float], None] = (
+            partial(native.handle, self) if native is not None else self._handle
+        )
+        #: ``report(lookup_id, hits)``: the engine finished ``lookup_id`` with ``hits``
+        #: tokens loaded; sent, if wanted (any thread).
+        self.report: Callable[[str, object], None] = (
+            partial(native.report, self) if native is not None else self._report
+        )
+        #: ``settle(report, answer)``: Redis answered ``report``; its generation's pins
+        #: held, or released (the reporter).
+        self.settle: Callable[[Report, str], None] = (
+            partial(native.settle, self) if native is not None else self._settle
+        )
+        self._clock = clock
         self._engine = engine
         self._tracker = tracker
         self._rank = rank
@@ -83,9 +114,9 @@ class Dispatcher:
 
     # -- from the read loop ---------------------------------------------------------
 
-    def handle(self, msg: Request, remaining_ms: float) -> None:
-        """Serve one entry; ``remaining_ms`` is how long it stays worth answering."""
-        now = time.monotonic()
+    def _handle(self, msg: Request, remaining_ms: float) -> None:
+        """:attr:`handle` in Python."""
+        now = self._clock()
         if isinstance(msg, Abort):
             step = self._tracker.on_abort(msg.lookup_id, msg.gen, now)
             self._apply(msg.lookup_id, step, "aborts")
@@ -109,14 +140,18 @@ class Dispatcher:
                 counts["requests"] = counts.get("requests", 0) + 1
             self._start(msg)
             return
+        self._handle_otherwise(msg, now, deadline)
+
+    def _handle_otherwise(self, msg: LookupRequest, now: float, deadline: float) -> None:
+        """:meth:`_handle` of a request through the lifecycle's full decision."""
         decision, step = self._tracker.on_request(msg, now, deadline)
         self._apply(msg.lookup_id, step, decision)
 
     # -- from the engine (any thread) -------------------------------------------------
 
-    def report(self, lookup_id: str, hits: object) -> None:
-        """The engine finished ``lookup_id`` with ``hits`` tokens loaded: send it, if wanted."""
-        now = time.monotonic()
+    def _report(self, lookup_id: str, hits: object) -> None:
+        """:attr:`report` in Python."""
+        now = self._clock()
         job = self._tracker.try_report(lookup_id, now)  # the common case, in one call
         if job is None:
             self._report_otherwise(lookup_id, hits, now)
@@ -162,20 +197,24 @@ class Dispatcher:
         if type(tokens) is not int or tokens <= 0:
             self.count("progress_invalid")
             return
-        self._tracker.on_progress(lookup_id, tokens, time.monotonic())
+        self._tracker.on_progress(lookup_id, tokens, self._clock())
 
     # -- from the reporter -----------------------------------------------------------
 
-    def settle(self, report: Report, answer: str) -> None:
-        """Redis answered ``report``: hold its generation's pins, or release them."""
+    def _settle(self, report: Report, answer: str) -> None:
+        """:attr:`settle` in Python."""
         if report.progress:  # nothing to decide: the lookup runs on
             self.count("progress_" + answer)
             return
-        now = time.monotonic()
+        now = self._clock()
         keep = answer in _KEEP
         if keep and self._tracker.try_hold(report.lookup_id, report.gen, now):  # the common case
             self.count("report_" + answer)
             return
+        self._settle_otherwise(report, answer, keep, now)
+
+    def _settle_otherwise(self, report: Report, answer: str, keep: bool, now: float) -> None:
+        """:meth:`_settle` through the lifecycle's full decision."""
         step = self._tracker.on_settled(report.lookup_id, report.gen, keep, now)
         self._apply(report.lookup_id, step, "report_" + answer)
 
@@ -248,12 +287,19 @@ class Dispatcher:
                 pin=True,
                 request_configs=req.request_configs,
             )
-        except Exception:  # any engine failure: the rule is that a worker always answers
-            self.count("engine_errors")
-            logger.exception(
-                "rank %d: engine failed to start %s; reporting 0", self._rank, req.lookup_id
-            )
-            self.report(req.lookup_id, 0)
+        except Exception as exc:  # any engine failure: the rule is that a worker always answers
+            self._engine_failed(req, exc)
+
+    def _engine_failed(self, req: LookupRequest, exc: Exception) -> None:
+        """The engine raised ``exc`` when it was handed ``req``: counted, logged, 0 reported."""
+        self.count("engine_errors")
+        logger.error(
+            "rank %d: engine failed to start %s; reporting 0",
+            self._rank,
+            req.lookup_id,
+            exc_info=exc,
+        )
+        self.report(req.lookup_id, 0)
 
     def _keep(self, lookup_id: str, tokens: int) -> None:
         """The engine keeps ``tokens`` of ``lookup_id``'s prefix pinned, releases the rest."""

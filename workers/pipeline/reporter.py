@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from functools import partial
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -46,6 +47,10 @@ try:
     from workers.pipeline import _pack
 except ImportError:  # the optional C extension was not compiled: the Python path packs all
     _pack = None  # type: ignore[assignment]
+try:
+    from workers.pipeline import _dispatch
+except ImportError:  # the optional C extension was not compiled: put is Python's
+    _dispatch = None  # type: ignore[assignment]
 
 __all__ = ["Report", "Reporter", "Served", "Settle"]
 
@@ -136,9 +141,15 @@ class Reporter(Batcher[Report]):
         self._packer = self._new_packer()
         #: Reports that did not fit in the queue.
         self.overflows = 0
+        #: ``put(report)``: send ``report`` (any thread): with the batch being served, else
+        #: queued. One C call where ``_dispatch.c`` is built (the dispatcher's report calls
+        #: it per lookup), made exactly as :meth:`_put_report`.
+        self.put: Callable[[Report], None] = (
+            partial(_dispatch.put, self) if _dispatch is not None else self._put_report
+        )
 
-    def put(self, report: Report) -> None:
-        """Send ``report`` (any thread): with the batch being served, else queued."""
+    def _put_report(self, report: Report) -> None:
+        """:attr:`put` in Python."""
         with self._lock:
             if self._riding is not None:
                 self._riding.append(report)
