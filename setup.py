@@ -2,9 +2,10 @@
 
 ``optional=True``: where they cannot be compiled (no compiler, no Python headers) the
 package still installs; ``broker_lookup.protocol.hashing`` then hashes in pure Python, a
-rank reads every batch and packs every write in Python (``workers.pipeline.reader``,
-``workers.pipeline.reporter``), and ``broker-lookup bench
---floor`` leaves out the native floor (bench tooling only).
+rank reads every batch, packs every write, makes every lifecycle transition and serves
+every request, report and answer in Python (``workers.pipeline.reader``, ``reporter``,
+``lifecycle``, ``dispatch``), and ``broker-lookup bench --floor`` leaves out the native
+floor (bench tooling only).
 """
 
 from setuptools import Extension, setup
@@ -32,12 +33,14 @@ setup(
         Extension(
             "workers.pipeline._transitions",
             ["workers/pipeline/_transitions.c"],
+            depends=["workers/pipeline/_held.h"],
             optional=True,
             extra_compile_args=["-O2"],
         ),
         Extension(
             "workers.pipeline._dispatch",
             ["workers/pipeline/_dispatch.c"],
+            depends=["workers/pipeline/_held.h"],
             optional=True,
             extra_compile_args=["-O2"],
         ),

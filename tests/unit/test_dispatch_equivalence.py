@@ -29,6 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from lifecycle_state import lifecycle_state
 
 from broker_lookup.config import LookupConfig
+from broker_lookup.ops.histogram import LATENCY_BUCKETS
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, Keep, LookupRequest, Request
 from workers.pipeline import dispatch as dispatch_module
@@ -393,3 +394,28 @@ def test_a_base_exception_from_the_engine_is_not_swallowed(native: ModuleType) -
     with pytest.raises(KeyboardInterrupt):
         side.dispatcher.handle(_req("a", 0, True), 250.0)
     assert "engine_errors" not in side.dispatcher.counts()
+
+
+def test_engine_times_on_a_bucket_edge_land_as_in_python(native: ModuleType) -> None:
+    """A time equal to a bucket's bound counts in that bucket (``le``), on both paths:
+    random runs rarely land exactly on one."""
+    clock = Clock()
+    fast = Side(clock)
+    with _python_only():
+        slow = Side(clock)
+    edges = [edge for edge in LATENCY_BUCKETS if (clock.now + edge) - clock.now == edge]
+    assert len(edges) >= 4  # 0.5, 1.0, 2.5, 5.0 are exact in binary
+    for i, edge in enumerate(edges):
+        lookup_id = "abcd"[i % 4] + str(i)
+        started = clock.now
+        for side in (fast, slow):
+            side.engine.modes[lookup_id] = "later"
+            side.dispatcher.handle(_req(lookup_id, 0, True), 10_000.0)
+        clock.now = started + edge
+        for side in (fast, slow):
+            side.dispatcher.report(lookup_id, 1)
+    assert fast.dispatcher.engine_seconds == slow.dispatcher.engine_seconds
+    expected = [0] * (len(LATENCY_BUCKETS) + 1)
+    for edge in edges:
+        expected[LATENCY_BUCKETS.index(edge)] += 1
+    assert fast.dispatcher.engine_seconds == expected

@@ -22,10 +22,12 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include "_held.h"
 #include <math.h>
 
 static PyObject *s_tracker, *s_try_start, *s_try_report, *s_try_hold, *s_lock, *s_counts,
-    *s_acquire, *s_release, *s_rank, *s_pin_ttl_s, *s_clock, *s_engine, *s_reporter,
+    *s_rank, *s_pin_ttl_s, *s_clock, *s_engine, *s_reporter,
     *s_riding, *s_enqueue, *s_put, *s_engine_seconds, *s_engine_seconds_sum, *s_lookup_id,
     *s_gen, *s_tokens, *s_hashes, *s_offsets, *s_expected, *s_request_configs, *s_started,
     *s_start_counter, *s_requests_counter, *s_handle_py, *s_handle_otherwise, *s_engine_failed,
@@ -39,15 +41,6 @@ static Py_ssize_t n_buckets;
 static PyObject *zero, *one;     /* 0 and 1 */
 
 /* -- small helpers: each returns -1 (or NULL) with an exception set on failure ---------- */
-
-/* obj.name as a double in *out. */
-static int float_attr(PyObject *obj, PyObject *name, double *out) {
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL) return -1;
-    *out = PyFloat_AsDouble(value);
-    Py_DECREF(value);
-    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
-}
 
 /* obj.name(*args): the result (a new reference) or NULL. */
 static PyObject *call_method(PyObject *obj, PyObject *name, PyObject *const *args,
@@ -79,32 +72,6 @@ static int clock_now(PyObject *dispatcher, double *now) {
     return (*now == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* obj.<lock_name>, acquired (a new reference to give to unlock), or NULL. */
-static PyObject *lock(PyObject *obj, PyObject *lock_name) {
-    PyObject *lk = PyObject_GetAttr(obj, lock_name);
-    if (lk == NULL) return NULL;
-    PyObject *out = PyObject_CallMethodNoArgs(lk, s_acquire); /* waits without the GIL */
-    if (out == NULL) {
-        Py_DECREF(lk);
-        return NULL;
-    }
-    Py_DECREF(out);
-    return lk;
-}
-
-/* Release lk (and the reference); keeps an exception already set. */
-static void unlock(PyObject *lk) {
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyObject *out = PyObject_CallMethodNoArgs(lk, s_release);
-    if (out == NULL) {
-        PyErr_WriteUnraisable(lk); /* a lock held by us always releases */
-    } else {
-        Py_DECREF(out);
-    }
-    PyErr_Restore(type, value, tb);
-    Py_DECREF(lk);
-}
 
 /* counts[key] = counts.get(key, 0) + 1, on the dispatcher's counter dict (lock held). */
 static int bump(PyObject *counts, PyObject *key) {
@@ -119,7 +86,7 @@ static int bump(PyObject *counts, PyObject *key) {
 
 /* Dispatcher._count_locked for one or two counters: under the dispatcher's lock. */
 static int count(PyObject *dispatcher, PyObject *first, PyObject *second) {
-    PyObject *lk = lock(dispatcher, s_lock);
+    PyObject *lk = held_lock(dispatcher, s_lock);
     if (lk == NULL) return -1;
     int rc = -1;
     PyObject *counts = PyObject_GetAttr(dispatcher, s_counts);
@@ -130,7 +97,7 @@ static int count(PyObject *dispatcher, PyObject *first, PyObject *second) {
         PyErr_SetString(PyExc_TypeError, "the dispatcher's _counts is not a dict");
     }
     Py_XDECREF(counts);
-    unlock(lk);
+    held_unlock(lk);
     return rc;
 }
 
@@ -261,7 +228,7 @@ static int observe(PyObject *dispatcher, double seconds) {
         if (buckets[mid] < seconds) lo = mid + 1;
         else hi = mid;
     }
-    PyObject *lk = lock(dispatcher, s_lock);
+    PyObject *lk = held_lock(dispatcher, s_lock);
     if (lk == NULL) return -1;
     int rc = -1;
     PyObject *hist = PyObject_GetAttr(dispatcher, s_engine_seconds);
@@ -281,7 +248,7 @@ static int observe(PyObject *dispatcher, double seconds) {
     }
     Py_XDECREF(hist);
     Py_XDECREF(total);
-    unlock(lk);
+    held_unlock(lk);
     return rc;
 }
 
@@ -435,7 +402,7 @@ static PyObject *settle(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *put(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(2, "put(reporter, report)");
     PyObject *reporter = args[0];
-    PyObject *lk = lock(reporter, s_lock);
+    PyObject *lk = held_lock(reporter, s_lock);
     if (lk == NULL) return NULL;
     PyObject *riding = PyObject_GetAttr(reporter, s_riding);
     int rc = -1, rode = 0;
@@ -448,7 +415,7 @@ static PyObject *put(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         rc = 0;
     }
     Py_XDECREF(riding);
-    unlock(lk);
+    held_unlock(lk);
     if (rc == 0 && !rode) rc = call_void(reporter, s_enqueue, args + 1, 1);
     if (rc < 0) return NULL;
     Py_RETURN_NONE;
@@ -500,12 +467,6 @@ static struct PyModuleDef module = {
     methods,
 };
 
-#define INTERN(var, text)                                       \
-    do {                                                        \
-        if ((var = PyUnicode_InternFromString(text)) == NULL)   \
-            return NULL;                                        \
-    } while (0)
-
 PyMODINIT_FUNC PyInit__dispatch(void) {
     INTERN(s_tracker, "_tracker");
     INTERN(s_try_start, "try_start");
@@ -513,8 +474,6 @@ PyMODINIT_FUNC PyInit__dispatch(void) {
     INTERN(s_try_hold, "try_hold");
     INTERN(s_lock, "_lock");
     INTERN(s_counts, "_counts");
-    INTERN(s_acquire, "acquire");
-    INTERN(s_release, "release");
     INTERN(s_rank, "_rank");
     INTERN(s_pin_ttl_s, "_pin_ttl_s");
     INTERN(s_clock, "_clock");
@@ -549,6 +508,7 @@ PyMODINIT_FUNC PyInit__dispatch(void) {
     INTERN(s_keep_counter[0], "report_complete");
     INTERN(s_keep_counter[1], "report_recorded");
     INTERN(s_keep_counter[2], "report_duplicate");
+    if (held_init() < 0) return NULL;
     PyObject *pin = PyUnicode_InternFromString("pin");
     PyObject *configs = PyUnicode_InternFromString("request_configs");
     if (pin == NULL || configs == NULL) return NULL;

@@ -26,24 +26,17 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_held.h"
+
 static PyObject *s_lock, *s_jobs, *s_seen, *s_aborted, *s_states, *s_timers, *s_seq,
     *s_wake_at, *s_memo_ttl_s, *s_grace_s, *s_pin_ttl_s, *s_held, *s_waiting, *s_capacity,
-    *s_sooner, *s_acquire, *s_release, *s_popitem, *s_lookup_id, *s_gen, *s_tokens, *s_state,
+    *s_sooner, *s_popitem, *s_lookup_id, *s_gen, *s_tokens, *s_state,
     *s_aborted_attr, *s_superseded, *s_kept, *s_running, *s_reporting, *s_held_state;
 
 static PyObject *job_type;  /* workers.pipeline.lifecycle.Job, given by setup() */
 static PyObject *heappush;  /* heapq.heappush */
 
 /* -- small helpers: each returns -1 with an exception set on failure --------------------- */
-
-/* A float attribute of obj in *out. */
-static int float_attr(PyObject *obj, PyObject *name, double *out) {
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL) return -1;
-    *out = PyFloat_AsDouble(value);
-    Py_DECREF(value);
-    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
-}
 
 /* An int attribute of obj in *out. */
 static int ssize_attr(PyObject *obj, PyObject *name, Py_ssize_t *out) {
@@ -164,35 +157,6 @@ static int memo_add(PyObject *memo, PyObject *key, double expires) {
         Py_DECREF(out);
     }
     return size < 0 ? -1 : 0;
-}
-
-/* -- the lock ------------------------------------------------------------------------- */
-
-/* The lifecycle's lock, acquired (a new reference to release with unlock), or NULL. */
-static PyObject *lock(PyObject *lc) {
-    PyObject *lk = PyObject_GetAttr(lc, s_lock);
-    if (lk == NULL) return NULL;
-    PyObject *out = PyObject_CallMethodNoArgs(lk, s_acquire);  /* waits without the GIL */
-    if (out == NULL) {
-        Py_DECREF(lk);
-        return NULL;
-    }
-    Py_DECREF(out);
-    return lk;
-}
-
-/* Release lk (and the reference); keeps an exception already set. */
-static void unlock(PyObject *lk) {
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyObject *out = PyObject_CallMethodNoArgs(lk, s_release);
-    if (out == NULL) {
-        PyErr_WriteUnraisable(lk);  /* a lock held by us always releases */
-    } else {
-        Py_DECREF(out);
-    }
-    PyErr_Restore(type, value, tb);
-    Py_DECREF(lk);
 }
 
 /* -- the three transitions ------------------------------------------------------------- */
@@ -368,9 +332,9 @@ static PyObject *start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
         if (g == -1 && PyErr_Occurred()) PyErr_Clear();  /* past 64 bits: Python's */
         result = 0;
         if (g >= 0 && PyUnicode_CheckExact(lookup_id)) {
-            PyObject *lk = lock(lc);
+            PyObject *lk = held_lock(lc, s_lock);
             result = lk == NULL ? -1 : start_locked(lc, req, lookup_id, gen, now, deadline);
-            if (lk != NULL) unlock(lk);
+            if (lk != NULL) held_unlock(lk);
         }
     }
     Py_XDECREF(lookup_id);
@@ -388,10 +352,10 @@ static PyObject *report(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     double now = PyFloat_AsDouble(args[2]);
     if (now == -1.0 && PyErr_Occurred()) return NULL;
     PyObject *job = NULL;
-    PyObject *lk = lock(args[0]);
+    PyObject *lk = held_lock(args[0], s_lock);
     if (lk == NULL) return NULL;
     int result = report_locked(args[0], args[1], now, &job);
-    unlock(lk);
+    held_unlock(lk);
     if (result < 0) return NULL;
     if (result == 0) Py_RETURN_NONE;
     return job;
@@ -405,10 +369,10 @@ static PyObject *hold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!ready()) return NULL;
     double now = PyFloat_AsDouble(args[3]);
     if (now == -1.0 && PyErr_Occurred()) return NULL;
-    PyObject *lk = lock(args[0]);
+    PyObject *lk = held_lock(args[0], s_lock);
     if (lk == NULL) return NULL;
     int result = hold_locked(args[0], args[1], args[2], now);
-    unlock(lk);
+    held_unlock(lk);
     if (result < 0) return NULL;
     return PyBool_FromLong(result);
 }
@@ -436,12 +400,6 @@ static struct PyModuleDef module = {
     methods,
 };
 
-#define INTERN(var, text)                                       \
-    do {                                                        \
-        if ((var = PyUnicode_InternFromString(text)) == NULL)   \
-            return NULL;                                        \
-    } while (0)
-
 PyMODINIT_FUNC PyInit__transitions(void) {
     INTERN(s_lock, "_lock");
     INTERN(s_jobs, "_jobs");
@@ -458,8 +416,6 @@ PyMODINIT_FUNC PyInit__transitions(void) {
     INTERN(s_waiting, "_waiting");
     INTERN(s_capacity, "_capacity");
     INTERN(s_sooner, "_sooner");
-    INTERN(s_acquire, "acquire");
-    INTERN(s_release, "release");
     INTERN(s_popitem, "popitem");
     INTERN(s_lookup_id, "lookup_id");
     INTERN(s_gen, "gen");
@@ -471,6 +427,7 @@ PyMODINIT_FUNC PyInit__transitions(void) {
     INTERN(s_running, "running");
     INTERN(s_reporting, "reporting");
     INTERN(s_held_state, "held");
+    if (held_init() < 0) return NULL;
     PyObject *heapq = PyImport_ImportModule("heapq");
     if (heapq == NULL) return NULL;
     heappush = PyObject_GetAttrString(heapq, "heappush");
