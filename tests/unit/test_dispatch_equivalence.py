@@ -14,6 +14,7 @@ so the comparison is not vacuous. Without the extension built these skip, except
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -55,6 +56,7 @@ HANDED_TO = {
     "handle": ("_handle", "_handle_otherwise"),
     "report": ("_report_otherwise",),
     "settle": ("_settle", "_settle_otherwise"),
+    "serve": ("_serve",),
 }
 
 
@@ -126,8 +128,10 @@ class Side:
         )
         self.engine.report = self.dispatcher.report
         self.reporter = self.dispatcher.reporter
+        #: What serve returned: the reports a batch's write sends with its XACK.
+        self.sent: list[Report] = []
         # How many calls C handed to the Python methods that take the other cases.
-        self.handed = {"handle": 0, "report": 0, "settle": 0}
+        self.handed = dict.fromkeys(HANDED_TO, 0)
         self._inside = False
         for entry, methods in HANDED_TO.items():
             for method in methods:
@@ -157,10 +161,16 @@ class Side:
             "histogram_sum": d.engine_seconds_sum,
             "engine": list(self.engine.calls),
             "riding": None if riding is None else list(riding),
+            "sent": list(self.sent),
             "queued": list(vars(self.reporter)["_queue"]),
             "overflows": self.reporter.overflows,
             "lifecycle": lifecycle_state(self.life),
         }
+
+
+def _made(state: dict[str, Any]) -> list[Report]:
+    """The reports a side made and Redis has not answered: sent, riding, then queued."""
+    return [*state["sent"], *(state["riding"] or []), *state["queued"]]
 
 
 def _no_connection() -> Any:
@@ -259,6 +269,33 @@ class Twins(RuleBasedStateMachine):
         if riding:
             self._answer(len(riding) - 1, "complete" if gen % 2 else answer)
 
+    @rule(
+        entries=st.lists(
+            st.tuples(IDS, GENS, st.sampled_from(("request", "abort", "keep")), BUDGETS, MODES),
+            max_size=4,
+        )
+    )
+    def batch_served(self, entries: list[tuple[str, int, str, float, str]]) -> None:
+        """A batch the reader made, served in the reporter's window (closed first, as the
+        read loop's always is)."""
+        self.window_closes(False)
+        batch: list[tuple[Request, float]] = []
+        for lookup_id, gen, kind, budget, mode in entries:
+            for side in (self.fast, self.slow):
+                side.engine.modes[lookup_id] = mode
+            if kind == "request":
+                batch.append((_req(lookup_id, gen, True), budget))
+            elif kind == "abort":
+                batch.append((Abort(lookup_id=lookup_id, gen=gen), math.inf))
+            else:
+                batch.append((Keep(lookup_id=lookup_id, gen=gen, tokens=gen + 1), math.inf))
+        for name, side in (("fast", self.fast), ("slow", self.slow)):
+            self._logger.addHandler(self.lines[name])
+            try:
+                side.sent += side.dispatcher.serve(list(batch))
+            finally:
+                self._logger.removeHandler(self.lines[name])
+
     @rule(lookup_id=IDS, gen=GENS)
     def abort(self, lookup_id: str, gen: int) -> None:
         self._both("handle", Abort(lookup_id=lookup_id, gen=gen), 100.0)
@@ -292,19 +329,19 @@ class Twins(RuleBasedStateMachine):
     @rule(data=st.data(), answer=ANSWERS)
     def redis_answers(self, data: st.DataObject, answer: str) -> None:
         """Redis answers one report made so far (riding or queued), as the reporter would."""
-        made = self.slow.state()
-        reports: list[Report] = (made["riding"] or []) + made["queued"]
+        reports = _made(self.slow.state())
         if not reports:
             return
         self._answer(data.draw(st.integers(min_value=0, max_value=len(reports) - 1)), answer)
 
     def _answer(self, index: int, answer: str) -> None:
-        """Redis answers the report at ``index`` of those riding, then queued."""
+        """Redis answers the report at ``index`` of those sent, riding, then queued."""
         for side in (self.fast, self.slow):
-            mine = (side.state()["riding"] or []) + side.state()["queued"]
-            report = mine[index]
+            report = _made(side.state())[index]
             riding = vars(side.reporter)["_riding"]
-            if riding is not None and report in riding:
+            if report in side.sent:
+                side.sent.remove(report)
+            elif riding is not None and report in riding:
                 riding.remove(report)
             else:
                 vars(side.reporter)["_queue"].remove(report)
@@ -333,14 +370,20 @@ class Twins(RuleBasedStateMachine):
 
 
 def test_the_c_path_serves_as_the_python_path(native: ModuleType) -> None:
-    Twins.served = {"calls": 0, "handle_handed": 0, "report_handed": 0, "settle_handed": 0}
-    counted: dict[str, int] = {"handle": 0, "report": 0, "settle": 0}
+    Twins.served = {
+        "calls": 0,
+        "handle_handed": 0,
+        "report_handed": 0,
+        "settle_handed": 0,
+        "serve_handed": 0,
+    }
+    counted: dict[str, int] = {"handle": 0, "report": 0, "settle": 0, "serve": 0}
     originals = {name: getattr(native, name) for name in counted}
 
     def counting(name: str) -> Any:
-        def call(*args: Any) -> None:
+        def call(*args: Any) -> Any:
             counted[name] += 1
-            originals[name](*args)
+            return originals[name](*args)
 
         return call
 
@@ -367,7 +410,7 @@ def test_one_lookup_through_the_c_path(native: ModuleType) -> None:
     counts = side.dispatcher.counts()
     assert counts == {"start": 1, "requests": 1, "report_complete": 1}
     assert sum(side.dispatcher.engine_seconds) == 1
-    assert side.handed == {"handle": 0, "report": 0, "settle": 0}  # all of it in C
+    assert set(side.handed.values()) == {0}  # all of it in C
 
 
 def test_an_engine_that_raises_is_answered_0_with_its_traceback_logged(
@@ -419,3 +462,33 @@ def test_engine_times_on_a_bucket_edge_land_as_in_python(native: ModuleType) -> 
     for edge in edges:
         expected[LATENCY_BUCKETS.index(edge)] += 1
     assert fast.dispatcher.engine_seconds == expected
+
+
+def test_a_batch_that_raises_queues_its_reports_on_both_paths(native: ModuleType) -> None:
+    """An engine's BaseException ends the batch: the window closes failed, the reports
+    made so far go to the queue (the batch is not acked), and the exception propagates."""
+    clock = Clock()
+    fast = Side(clock)
+    with _python_only():
+        slow = Side(clock)
+    for side in (fast, slow):
+        engine = side.engine
+        original = engine.async_lookup_and_prefetch
+
+        def interrupted(lookup_id: str, *args: Any, _original: Any = original, **kw: Any) -> None:
+            if lookup_id == "b":
+                raise KeyboardInterrupt
+            _original(lookup_id, *args, **kw)
+
+        engine.async_lookup_and_prefetch = interrupted  # type: ignore[method-assign]
+        batch: list[tuple[Request, float]] = [
+            (_req("a", 0, True), 250.0),
+            (_req("b", 0, True), 250.0),
+            (_req("c", 0, True), 250.0),
+        ]
+        with pytest.raises(KeyboardInterrupt):
+            side.dispatcher.serve(batch)
+    assert fast.state() == slow.state()
+    assert fast.state()["queued"] == [Report("a", 0, TOKENS)]
+    assert fast.state()["riding"] is None
+    assert [call[1] for call in fast.engine.calls] == ["a"]  # c never reached the engine

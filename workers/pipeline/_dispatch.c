@@ -11,6 +11,8 @@
  *     report(dispatcher, lookup_id, hits)      Dispatcher._report's send of a running job
  *     settle(dispatcher, report, answer)       Dispatcher._settle's hold of a kept report
  *     put(reporter, report)                    Reporter._put_report
+ *     serve(dispatcher, messages)              Dispatcher._serve: a batch, in the
+ *                                              reporter's window, through handle
  *
  * Each makes the common case exactly as the Python method would (the lifecycle's own try_*
  * transitions, the dispatcher's lock, counters and histogram, the reporter's lock and
@@ -32,7 +34,7 @@ static PyObject *s_tracker, *s_try_start, *s_try_report, *s_try_hold, *s_lock, *
     *s_gen, *s_tokens, *s_hashes, *s_offsets, *s_expected, *s_request_configs, *s_started,
     *s_start_counter, *s_requests_counter, *s_handle_py, *s_handle_otherwise, *s_engine_failed,
     *s_report_otherwise, *s_invalid_hits, *s_settle_py, *s_settle_otherwise, *s_prefetch,
-    *s_engine_kwnames, *s_keep[3], *s_keep_counter[3];
+    *s_engine_kwnames, *s_handle, *s_close_window, *s_serve_py, *s_keep[3], *s_keep_counter[3];
 
 static PyTypeObject *request_type; /* broker_lookup.protocol.messages.LookupRequest */
 static PyTypeObject *report_type;  /* workers.pipeline.reporter.Report */
@@ -421,6 +423,73 @@ static PyObject *put(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
+/* Reporter._close_window(failed=True): the batch failed, its reports go to the queue. */
+static void close_failed_window(PyObject *reporter) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *out = PyObject_CallMethodOneArg(reporter, s_close_window, Py_True);
+    if (out == NULL) {
+        PyErr_WriteUnraisable(reporter); /* the batch's own error goes on */
+    } else {
+        Py_DECREF(out);
+    }
+    PyErr_Restore(type, value, tb);
+}
+
+/* reporter._riding = value (a new list, or None) under its lock: 0, or -1. */
+static int set_riding(PyObject *reporter, PyObject *value) {
+    PyObject *lk = held_lock(reporter, s_lock);
+    if (lk == NULL) return -1;
+    int rc = PyObject_SetAttr(reporter, s_riding, value);
+    held_unlock(lk);
+    return rc;
+}
+
+/* Whether messages is a list of (msg, remaining_ms) tuples, as the reader makes: anything
+ * else is served by Dispatcher._serve. */
+static int pairs(PyObject *messages) {
+    if (!PyList_CheckExact(messages)) return 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(messages); i++) {
+        PyObject *pair = PyList_GET_ITEM(messages, i);
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) return 0;
+    }
+    return 1;
+}
+
+static PyObject *serve(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(2, "serve(dispatcher, messages)");
+    if (!ready()) return NULL;
+    PyObject *dispatcher = args[0], *messages = args[1];
+    if (!pairs(messages)) return call_method(dispatcher, s_serve_py, &messages, 1);
+    PyObject *reporter = PyObject_GetAttr(dispatcher, s_reporter);
+    if (reporter == NULL) return NULL;
+    PyObject *riding = PyList_New(0), *handle = NULL, *reports = NULL;
+    /* Reporter._open_window. */
+    if (riding == NULL || set_riding(reporter, riding) < 0) goto done;
+    if ((handle = PyObject_GetAttr(dispatcher, s_handle)) == NULL) goto failed;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(messages); i++) {
+        PyObject *pair = PyList_GET_ITEM(messages, i);
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) {  /* a handle changed it */
+            PyErr_SetString(PyExc_RuntimeError, "serve: the batch changed while served");
+            goto failed;
+        }
+        PyObject *out = PyObject_Vectorcall(handle, &PyTuple_GET_ITEM(pair, 0), 2, NULL);
+        if (out == NULL) goto failed;
+        Py_DECREF(out);
+    }
+    /* Reporter._close_window(failed=False): the window closed, its reports returned. */
+    if (set_riding(reporter, Py_None) < 0) goto failed;
+    reports = Py_NewRef(riding);
+    goto done;
+failed:
+    close_failed_window(reporter);
+done:
+    Py_DECREF(reporter);
+    Py_XDECREF(riding);
+    Py_XDECREF(handle);
+    return reports;
+}
+
 static PyObject *setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyType_Check(args[0]) || !PyType_Check(args[1]) ||
         !PyTuple_Check(args[2])) {
@@ -456,6 +525,8 @@ static PyMethodDef methods[] = {
      "settle(dispatcher, report, answer): Dispatcher._settle, its hold in C"},
     {"put", (PyCFunction)(void (*)(void))put, METH_FASTCALL,
      "put(reporter, report): Reporter._put_report in C"},
+    {"serve", (PyCFunction)(void (*)(void))serve, METH_FASTCALL,
+     "serve(dispatcher, messages) -> list[Report]: Dispatcher._serve in C"},
     {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL,
      "setup(LookupRequest, Report, LATENCY_BUCKETS): the types and buckets, once"},
     {NULL, NULL, 0, NULL},
@@ -502,6 +573,9 @@ PyMODINIT_FUNC PyInit__dispatch(void) {
     INTERN(s_settle_py, "_settle");
     INTERN(s_settle_otherwise, "_settle_otherwise");
     INTERN(s_prefetch, "async_lookup_and_prefetch");
+    INTERN(s_handle, "handle");
+    INTERN(s_close_window, "_close_window");
+    INTERN(s_serve_py, "_serve");
     INTERN(s_keep[0], "complete");
     INTERN(s_keep[1], "recorded");
     INTERN(s_keep[2], "duplicate");

@@ -18,5 +18,8 @@ def report(dispatcher: Dispatcher, lookup_id: str, hits: object, /) -> None:
 def settle(dispatcher: Dispatcher, report: Report, answer: str, /) -> None:
     """``Dispatcher._settle``: a kept report held here, anything else handed to Python."""
 
+def serve(dispatcher: Dispatcher, messages: list[tuple[Request, float]], /) -> list[Report]:
+    """``Dispatcher._serve``: a batch through ``handle`` in the reporter's window, in C."""
+
 def put(reporter: Reporter, report: Report, /) -> None:
     """``Reporter._put_report``, made in C."""

@@ -94,6 +94,12 @@ class Dispatcher:
         self.settle: Callable[[Report, str], None] = (
             partial(native.settle, self) if native is not None else self._settle
         )
+        #: ``serve(messages)``: each ``(entry, remaining_ms)`` of a batch through
+        #: :attr:`handle`, in the reporter's window: the reports made meanwhile (the read
+        #: loop sends them with the batch's XACK). If one raises, they are queued instead.
+        self.serve: Callable[[list[tuple[Request, float]]], list[Report]] = (
+            partial(native.serve, self) if native is not None else self._serve
+        )
         self._clock = clock
         self._engine = engine
         self._tracker = tracker
@@ -146,6 +152,14 @@ class Dispatcher:
         """:meth:`_handle` of a request through the lifecycle's full decision."""
         decision, step = self._tracker.on_request(msg, now, deadline)
         self._apply(msg.lookup_id, step, decision)
+
+    def _serve(self, messages: list[tuple[Request, float]]) -> list[Report]:
+        """:attr:`serve` in Python."""
+        handle = self.handle
+        with self.reporter.riding() as reports:
+            for msg, remaining_ms in messages:
+                handle(msg, remaining_ms)
+        return reports
 
     # -- from the engine (any thread) -------------------------------------------------
 

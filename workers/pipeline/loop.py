@@ -142,9 +142,7 @@ class RankLoop(LoopThread):
         """
         if not batch.ack_ids:
             return
-        with self._reporter.riding() as reports:
-            for msg, remaining_ms in batch.messages:
-                self._dispatcher.handle(msg, remaining_ms)
+        reports = self._dispatcher.serve(batch.messages)
         piggyback = not (self._stop.is_set() or self.heartbeat.due(time.monotonic()))
         read = self.reader.read_command() if piggyback else None
         self._reporter.send_with_ack(link, client, Served(reports, batch.ack_ids, batch.dead), read)
