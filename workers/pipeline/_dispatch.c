@@ -473,7 +473,9 @@ static PyObject *serve(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
             PyErr_SetString(PyExc_RuntimeError, "serve: the batch changed while served");
             goto failed;
         }
+        Py_INCREF(pair); /* held across handle, which runs Python */
         PyObject *out = PyObject_Vectorcall(handle, &PyTuple_GET_ITEM(pair, 0), 2, NULL);
+        Py_DECREF(pair);
         if (out == NULL) goto failed;
         Py_DECREF(out);
     }
