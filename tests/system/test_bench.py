@@ -320,3 +320,45 @@ def test_floor_compares_ours_with_the_protocols_floor(
         assert not list(client.scan_iter(match=f"bl:{{bench-{results['meta']['run_id']}-*"))
     finally:
         client.close()
+
+
+def test_paired_runs_two_kinds_of_rank_in_alternating_rounds(
+    real_server: RealServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "paired.json"
+    # ours=<this checkout>: the source-tree side, here the same code as its partner.
+    source = str(Path(__file__).resolve().parents[2])
+    argv = ["--paired", f"ours={source},floor", "--quick", "--redis-url", real_server.url]
+    args = _bench_args(*argv, "--rounds", "3", "--lookups", "15", "--out", str(out))
+    table = _one_figure_table(args, capsys, ["B / A per round: median", "A ours=", "B floor"])
+    assert "3 alternating rounds of 15 lookups a side" in table
+    paired = json.loads(out.read_text())["paired"]
+    assert paired["sides"] == [f"ours={source}", "floor"]
+    for side in (0, 1):
+        # Every lookup of both sides answered the stub's full hit, 3 rounds of 15.
+        assert paired["results"][side] == {"1024": 45}, side
+        cpu = paired["rank_cpu_us"][side]
+        assert len(cpu["rounds"]) == 3
+        for value in (*cpu["rounds"], cpu["median"], cpu["min"]):
+            _positive(value, f"side {side} rank CPU")
+    ratio = paired["ratio"]
+    assert ratio["rounds"] == 3 and ratio["q1"] <= ratio["median"] <= ratio["q3"]
+    _positive(ratio["median"], "ratio")
+
+
+@pytest.mark.parametrize(
+    ("spec", "named"),
+    [
+        ("ours", "expected two sides"),
+        ("ours,lmcache", "'lmcache'"),
+        ("floor=/tmp,ours", "only ours takes a source tree"),
+        ("ours=/nonexistent/tree,ours", "'/nonexistent/tree' holds no broker-lookup source"),
+    ],
+)
+def test_paired_refuses_a_side_it_cannot_run_and_names_it(
+    spec: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _bench_args("--paired", spec)
+    assert exit_.value.code == 2
+    assert named in capsys.readouterr().err

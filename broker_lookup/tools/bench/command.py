@@ -201,6 +201,15 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "same scripts and commands without our client's and ranks' machinery) per world "
         "size, and with --vs-lmcache with LMCache's too, and print the ratios",
     )
+    p.add_argument(
+        "--paired",
+        type=_sides,
+        metavar="A,B",
+        help="only compare two kinds of rank (ours, floor, native, or ours=PATH: our ranks "
+        "from another source tree) in alternating rounds of --lookups lookups, one in "
+        "flight, world 1, and print the median of the per-round rank CPU ratios B / A",
+    )
+    p.add_argument("--rounds", type=int, help="rounds a side for --paired (default 100)")
     p.add_argument("--lookups", type=int, help="measured lookups per latency run")
     p.add_argument("--duration", type=float, help="seconds per throughput run")
     p.add_argument("--poll-us", type=float, help="sleep between polls in µs (0: sleep(0))")
@@ -217,6 +226,15 @@ def _ints(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected ints >= 1")
     return values
+
+
+def _sides(text: str) -> Any:
+    from broker_lookup.tools.bench.paired import parse_sides
+
+    try:
+        return parse_sides(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -333,6 +351,35 @@ def _cmd_floor_gap(args: argparse.Namespace) -> int:
     )
 
 
+def run_paired(opts: BenchOptions, sides: tuple[Any, Any], rounds: int) -> dict[str, Any]:
+    """``--paired``: :func:`paired.paired` on the bench's server.
+
+    Raises:
+        BenchError: a rank host failed to start, or a lookup never finished.
+        BrokerUnavailable: the embedded server did not start.
+    """
+    from broker_lookup.tools.bench.paired import paired
+
+    return _one_figure(opts, "paired", lambda url, run_id: paired(opts, url, run_id, sides, rounds))
+
+
+def _cmd_paired(args: argparse.Namespace) -> int:
+    from broker_lookup.tools.bench.paired import render_paired
+
+    rounds = args.rounds if args.rounds is not None else (4 if args.quick else 100)
+    if rounds < 1:
+        print(f"broker-lookup bench: --rounds {rounds}: expected >= 1", file=sys.stderr)
+        return ExitCode.USAGE
+    if args.lookups is None:
+        args.lookups = 20 if args.quick else 300
+    opts = _options(args)
+    return _cmd_one_figure(
+        args,
+        lambda: run_paired(opts, args.paired, rounds),
+        lambda results: render_paired(results["paired"]),
+    )
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the bench from parsed arguments: JSON to ``--out``, a table on stdout."""
     if getattr(args, "cluster", False):
@@ -343,6 +390,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _cmd_features_cost(args)
     if getattr(args, "floor", False):
         return _cmd_floor_gap(args)
+    if getattr(args, "paired", None) is not None:
+        return _cmd_paired(args)
     opts = _options(args)
     out = args.out or "bench-results.json"
     try:

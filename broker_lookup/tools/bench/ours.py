@@ -93,18 +93,23 @@ def rank_host(
     mute: frozenset[str] = frozenset(),
     module: str = "broker_lookup.tools.bench.our_ranks",
     host_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> Iterator[dict[str, dict[int, int]]]:
     """Serve ``engines`` (id -> world size) from one rank host; yield the rank pids.
 
     ``module`` is the host (``our_ranks``, or ``floor`` for the protocol's floor): it
     takes ``--redis-url`` and ``--engine`` (and ``host_args``), and its ranks keep a
-    heartbeat key.
+    heartbeat key. ``env``: the host's environment (default: this process's).
     """
     argv = python_module(module, ["--redis-url", url, *host_args])
     for eid, world in engines.items():
         argv += ["--engine", f"{eid}:{world}" + (":mute" if eid in mute else "")]
     host, pids = start_rank_host(
-        "rank host", argv, dict(os.environ), sum(engines.values()), opts.startup_timeout_s
+        "rank host",
+        argv,
+        dict(os.environ) if env is None else env,
+        sum(engines.values()),
+        opts.startup_timeout_s,
     )
     try:
         server = redis.Redis.from_url(url)
