@@ -75,7 +75,7 @@ class Dispatcher:
         factory: Callable[[], redis.Redis],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        # The three entry points: the common case in one C call each where ``_dispatch.c``
+        # The entry points: the common case in one C call each where ``_dispatch.c``
         # is built (bound here, so no Python frame runs around it; it hands every other
         # case to the Python method, nothing changed), else the Python method.
         native = _dispatch
