@@ -44,7 +44,7 @@ static PyObject *zero, *one;     /* 0 and 1 */
 
 /* -- small helpers: each returns -1 (or NULL) with an exception set on failure ---------- */
 
-/* obj.name(*args): the result (a new reference) or NULL. */
+/* obj.name(*args), at most 4 args: the result (a new reference) or NULL. */
 static PyObject *call_method(PyObject *obj, PyObject *name, PyObject *const *args,
                              Py_ssize_t nargs) {
     PyObject *stack[5];
@@ -62,18 +62,18 @@ static int call_void(PyObject *obj, PyObject *name, PyObject *const *args, Py_ss
     return 0;
 }
 
-/* The clock the dispatcher reads (its ``_clock``), in *now. */
-static int clock_now(PyObject *dispatcher, double *now) {
+/* The dispatcher's clock (its ``_clock``) read: the value (a new reference, passed on to
+ * Python as it came) and as a double in *now; NULL on an error. */
+static PyObject *clock_now(PyObject *dispatcher, double *now) {
     PyObject *clock = PyObject_GetAttr(dispatcher, s_clock);
-    if (clock == NULL) return -1;
+    if (clock == NULL) return NULL;
     PyObject *value = PyObject_CallNoArgs(clock);
     Py_DECREF(clock);
-    if (value == NULL) return -1;
+    if (value == NULL) return NULL;
     *now = PyFloat_AsDouble(value);
-    Py_DECREF(value);
-    return (*now == -1.0 && PyErr_Occurred()) ? -1 : 0;
+    if (*now == -1.0 && PyErr_Occurred()) Py_CLEAR(value);
+    return value;
 }
-
 
 /* counts[key] = counts.get(key, 0) + 1, on the dispatcher's counter dict (lock held). */
 static int bump(PyObject *counts, PyObject *key) {
@@ -86,7 +86,7 @@ static int bump(PyObject *counts, PyObject *key) {
     return rc;
 }
 
-/* Dispatcher._count_locked for one or two counters: under the dispatcher's lock. */
+/* Dispatcher.count for one or two counters, under one acquisition of its lock. */
 static int count(PyObject *dispatcher, PyObject *first, PyObject *second) {
     PyObject *lk = held_lock(dispatcher, s_lock);
     if (lk == NULL) return -1;
@@ -105,10 +105,7 @@ static int count(PyObject *dispatcher, PyObject *first, PyObject *second) {
 
 /* Whether obj.name(*args) is true: 1, 0, or -1. */
 static int call_truth(PyObject *obj, PyObject *name, PyObject *const *args, Py_ssize_t nargs) {
-    PyObject *fn = PyObject_GetAttr(obj, name);
-    if (fn == NULL) return -1;
-    PyObject *out = PyObject_Vectorcall(fn, args, nargs, NULL);
-    Py_DECREF(fn);
+    PyObject *out = call_method(obj, name, args, nargs);
     if (out == NULL) return -1;
     int truth = PyObject_IsTrue(out);
     Py_DECREF(out);
@@ -193,15 +190,14 @@ static int handle_fresh(PyObject *dispatcher, PyObject *msg, PyObject *remaining
     int here = expected_here(dispatcher, msg);
     if (here != 1) return here;
     if (float_attr(dispatcher, s_pin_ttl_s, &pin_ttl) < 0) return -1;
-    if (clock_now(dispatcher, &now) < 0) return -1;
+    PyObject *now_obj = clock_now(dispatcher, &now);
+    if (now_obj == NULL) return -1;
     /* min(remaining_ms / 1000, pin_ttl_s) as Python's min takes it: the first unless the
      * second is smaller. */
     double budget = remaining / 1000;
     double deadline = now + (pin_ttl < budget ? pin_ttl : budget);
     PyObject *tracker = PyObject_GetAttr(dispatcher, s_tracker);
-    if (tracker == NULL) return -1;
-    PyObject *now_obj = PyFloat_FromDouble(now);
-    PyObject *deadline_obj = now_obj == NULL ? NULL : PyFloat_FromDouble(deadline);
+    PyObject *deadline_obj = tracker == NULL ? NULL : PyFloat_FromDouble(deadline);
     int rc = -1;
     if (deadline_obj != NULL) {
         PyObject *args[3] = {msg, now_obj, deadline_obj};
@@ -214,8 +210,8 @@ static int handle_fresh(PyObject *dispatcher, PyObject *msg, PyObject *remaining
             rc = call_void(dispatcher, s_handle_otherwise, args, 3);
         }
     }
-    Py_DECREF(tracker);
-    Py_XDECREF(now_obj);
+    Py_XDECREF(tracker);
+    Py_DECREF(now_obj);
     Py_XDECREF(deadline_obj);
     return rc < 0 ? -1 : 1;
 }
@@ -347,8 +343,7 @@ static PyObject *report(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!ready()) return NULL;
     PyObject *dispatcher = args[0], *lookup_id = args[1], *hits = args[2];
     double now;
-    if (clock_now(dispatcher, &now) < 0) return NULL;
-    PyObject *now_obj = PyFloat_FromDouble(now);
+    PyObject *now_obj = clock_now(dispatcher, &now);
     PyObject *tracker = now_obj == NULL ? NULL : PyObject_GetAttr(dispatcher, s_tracker);
     PyObject *job = NULL;
     int rc = -1;
@@ -381,8 +376,7 @@ static PyObject *settle(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     }
     double now;
-    if (clock_now(dispatcher, &now) < 0) return NULL;
-    PyObject *now_obj = PyFloat_FromDouble(now);
+    PyObject *now_obj = clock_now(dispatcher, &now);
     PyObject *tracker = now_obj == NULL ? NULL : PyObject_GetAttr(dispatcher, s_tracker);
     int rc = -1;
     if (tracker != NULL) {

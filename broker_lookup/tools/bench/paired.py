@@ -107,22 +107,21 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-@dataclass(frozen=True)
-class _Round:
-    """One side's round: its client, its ranks' pids, the round's lookup id prefix."""
-
-    client: Any
-    pids: list[int]
-    tag: str
-
-    def measure(self, opts: BenchOptions, prompts: Prompts, results: dict[str, int]) -> float:
-        """Run the round; its rank CPU in µs per lookup (answers counted into ``results``)."""
-        before = cpu_seconds_of(self.pids)
-        run = sequential_latency(self.client, prompts, opts.lookups, 0, opts.poll_s, self.tag)
-        spent = cpu_seconds_of(self.pids) - before
-        for hits, count in run["results"].items():
-            results[hits] = results.get(hits, 0) + count
-        return spent * 1e6 / opts.lookups
+def _round(
+    client: Any,
+    pids: list[int],
+    tag: str,
+    opts: BenchOptions,
+    prompts: Prompts,
+    results: dict[str, int],
+) -> float:
+    """One side's round: its rank CPU in µs per lookup (its answers counted into ``results``)."""
+    before = cpu_seconds_of(pids)
+    run = sequential_latency(client, prompts, opts.lookups, 0, opts.poll_s, tag)
+    spent = cpu_seconds_of(pids) - before
+    for hits, count in run["results"].items():
+        results[hits] = results.get(hits, 0) + count
+    return spent * 1e6 / opts.lookups
 
 
 def paired(
@@ -151,8 +150,8 @@ def paired(
         results: list[dict[str, int]] = [{}, {}]
         for r in range(rounds):
             for i in (0, 1) if r % 2 == 0 else (1, 0):
-                run = _Round(clients[i], pids[i], f"p{r}-{i}")
-                cpu_us[i].append(run.measure(opts, prompts, results[i]))
+                tag = f"p{r}-{i}"
+                cpu_us[i].append(_round(clients[i], pids[i], tag, opts, prompts, results[i]))
     ratios = sorted(b / a for a, b in zip(cpu_us[0], cpu_us[1], strict=True) if a > 0)
     q1, median, q3 = _quartiles(ratios) if ratios else (0.0, 0.0, 0.0)
     return {
