@@ -292,7 +292,7 @@ def test_features_cost_compares_both_sides(
 def test_floor_compares_ours_with_the_protocols_floor(
     real_server: RealServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from broker_lookup.tools.bench.floor_gap import FIGURES
+    from broker_lookup.tools.bench.floor_gap import FIGURES, IN_FLIGHT_FIGURES
 
     out = tmp_path / "floor.json"
     argv = ["--floor", "--quick", "--redis-url", real_server.url, "--out", str(out)]
@@ -315,6 +315,22 @@ def test_floor_compares_ours_with_the_protocols_floor(
                 _positive(entry[side][key], f"world {world} {side} {key}")
         assert set(entry["ratio"]["ours_floor"]) == {key for key, _ in FIGURES}
         assert "lmcache" not in entry  # no --vs-lmcache
+    # At --quick's throughput world (2), each side also kept --quick's window in flight.
+    in_flight = gap["in_flight"]
+    assert (in_flight["world"], in_flight["window"]) == (2, 200)
+    assert "200 in flight, world 2" in table
+    for side in sides:
+        figures = in_flight[side]
+        assert figures == gap["worlds"]["2"][side]["in_flight"]
+        _positive(figures["lookups_per_s"], f"{side} in flight rate")
+        # CPU counts the client process, the ranks and Redis: more than Redis alone.
+        assert figures["cpu_us"] > figures["redis_cpu_us"] > 0, side
+        # The floors' ranks always report: every completion is the stub's full hit.
+        if side != "ours":
+            assert set(figures["results"]) == {"1024"}, side
+        assert figures["results"].get("1024", 0) > 0, side
+    assert set(in_flight["ratio"]) == {"ours_floor"}
+    assert set(in_flight["ratio"]["ours_floor"]) == {key for key, _ in IN_FLIGHT_FIGURES}
     client = redis.Redis.from_url(real_server.url)
     try:
         assert not list(client.scan_iter(match=f"bl:{{bench-{results['meta']['run_id']}-*"))

@@ -1,4 +1,4 @@
-"""``broker-lookup bench --floor``: ours against the protocol's floor (and LMCache), one in flight.
+"""``broker-lookup bench --floor``: ours against the protocol's floor (and LMCache).
 
 For each world size the same one-in-flight loop (:func:`measure.sequential_latency`) runs
 on our client and ranks, on the floor (:mod:`broker_lookup.tools.bench.floor`: the same
@@ -10,7 +10,9 @@ from one world to the next so a drift of the machine's load falls on all. With
 The ratios say where a gap to LMCache comes from: ours / floor is what our
 implementation adds over the protocol; floor / LMCache is what the broker's design costs
 (two hops through Redis) in Python on this machine; native / LMCache is what it costs
-when no Python but the request's decoding runs in a rank's turn.
+when no Python but the request's decoding runs in a rank's turn. In flight, the floors'
+rate against LMCache's bounds what any implementation of the protocol reaches here:
+Redis shares the machine's cores, and its CPU per lookup is the protocol's.
 
 >>> out = floor_gap(BenchOptions.defaults(quick=True), url, "r1")   # doctest: +SKIP
 >>> out["worlds"]["1"]["ratio"]["ours_floor"]["rank_cpu_us"]          # doctest: +SKIP
@@ -19,7 +21,6 @@ when no Python but the request's decoding runs in a rank's turn.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import redis
@@ -29,6 +30,7 @@ from broker_lookup.tools.bench.measure import (
     BenchOptions,
     LookupClientLike,
     Prompts,
+    closed_loop,
     sequential_latency,
 )
 from broker_lookup.tools.bench.ours import (
@@ -54,27 +56,54 @@ _LMCACHE = "backoff0"  #: the LMCache variant compared (lmcache_side.VARIANTS)
 _FLOOR_HOST = "broker_lookup.tools.bench.floor"
 
 
+#: The in-flight figures compared at the throughput world, as (key, label).
+IN_FLIGHT_FIGURES = (
+    ("lookups_per_s", "lookups/s"),
+    ("cpu_us", "CPU µs/lookup, Redis incl."),
+    ("redis_cpu_us", "Redis CPU µs/lookup"),
+)
+
+
 def _measure(
     opts: BenchOptions, url: str, client: LookupClientLike, pids: list[int], world: int, tag: str
 ) -> dict[str, Any]:
-    """One side's figures at ``world``: the latency loop, with every process's CPU."""
+    """One side's figures at ``world``: the latency loop, with every process's CPU; at the
+    throughput world, ``in_flight`` too."""
     server = redis.Redis.from_url(url)
     try:
         meter = CpuMeter(pids, server)
         prompts = Prompts(opts.tokens)
         run = sequential_latency(client, prompts, opts.lookups, opts.warmup, opts.poll_s, tag)
         cpu = meter.per_1000(opts.lookups + opts.warmup)
+        figures = {
+            "e2e_p50_ms": run["e2e"]["p50_ms"],
+            "e2e_p99_ms": run["e2e"]["p99_ms"],
+            "lookup_call_us": run["lookup_call_us"],
+            # per_1000 is seconds per 1,000 lookups = ms per lookup; x1000: µs per lookup.
+            "scheduler_cpu_us": cpu["client_process"] * 1000,
+            "rank_cpu_us": cpu["ranks"] * 1000 / world,
+            "redis_cpu_us": cpu["redis"] * 1000,
+            "polls_per_lookup": run["polls_per_lookup"],
+            "results": run["results"],
+        }
+        if world == opts.throughput_world:
+            figures["in_flight"] = _in_flight(opts, client, CpuMeter(pids, server), f"{tag}-tp")
     finally:
         server.close()
+    return figures
+
+
+def _in_flight(
+    opts: BenchOptions, client: LookupClientLike, meter: CpuMeter, tag: str
+) -> dict[str, Any]:
+    """``opts.window`` lookups kept in flight: the rate, and CPU per lookup of the client
+    process, the ranks and Redis together."""
+    run = closed_loop(client, Prompts(opts.tokens), opts.window, opts.duration_s, opts.poll_s, tag)
+    cpu = meter.per_1000(run["completed"])
     return {
-        "e2e_p50_ms": run["e2e"]["p50_ms"],
-        "e2e_p99_ms": run["e2e"]["p99_ms"],
-        "lookup_call_us": run["lookup_call_us"],
-        # per_1000 is seconds per 1,000 lookups = ms per lookup; x1000: µs per lookup.
-        "scheduler_cpu_us": cpu["client_process"] * 1000,
-        "rank_cpu_us": cpu["ranks"] * 1000 / world,
+        "lookups_per_s": run["lookups_per_s"],
+        "cpu_us": (cpu["client_process"] + cpu["ranks"] + cpu["redis"]) * 1000,
         "redis_cpu_us": cpu["redis"] * 1000,
-        "polls_per_lookup": run["polls_per_lookup"],
         "results": run["results"],
     }
 
@@ -113,10 +142,11 @@ _SIDES = {"ours": _ours, "floor": _floor, "native": _native}
 
 
 def _lmcache(opts: BenchOptions, run_id: str) -> dict[str, dict[str, Any]]:
-    """LMCache at backoff 0, the same loop per world (no throughput run)."""
+    """LMCache at backoff 0, the same loop per world, and its throughput run."""
     from broker_lookup.tools.bench.lmcache_side import bench_lmcache
 
-    runs = bench_lmcache(replace(opts, throughput_world=0), run_id)[_LMCACHE]["latency"]
+    measured = bench_lmcache(opts, run_id)[_LMCACHE]
+    runs = measured["latency"]
     out: dict[str, dict[str, Any]] = {}
     for world, run in runs.items():
         cpu = run["cpu_per_1000"]
@@ -130,11 +160,42 @@ def _lmcache(opts: BenchOptions, run_id: str) -> dict[str, dict[str, Any]]:
             "polls_per_lookup": run["polls_per_lookup"],
             "results": run["results"],
         }
+    tput = measured.get("throughput")
+    if tput is not None:
+        cpu = tput["cpu_per_1000"]
+        out[str(tput["world"])]["in_flight"] = {
+            "lookups_per_s": tput["lookups_per_s"],
+            "cpu_us": (cpu["client_process"] + cpu["ranks"]) * 1000,
+            "redis_cpu_us": None,  # no broker
+        }
     return out
 
 
-def _ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
-    return {k: (a[k] / b[k] if a.get(k) and b.get(k) else None) for k, _ in FIGURES}
+def _ratio(
+    a: dict[str, Any], b: dict[str, Any], figures: tuple[tuple[str, str], ...] = FIGURES
+) -> dict[str, float | None]:
+    return {k: (a[k] / b[k] if a.get(k) and b.get(k) else None) for k, _ in figures}
+
+
+#: The ratios each table prints, as (key, numerator, denominator).
+_RATIOS = (
+    ("ours_floor", "ours", "floor"),
+    ("floor_lmcache", "floor", "lmcache"),
+    ("native_lmcache", "native", "lmcache"),
+    ("ours_lmcache", "ours", "lmcache"),
+)
+
+
+def _in_flight_table(worlds: dict[str, dict[str, Any]], opts: BenchOptions) -> dict[str, Any]:
+    """The throughput world's in-flight figures per side, and their ratios."""
+    entry = worlds.get(str(opts.throughput_world), {})
+    sides = {k: v["in_flight"] for k, v in entry.items() if k != "ratio" and "in_flight" in v}
+    ratio = {
+        key: _ratio(sides[a], sides[b], IN_FLIGHT_FIGURES)
+        for key, a, b in _RATIOS
+        if a in sides and b in sides
+    }
+    return {"world": opts.throughput_world, "window": opts.window, **sides, "ratio": ratio}
 
 
 def floor_gap(opts: BenchOptions, url: str, run_id: str) -> dict[str, Any]:
@@ -149,23 +210,21 @@ def floor_gap(opts: BenchOptions, url: str, run_id: str) -> dict[str, Any]:
     for i, world in enumerate(opts.worlds):
         order = names[i % len(names) :] + names[: i % len(names)]
         sides = {side: _SIDES[side](opts, url, run_id, world) for side in order}
-        worlds[str(world)] = {
-            **sides,
-            "ratio": {"ours_floor": _ratio(sides["ours"], sides["floor"])},
-        }
+        worlds[str(world)] = sides
     if opts.vs_lmcache:
         for name, side in _lmcache(opts, run_id).items():
-            entry = worlds[name]
-            entry["lmcache"] = side
-            entry["ratio"]["floor_lmcache"] = _ratio(entry["floor"], side)
-            entry["ratio"]["ours_lmcache"] = _ratio(entry["ours"], side)
-            if "native" in entry:
-                entry["ratio"]["native_lmcache"] = _ratio(entry["native"], side)
+            worlds[name]["lmcache"] = side
+    in_flight = _in_flight_table(worlds, opts)
+    for entry in worlds.values():
+        entry["ratio"] = {
+            key: _ratio(entry[a], entry[b]) for key, a, b in _RATIOS if a in entry and b in entry
+        }
     return {
         "lookups_per_side": opts.lookups,
         "tokens": opts.tokens,
         "native_built": "native" in names,
         "worlds": worlds,
+        "in_flight": in_flight,
     }
 
 
@@ -199,8 +258,18 @@ def render_floor_gap(result: dict[str, Any]) -> str:
     if not result.get("native_built", True):
         lines.append("  (no native floor: its optional C extension was not compiled)")
     for world, entry in result["worlds"].items():
-        columns = _columns(entry)
-        lines.append(f"  world {world:<27}" + "".join(f"{t:>9}" for t, _ in columns))
-        for key, label in FIGURES:
-            lines.append(f"    {label:<30}" + "".join(_cell(c.get(key), 9) for _, c in columns))
+        lines += _table(f"world {world}", _columns(entry), FIGURES)
+    in_flight = result.get("in_flight", {})
+    if len(in_flight.get("ratio", {})):
+        title = f"{in_flight['window']} in flight, world {in_flight['world']}"
+        lines += _table(title, _columns(in_flight), IN_FLIGHT_FIGURES)
     return "\n".join(lines)
+
+
+def _table(
+    title: str, columns: list[tuple[str, dict[str, Any]]], figures: tuple[tuple[str, str], ...]
+) -> list[str]:
+    lines = [f"  {title:<33}" + "".join(f"{t:>9}" for t, _ in columns)]
+    for key, label in figures:
+        lines.append(f"    {label:<30}" + "".join(_cell(c.get(key), 9) for _, c in columns))
+    return lines

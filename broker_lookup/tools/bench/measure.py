@@ -16,6 +16,7 @@ import os
 import random
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -261,6 +262,7 @@ class _ClosedLoop:
         self.prefix = prefix
         self.inflight: dict[str, int] = {}
         self.latencies: list[int] = []
+        self.results: Counter[int] = Counter()  #: each completed lookup's answer
         self.finished: list[int] = []
         self.issued = 0
 
@@ -272,10 +274,11 @@ class _ClosedLoop:
         self.inflight[lookup_id] = time.perf_counter_ns()
         result = self.client.lookup(prompt, lookup_id)
         if result is not None and result >= 0:  # answered at once
-            self.complete(lookup_id)
+            self.complete(lookup_id, result)
 
-    def complete(self, lookup_id: str) -> None:
+    def complete(self, lookup_id: str, result: int) -> None:
         now = time.perf_counter_ns()
+        self.results[result] += 1
         self.latencies.append(now - self.inflight.pop(lookup_id))
         self.finished.append(now)
         self.client.clear_lookup_status(lookup_id)
@@ -285,7 +288,7 @@ class _ClosedLoop:
         for lookup_id in list(self.inflight):
             result = lookup_cache(lookup_id)
             if result is not None and result >= 0:
-                self.complete(lookup_id)
+                self.complete(lookup_id, result)
                 self.issue()
 
     def forget_rest(self) -> None:
@@ -329,4 +332,5 @@ def closed_loop(
         "issued": loop.issued,
         "lookups_per_s": steady * 1e9 / max(1, stop - counted_from),
         "latency": summarize_ns(loop.latencies),
+        "results": {str(k): v for k, v in sorted(loop.results.items())},
     }
