@@ -57,8 +57,13 @@ _INT64_MIN = -(2**63)
 _UINT64_MAX = 2**64 - 1
 
 
-class LookupRequest(msgspec.Struct, tag="lookup", frozen=True, kw_only=True):
+class LookupRequest(msgspec.Struct, tag="lookup", frozen=True, kw_only=True, gc=False):
     """Ask every expected rank for its cached prefix of these chunks."""
+
+    # gc=False: a request lives as long as its lookup, in the client's table and in a
+    # rank's job, so a tracked one would count towards the host process's collections
+    # (vLLM's, whose heap each full collection walks). It can't be part of a cycle:
+    # frozen, and its fields are ints, lists of ints and a JSON-able dict.
 
     lookup_id: str
     gen: int  #: generation: distinguishes attempts that reuse one lookup id

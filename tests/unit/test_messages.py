@@ -56,6 +56,18 @@ def test_lookup_request_round_trips() -> None:
     assert decode_request({b"m": encode_request(msg)}) == msg
 
 
+def test_requests_do_not_count_towards_the_host_processs_collections() -> None:
+    """A request lives as long as its lookup (the client's table, a rank's job): were it
+    tracked, each would count towards the collections of vLLM's process, as built and as
+    decoded from the wire."""
+    import gc
+
+    built = [request(lookup_id=f"req-{i}") for i in range(50)]
+    decoded = [decode_request({b"m": encode_request(msg)}) for msg in built]
+    assert decoded == built
+    assert not any(gc.is_tracked(msg) for msg in built + decoded)
+
+
 def test_abort_round_trips() -> None:
     msg = Abort(lookup_id="req-1", gen=3)
     assert decode_request(entry(msg)) == msg

@@ -60,6 +60,8 @@ _FLOOR_HOST = "broker_lookup.tools.bench.floor"
 IN_FLIGHT_FIGURES = (
     ("lookups_per_s", "lookups/s"),
     ("cpu_us", "CPU µs/lookup, Redis incl."),
+    ("client_cpu_us", "client process CPU µs/lookup"),
+    ("ranks_cpu_us", "all ranks' CPU µs/lookup"),
     ("redis_cpu_us", "Redis CPU µs/lookup"),
 )
 
@@ -103,6 +105,8 @@ def _in_flight(
     return {
         "lookups_per_s": run["lookups_per_s"],
         "cpu_us": (cpu["client_process"] + cpu["ranks"] + cpu["redis"]) * 1000,
+        "client_cpu_us": cpu["client_process"] * 1000,
+        "ranks_cpu_us": cpu["ranks"] * 1000,
         "redis_cpu_us": cpu["redis"] * 1000,
         "results": run["results"],
     }
@@ -166,6 +170,8 @@ def _lmcache(opts: BenchOptions, run_id: str) -> dict[str, dict[str, Any]]:
         out[str(tput["world"])]["in_flight"] = {
             "lookups_per_s": tput["lookups_per_s"],
             "cpu_us": (cpu["client_process"] + cpu["ranks"]) * 1000,
+            "client_cpu_us": cpu["client_process"] * 1000,
+            "ranks_cpu_us": cpu["ranks"] * 1000,
             "redis_cpu_us": None,  # no broker
         }
     return out
