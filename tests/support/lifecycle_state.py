@@ -4,15 +4,16 @@ and compare them after every step."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
+
+import msgspec
 
 from workers.pipeline.lifecycle import Job, Lifecycle
 
 
 def job_fields(job: Job | None) -> tuple[Any, ...] | None:
     """Every field of ``job`` (None for none)."""
-    return None if job is None else dataclasses.astuple(job)
+    return None if job is None else msgspec.structs.astuple(job)
 
 
 def lifecycle_state(life: Lifecycle) -> dict[str, Any]:

@@ -3,8 +3,10 @@ or an engine: every decision and engine step, including the generation races of 
 
 from __future__ import annotations
 
+import gc
+
 from broker_lookup.protocol.messages import LookupRequest
-from workers.pipeline.lifecycle import NOTHING, Lifecycle, Step
+from workers.pipeline.lifecycle import NOTHING, Job, Lifecycle, Step
 
 PIN_TTL = 10.0
 GRACE = 2.0
@@ -42,6 +44,24 @@ def test_request_starts_then_duplicate_is_ignored() -> None:
     start(t)
     assert t.on_request(req(), 0.1, 3.0) == ("duplicate", NOTHING)
     assert t.sizes()["running"] == 1
+
+
+def test_held_jobs_do_not_count_towards_the_engine_processs_collections() -> None:
+    """A rank holds each answered lookup for the pins' TTL: tens of thousands of jobs at a
+    few thousand lookups a second, none of them tracked by the GC of the engine's process
+    (made by the lifecycle's C transitions where built, and by Python)."""
+    t = lifecycle(capacity=1000)
+    jobs: list[Job] = []
+    for i in range(200):
+        start(t, lookup_id=f"id-{i}")
+        outcome, job, _ = t.on_report(f"id-{i}", 0.0)
+        assert outcome == "report" and job is not None
+        assert t.on_settled(f"id-{i}", 1, keep=True, now=0.1) == NOTHING
+        jobs.append(job)
+    assert t.sizes()["held"] == 200
+    assert all(job.state == "held" for job in jobs)
+    jobs.append(Job("py", 1, 8, 0.0, 3.0))
+    assert not any(gc.is_tracked(job) for job in jobs)
 
 
 def test_report_kept_then_abort_releases_held_pins() -> None:

@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
+import msgspec
+
 from broker_lookup.protocol.messages import LookupRequest
 from workers.pipeline.memo import Memo
 
@@ -64,9 +66,13 @@ State = Literal["running", "reporting", "held"]
 _STATES: tuple[State, ...] = ("running", "reporting", "held")
 
 
-@dataclass(slots=True)
-class Job:
+class Job(msgspec.Struct, gc=False):
     """The generation of a lookup id that the engine holds."""
+
+    # gc=False: a held job lives for the pins' TTL (a minute by default), so a rank holds
+    # tens of thousands of them at a few thousand lookups a second. Tracked, each would
+    # count towards the collections of the engine's process (vLLM's worker) and be walked
+    # by every full one. Its fields are scalars: it can't be part of a cycle.
 
     lookup_id: str
     gen: int

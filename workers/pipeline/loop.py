@@ -118,8 +118,11 @@ class RankLoop(LoopThread):
                 self._keep_alive(link)
                 link.call([], self.reader.read_command())
             try:
-                reply = link.take_read()
-                self._serve(link, client, self.reader.parse(reply))
+                # The reply's lists die here, before the batch is served: alive through
+                # the serving's allocations, a big batch's would be promoted by the GC's
+                # collections that those trigger, and walked by every full one after.
+                batch = self.reader.parse(link.take_read())
+                self._serve(link, client, batch)
             except REDIS_ERRORS as exc:  # one translation for the whole hot path
                 raise_translated(exc, self._serving)
             self._fingerprint.tick()
