@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,9 @@ class RedisAsyncLookupClient(LookupClientInterface):
         self.metadata = metadata
         self.keys = KeySpace(metadata.engine_id)
         self.expected = expected_ranks(config, metadata)
+        # One list for every request: nothing mutates it, and one per lookup would be a
+        # tracked object alive for the lookup (see table.Entry).
+        self._expected_ranks = list(self.expected)
         self.hasher = ChunkedTokenHasher(config)
         self._gens = itertools.count(time.time_ns() // 1000)
         self._deadline_rule = config.deadline_rule()
@@ -197,9 +201,8 @@ class RedisAsyncLookupClient(LookupClientInterface):
         now = time.monotonic()
         tokens = sum(offsets)
         budget_ms = self._deadline_rule.budget_ms(tokens)
-        entry = Entry(
-            next(self._gens), now, now + budget_ms / 1000, tokens, self.expected, with_event
-        )
+        event = threading.Event() if with_event else None
+        entry = Entry(next(self._gens), now, now + budget_ms / 1000, tokens, self.expected, event)
         if self._listener.dead.intersection(self.expected):
             self._table.add(lookup_id, entry, finished="dead_rank")
             return 0
@@ -216,7 +219,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             gen=entry.gen,
             hashes=hashes,
             offsets=offsets,
-            expected=list(self.expected),
+            expected=self._expected_ranks,
             deadline_ms=int(time.time() * 1000) + budget_ms,
             request_configs=request_configs,
             tokens=tokens,
@@ -230,7 +233,8 @@ class RedisAsyncLookupClient(LookupClientInterface):
     def _record(self, lookup_id: str, with_event: bool, outcome: Outcome) -> None:
         """Record an answer given without Redis, so lookup_cache returns it until cleared."""
         now = time.monotonic()
-        entry = Entry(next(self._gens), now, now, 0, self.expected, with_event)
+        event = threading.Event() if with_event else None
+        entry = Entry(next(self._gens), now, now, 0, self.expected, event)
         self._table.add(lookup_id, entry, finished=outcome)
 
     # -- lifecycle of one id ----------------------------------------------------------

@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import msgspec
 import redis
 from redis.exceptions import RedisError
 
@@ -91,11 +92,11 @@ DIRECT_LINGER_S = 0.05
 HEALTHY_IDLE_S = 1.0
 
 
-class Submit(NamedTuple):
+class Submit(msgspec.Struct, frozen=True, gc=False, eq=False):
     """A lookup to register in Redis: the table's entry and the request to broadcast.
 
-    A NamedTuple, not a frozen dataclass: one is made per ``lookup()``, on the caller's
-    thread, and a frozen dataclass sets each field through ``object.__setattr__``.
+    Not tracked by the GC, as its entry and request (see ``table.Entry``): under load it
+    waits in the queue for the lookup's round trip.
     """
 
     entry: Entry

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+import msgspec
 import redis
 from redis.exceptions import NoScriptError, ResponseError
 
@@ -56,9 +56,12 @@ Arg = str | bytes | int
 Before = Callable[[Any], int]
 
 
-@dataclass(frozen=True, slots=True)
-class Call:
+class Call(msgspec.Struct, frozen=True, gc=False):
     """One script invocation: which script, its KEYS and its ARGV."""
+
+    # gc=False: a submit's call waits in the client's queue for its round trip, so a
+    # tracked one would count towards the scheduler process's collections. KEYS and
+    # ARGV hold only strings, bytes and numbers: no cycle.
 
     script: str
     keys: Sequence[str]
@@ -115,7 +118,8 @@ def submit_call(
         fields=request_fields(request),
         insights=insights,
     )
-    return Call(SUBMIT, (keys.lookup(request.lookup_id), keys.requests), args)
+    # A tuple: untracked by the GC at its first collection, unlike a list.
+    return Call(SUBMIT, (keys.lookup(request.lookup_id), keys.requests), tuple(args))
 
 
 def cancel_args(*, gen: int, maxlen: int, fields: dict[str, Arg]) -> list[Arg]:

@@ -49,7 +49,7 @@ class TableMachine(RuleBasedStateMachine):
     @rule(lookup_id=IDS)
     def add(self, lookup_id: str) -> None:
         gen = next(self.gens)
-        entry = Entry(gen, 0.0, 1e12, 40, (0,), with_event=False)
+        entry = Entry(gen, 0.0, 1e12, 40, (0,), event=None)
         old = self.model.get(lookup_id)
         accepted = self.table.add(lookup_id, entry)
         full = old is None and len(self.model) >= CAP
@@ -161,7 +161,7 @@ class _CountingLock:
 def test_sweeps_do_no_work_for_what_is_not_due() -> None:
     table = LookupTable(lambda i, g: None, 100_000, retention_s=10.0)
     for i in range(20_000):
-        entry = Entry(i, 0.0, 1e12, 40, (0, 1), with_event=False)
+        entry = Entry(i, 0.0, 1e12, 40, (0, 1), event=None)
         table.add(f"r{i}", entry)
         entry.sent = True
         table.confirmed(f"r{i}", entry, now=100.0)
@@ -180,7 +180,7 @@ def test_sweeps_do_no_work_for_what_is_not_due() -> None:
 def test_uncleared_results_are_evicted_after_the_retention_only() -> None:
     table = LookupTable(lambda i, g: None, 100, retention_s=10.0)
     for i in range(3):
-        entry = Entry(i, 0.0, 1e12, 40, (0,), with_event=False)
+        entry = Entry(i, 0.0, 1e12, 40, (0,), event=None)
         table.add(f"r{i}", entry)
         table.finish(f"r{i}", i, 8, "hit")
     finished_at = table._finished["r0"][0]
