@@ -25,6 +25,7 @@ def lifecycle_state(life: Lifecycle) -> dict[str, Any]:
         "held": list(state["_held"].items()),
         "progressed": {i: job_fields(j) for i, j in state["_progressed"].items()},
         "timers": sorted(state["_timers"]),
+        "unsettled": list(state["_unsettled"].items()),
         "seen": list(state["_seen"].items()),
         "aborted": list(state["_aborted"].items()),
         "late": list(state["_late"].items()),

@@ -50,12 +50,12 @@ def test_the_plan_is_the_earliest_timer_hold_or_memo_within_its_bounds() -> None
     assert t.plan_sweep(0.05, 100.0) == 3.0 + GRACE
     assert t.plan_sweep(0.05, 1.0) == 1.0  # never past the latest
     assert t.plan_sweep(6.0, 100.0) == 6.0  # never before the soonest
-    t.on_report("a", 1.0)  # an unsettled timer at 1 + PIN_TTL; the watchdog's stays, stale
-    t.on_settled("a", 1, keep=True, now=1.5)  # held until 1.5 + PIN_TTL
+    t.on_report("a", 1.0)  # its report awaited until 1 + PIN_TTL; the watchdog's stays, stale
+    t.on_settled("a", 1, keep=True, now=1.5)  # no longer awaited; held until 1.5 + PIN_TTL
     assert t.due(3.0 + GRACE) == []  # the stale watchdog timer is dropped
     assert t.plan_sweep(0.0, 100.0) == MEMO_TTL  # the seen memo comes first now
     t.expired_holds(MEMO_TTL)
-    assert t.plan_sweep(0.0, 100.0) == 1.0 + PIN_TTL  # the unsettled timer (stale), then the hold
+    assert t.plan_sweep(0.0, 100.0) == 1.5 + PIN_TTL  # the hold: a settled report leaves no timer
 
 
 def test_progress_is_due_once_it_is_as_old_as_the_delay() -> None:

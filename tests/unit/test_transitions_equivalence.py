@@ -248,6 +248,30 @@ def test_a_hold_beyond_capacity_rings_the_sweeper_as_python_does(native: ModuleT
     assert rings["c"] == rings["python"] >= 1
 
 
+def test_a_report_awaited_past_the_planned_wake_rings_the_sweeper_as_python_does(
+    native: ModuleType,
+) -> None:
+    # A short pin TTL against a long watchdog and memo: the report is given up on (at
+    # 1 + 0.5) before anything else falls due, so the sweeper must be woken for it.
+    rings: dict[str, int] = {}
+    with _python_only():
+        python = Lifecycle(CAPACITY, 0.5, 50.0, GRACE)
+    twins = (("c", Lifecycle(CAPACITY, 0.5, 50.0, GRACE)), ("python", python))
+    for name, life in twins:
+        rings[name] = 0
+        life.ring_sweeper(partial(_count, rings, name))
+        if not life.try_start(_req("a", 1), 0.0, 100.0):
+            life.on_request(_req("a", 1), 0.0, 100.0)
+        assert life.plan_sweep(0.05, 1000.0) == 50.0  # the seen memo's expiry
+        taken = life.try_report("a", 1.0)
+        assert (taken is not None) == (name == "c")
+        if taken is None:
+            life.on_report("a", 1.0)
+        assert life.plan_sweep(0.05, 1000.0) == 1.5
+        assert [kind for kind, _, _ in life.due(1.5)] == ["unsettled"]
+    assert rings == {"c": 1, "python": 1}
+
+
 def test_a_report_settled_while_a_newer_generation_waits_is_released_not_held(
     native: ModuleType,
 ) -> None:

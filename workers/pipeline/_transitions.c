@@ -18,8 +18,8 @@
  * Python path would take": tests/unit/test_transitions_equivalence.py drives random
  * sequences through both and compares every map.
  *
- * A timer, hold or memo change is what the Python helpers do (Lifecycle._begin, _timer,
- * _move, _hold and Memo.add); where one of them would ring the sweeper, the lifecycle's
+ * A timer, hold, awaited report or memo change is what the Python helpers do
+ * (Lifecycle._begin, _timer, _await_settle, _move, _hold and Memo.add); where one of them would ring the sweeper, the lifecycle's
  * own _sooner is called, as Python calls it.
  */
 
@@ -28,7 +28,7 @@
 
 #include "_held.h"
 
-static PyObject *s_lock, *s_jobs, *s_seen, *s_aborted, *s_states, *s_timers, *s_seq,
+static PyObject *s_lock, *s_jobs, *s_seen, *s_aborted, *s_states, *s_timers, *s_unsettled, *s_seq,
     *s_wake_at, *s_memo_ttl_s, *s_grace_s, *s_pin_ttl_s, *s_held, *s_waiting, *s_capacity,
     *s_sooner, *s_popitem, *s_lookup_id, *s_gen, *s_tokens, *s_state,
     *s_aborted_attr, *s_superseded, *s_kept, *s_running, *s_reporting, *s_held_state;
@@ -236,8 +236,30 @@ done:
     return result;
 }
 
+/* Lifecycle._await_settle(job, when): the reporting id awaits its report's answer. */
+static int await_settle(PyObject *lc, double when, PyObject *lookup_id, PyObject *gen) {
+    PyObject *unsettled = PyObject_GetAttr(lc, s_unsettled);
+    if (unsettled == NULL) return -1;
+    PyObject *when_obj = PyFloat_FromDouble(when);
+    PyObject *entry = when_obj == NULL ? NULL : PyTuple_Pack(2, when_obj, gen);
+    Py_XDECREF(when_obj);
+    int rc = entry == NULL ? -1 : PyObject_SetItem(unsettled, lookup_id, entry);
+    Py_XDECREF(entry);
+    Py_DECREF(unsettled);
+    return rc < 0 ? -1 : ring_if_sooner(lc, when);
+}
+
+/* The reporting id's report settled (Lifecycle._move out of reporting). */
+static int settled(PyObject *lc, PyObject *lookup_id) {
+    PyObject *unsettled = PyObject_GetAttr(lc, s_unsettled);
+    if (unsettled == NULL) return -1;
+    int rc = PyObject_DelItem(unsettled, lookup_id);
+    Py_DECREF(unsettled);
+    return rc;
+}
+
 /* on_report's "report": a running job, neither aborted, superseded nor kept, moves to
- * reporting with a timer for a report that never settles. Under the lock: 1 (the job in
+ * reporting, awaiting its report's answer until the pin TTL. Under the lock: 1 (the job in
  * *out, a new reference), 0 not this case, -1 error. */
 static int report_locked(PyObject *lc, PyObject *lookup_id, double now, PyObject **out) {
     int result = -1;
@@ -252,7 +274,7 @@ static int report_locked(PyObject *lc, PyObject *lookup_id, double now, PyObject
     if ((gen = PyObject_GetAttr(job, s_gen)) == NULL) goto done;
     if ((states = PyObject_GetAttr(lc, s_states)) == NULL) goto done;
     if (move(states, job, s_reporting) < 0) goto done;
-    if (push_timer(lc, now + pin_ttl, lookup_id, gen, s_reporting) < 0) goto done;
+    if (await_settle(lc, now + pin_ttl, lookup_id, gen) < 0) goto done;
     *out = job;
     job = NULL;
     result = 1;
@@ -281,6 +303,7 @@ static int hold_locked(PyObject *lc, PyObject *lookup_id, PyObject *gen, double 
     if ((held = PyObject_GetAttr(lc, s_held)) == NULL) goto done;
     if ((states = PyObject_GetAttr(lc, s_states)) == NULL) goto done;
     /* Lifecycle._hold. */
+    if (settled(lc, lookup_id) < 0) goto done;
     if (move(states, job, s_held_state) < 0) goto done;
     double until = now + pin_ttl;
     if ((until_obj = PyFloat_FromDouble(until)) == NULL) goto done;
@@ -407,6 +430,7 @@ PyMODINIT_FUNC PyInit__transitions(void) {
     INTERN(s_aborted, "_aborted");
     INTERN(s_states, "_states");
     INTERN(s_timers, "_timers");
+    INTERN(s_unsettled, "_unsettled");
     INTERN(s_seq, "_seq");
     INTERN(s_wake_at, "_wake_at");
     INTERN(s_memo_ttl_s, "_memo_ttl_s");

@@ -142,6 +142,11 @@ class Lifecycle:
         self._held: OrderedDict[str, float] = OrderedDict()  # id -> until; TTL order
         self._progressed: dict[str, Job] = {}  # running jobs with progress not yet taken
         self._timers: list[tuple[float, int, str, int, State]] = []  # lazily deleted
+        # Reporting ids -> (when their report is given up on, gen), oldest first. Every
+        # report gets the same pin TTL, so they arrive in time order (to within the
+        # microseconds between threads' clock reads) and need no heap; an id leaves when
+        # its report settles, so this holds only the reports Redis has not answered yet.
+        self._unsettled: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self._seq = itertools.count()
         self._seen: Memo[tuple[str, int]] = Memo(capacity)
         self._aborted: Memo[tuple[str, int]] = Memo(capacity)
@@ -228,7 +233,7 @@ class Lifecycle:
                 self._hold(job, now)
                 return "kept", job, NOTHING
             self._move(job, "reporting")
-            self._timer(now + self._pin_ttl_s, job)  # a report that never settles
+            self._await_settle(job, now + self._pin_ttl_s)
             return "report", job, NOTHING
 
     def on_settled(self, lookup_id: str, gen: int, keep: bool, now: float) -> Step:
@@ -332,11 +337,17 @@ class Lifecycle:
                 job = self._jobs.get(lookup_id)
                 if job is None or job.gen != gen or job.state != state:
                     continue  # it moved on before its time: a stale timer
-                kind = "watchdog" if state == "running" else "unsettled"
-                self._events[kind] += 1
-                if state == "running":
-                    self._late.add(lookup_id, now + self._pin_ttl_s)
-                out.append((kind, job, self._finish(job, now)))
+                self._events["watchdog"] += 1
+                self._late.add(lookup_id, now + self._pin_ttl_s)
+                out.append(("watchdog", job, self._finish(job, now)))
+            unsettled = self._unsettled
+            while unsettled:
+                lookup_id, (when, gen) = next(iter(unsettled.items()))
+                if when > now:
+                    break
+                job = self._jobs[lookup_id]  # reporting: the id leaves when it stops
+                self._events["unsettled"] += 1
+                out.append(("unsettled", job, self._finish(job, now)))
         return out
 
     def expired_holds(self, now: float) -> list[str]:
@@ -361,6 +372,7 @@ class Lifecycle:
                 store.clear()
             self._states = dict.fromkeys(_STATES, 0)
             self._timers.clear()
+            self._unsettled.clear()
         return ids
 
     def events(self) -> dict[str, int]:
@@ -408,6 +420,8 @@ class Lifecycle:
         self._states[job.state] -= 1
         if job.state == "held":
             del self._held[job.lookup_id]
+        elif job.state == "reporting":
+            del self._unsettled[job.lookup_id]
 
     def _hold(self, job: Job, now: float) -> None:
         self._move(job, "held")
@@ -419,9 +433,16 @@ class Lifecycle:
             self._sooner(-math.inf)  # over capacity: the oldest goes at the next sweep
 
     def _move(self, job: Job, state: State) -> None:
+        if job.state == "reporting":  # settled: its report is no longer awaited
+            del self._unsettled[job.lookup_id]
         self._states[job.state] -= 1
         self._states[state] += 1
         job.state = state
+
+    def _await_settle(self, job: Job, when: float) -> None:
+        self._unsettled[job.lookup_id] = (when, job.gen)
+        if when < self._wake_at:
+            self._sooner(when)
 
     def _timer(self, when: float, job: Job) -> None:
         heapq.heappush(self._timers, (when, next(self._seq), job.lookup_id, job.gen, job.state))
@@ -442,6 +463,8 @@ class Lifecycle:
         if len(self._held) > self._capacity:
             return -math.inf
         due = self._timers[0][0] if self._timers else math.inf
+        if self._unsettled:
+            due = min(due, next(iter(self._unsettled.values()))[0])
         if self._progressed:
             due = min(due, self._progress_due)
         if self._held:
