@@ -23,7 +23,9 @@ from broker_lookup.tools.stub_engine import StubEngine
 
 # A real server only: fakeredis keeps the server's data in this process, among the objects
 # counted here.
-pytestmark = pytest.mark.parametrize("backend", ["real"], indirect=True)
+pytestmark = pytest.mark.parametrize(
+    "backend", [pytest.param("real", marks=pytest.mark.real, id="real")], indirect=True
+)
 
 LOOKUPS = 300
 
