@@ -19,8 +19,8 @@
  * sequences through both and compares every map.
  *
  * A timer, hold, awaited report or memo change is what the Python helpers do
- * (Lifecycle._begin, _timer, _await_settle, _move, _hold and Memo.add); where one of them would ring the sweeper, the lifecycle's
- * own _sooner is called, as Python calls it.
+ * (Lifecycle._begin, _timer, _await_settle, _move, _hold and Memo.add); where one of them
+ * would ring the sweeper, the lifecycle's own _sooner is called, as Python calls it.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -28,8 +28,8 @@
 
 #include "_held.h"
 
-static PyObject *s_lock, *s_jobs, *s_seen, *s_aborted, *s_states, *s_timers, *s_unsettled, *s_seq,
-    *s_wake_at, *s_memo_ttl_s, *s_grace_s, *s_pin_ttl_s, *s_held, *s_waiting, *s_capacity,
+static PyObject *s_lock, *s_jobs, *s_seen, *s_aborted, *s_states, *s_timers, *s_unsettled,
+    *s_seq, *s_wake_at, *s_memo_ttl_s, *s_grace_s, *s_pin_ttl_s, *s_held, *s_waiting, *s_capacity,
     *s_sooner, *s_popitem, *s_lookup_id, *s_gen, *s_tokens, *s_state,
     *s_aborted_attr, *s_superseded, *s_kept, *s_running, *s_reporting, *s_held_state;
 
@@ -237,14 +237,12 @@ done:
 }
 
 /* Lifecycle._await_settle(job, when): the reporting id awaits its report's answer. */
-static int await_settle(PyObject *lc, double when, PyObject *lookup_id, PyObject *gen) {
+static int await_settle(PyObject *lc, double when, PyObject *lookup_id) {
     PyObject *unsettled = PyObject_GetAttr(lc, s_unsettled);
     if (unsettled == NULL) return -1;
     PyObject *when_obj = PyFloat_FromDouble(when);
-    PyObject *entry = when_obj == NULL ? NULL : PyTuple_Pack(2, when_obj, gen);
+    int rc = when_obj == NULL ? -1 : PyObject_SetItem(unsettled, lookup_id, when_obj);
     Py_XDECREF(when_obj);
-    int rc = entry == NULL ? -1 : PyObject_SetItem(unsettled, lookup_id, entry);
-    Py_XDECREF(entry);
     Py_DECREF(unsettled);
     return rc < 0 ? -1 : ring_if_sooner(lc, when);
 }
@@ -263,7 +261,7 @@ static int settled(PyObject *lc, PyObject *lookup_id) {
  * *out, a new reference), 0 not this case, -1 error. */
 static int report_locked(PyObject *lc, PyObject *lookup_id, double now, PyObject **out) {
     int result = -1;
-    PyObject *job = NULL, *gen = NULL, *states = NULL;
+    PyObject *job = NULL, *states = NULL;
     double pin_ttl;
     ONLY_IF(job_of(lc, lookup_id, &job));
     ONLY_IF(attr_equals(job, s_state, s_running));
@@ -271,16 +269,14 @@ static int report_locked(PyObject *lc, PyObject *lookup_id, double now, PyObject
     ONLY_IF(false_attr(job, s_superseded));
     ONLY_IF(attr_equals(job, s_kept, Py_None));
     if (float_attr(lc, s_pin_ttl_s, &pin_ttl) < 0) goto done;
-    if ((gen = PyObject_GetAttr(job, s_gen)) == NULL) goto done;
     if ((states = PyObject_GetAttr(lc, s_states)) == NULL) goto done;
     if (move(states, job, s_reporting) < 0) goto done;
-    if (await_settle(lc, now + pin_ttl, lookup_id, gen) < 0) goto done;
+    if (await_settle(lc, now + pin_ttl, lookup_id) < 0) goto done;
     *out = job;
     job = NULL;
     result = 1;
 done:
     Py_XDECREF(job);
-    Py_XDECREF(gen);
     Py_XDECREF(states);
     return result;
 }

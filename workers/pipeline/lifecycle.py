@@ -142,11 +142,11 @@ class Lifecycle:
         self._held: OrderedDict[str, float] = OrderedDict()  # id -> until; TTL order
         self._progressed: dict[str, Job] = {}  # running jobs with progress not yet taken
         self._timers: list[tuple[float, int, str, int, State]] = []  # lazily deleted
-        # Reporting ids -> (when their report is given up on, gen), oldest first. Every
-        # report gets the same pin TTL, so they arrive in time order (to within the
-        # microseconds between threads' clock reads) and need no heap; an id leaves when
-        # its report settles, so this holds only the reports Redis has not answered yet.
-        self._unsettled: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        # Reporting ids -> when their report is given up on, oldest first. Every report
+        # gets the same pin TTL, so they arrive in time order (to within the microseconds
+        # between threads' clock reads) and need no heap; an id leaves when its job stops
+        # reporting, so this holds only the reports Redis has not answered yet.
+        self._unsettled: OrderedDict[str, float] = OrderedDict()
         self._seq = itertools.count()
         self._seen: Memo[tuple[str, int]] = Memo(capacity)
         self._aborted: Memo[tuple[str, int]] = Memo(capacity)
@@ -342,7 +342,7 @@ class Lifecycle:
                 out.append(("watchdog", job, self._finish(job, now)))
             unsettled = self._unsettled
             while unsettled:
-                lookup_id, (when, gen) = next(iter(unsettled.items()))
+                lookup_id, when = next(iter(unsettled.items()))
                 if when > now:
                     break
                 job = self._jobs[lookup_id]  # reporting: the id leaves when it stops
@@ -440,7 +440,7 @@ class Lifecycle:
         job.state = state
 
     def _await_settle(self, job: Job, when: float) -> None:
-        self._unsettled[job.lookup_id] = (when, job.gen)
+        self._unsettled[job.lookup_id] = when
         if when < self._wake_at:
             self._sooner(when)
 
@@ -464,7 +464,7 @@ class Lifecycle:
             return -math.inf
         due = self._timers[0][0] if self._timers else math.inf
         if self._unsettled:
-            due = min(due, next(iter(self._unsettled.values()))[0])
+            due = min(due, next(iter(self._unsettled.values())))
         if self._progressed:
             due = min(due, self._progress_due)
         if self._held:

@@ -266,7 +266,7 @@ def render_floor_gap(result: dict[str, Any]) -> str:
     for world, entry in result["worlds"].items():
         lines += _table(f"world {world}", _columns(entry), FIGURES)
     in_flight = result.get("in_flight", {})
-    if len(in_flight.get("ratio", {})):
+    if in_flight.get("ratio"):
         title = f"{in_flight['window']} in flight, world {in_flight['world']}"
         lines += _table(title, _columns(in_flight), IN_FLIGHT_FIGURES)
     return "\n".join(lines)
