@@ -28,6 +28,7 @@ pytestmark = pytest.mark.parametrize(
 )
 
 LOOKUPS = 300
+WARM = 50
 
 
 def _answered(client: RedisAsyncLookupClient, lookup_id: str) -> bool:
@@ -51,18 +52,22 @@ def test_lookups_in_flight_keep_nothing_tracked(
     client = make_client(lookup_timeout_ms=20_000)
     ready(server)
     wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the rank")
-    prompts = [prompt(i * 1000) for i in range(LOOKUPS)]
+    prompts = [prompt(i * 1000) for i in range(WARM + LOOKUPS)]
+    # Warm: the first lookups' one-time objects (caches, the connections' buffers).
+    for i, tokens in enumerate(prompts[:WARM]):
+        assert client.lookup(tokens, f"warm-{i}") is None
+    wait_until(lambda: server.stats()["running"] == WARM, message="warm lookups running")
 
     def run() -> None:
-        for i, tokens in enumerate(prompts):
+        for i, tokens in enumerate(prompts[WARM:]):
             assert client.lookup(tokens, f"gc-{i}") is None
         wait_until(
-            lambda: server.stats()["running"] == LOOKUPS,
+            lambda: server.stats()["running"] == WARM + LOOKUPS,
             message="every lookup running on the rank",
         )
 
     per_lookup = _tracked_per_lookup(run)
-    assert client.stats()["inflight"] == LOOKUPS
+    assert client.stats()["inflight"] == WARM + LOOKUPS
     # The table's entry, the request (its lists go once the submit is written) and a
     # rank's running job are untracked; the code before kept 3.3 tracked objects each.
     assert per_lookup < 1, per_lookup
@@ -76,10 +81,10 @@ def test_held_lookups_keep_nothing_tracked_on_the_rank(
     ready(server)
     wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the rank")
     prompts = [prompt(i * 1000) for i in range(LOOKUPS)]
-    for i, tokens in enumerate(prompts[:50]):  # warm: the first lookups' one-time objects
+    for i, tokens in enumerate(prompts[:WARM]):  # warm: the first lookups' one-time objects
         client.lookup(tokens, f"warm-{i}")
-    wait_until(lambda: server.stats()["held"] == 50, message="warm lookups held")
-    for i in range(50):
+    wait_until(lambda: server.stats()["held"] == WARM, message="warm lookups held")
+    for i in range(WARM):
         client.clear_lookup_status(f"warm-{i}")
 
     def run() -> None:
@@ -88,7 +93,7 @@ def test_held_lookups_keep_nothing_tracked_on_the_rank(
             client.lookup(tokens, lookup_id)
             wait_until(partial(_answered, client, lookup_id), message=f"{lookup_id} answered")
             client.clear_lookup_status(lookup_id)
-        wait_until(lambda: server.stats()["held"] == 50 + LOOKUPS, message="all held")
+        wait_until(lambda: server.stats()["held"] == WARM + LOOKUPS, message="all held")
 
     # Answered and cleared on the client; held on the rank (the pins' TTL is a minute).
     per_lookup = _tracked_per_lookup(run)
