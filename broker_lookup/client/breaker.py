@@ -52,6 +52,9 @@ class Breaker:
     def _ended(self, loop: str, since: float, tolerate: int, failed: bool | None) -> None:
         """``failed`` None: the round trip ended by another exception (a bug), which
         neither opens nor closes the breaker."""
+        # A stall opened the breaker while every loop was inside a round trip, so none
+        # was idle to poll it: count that opening before the stall's end hides it.
+        self.poll()
         self._busy_since[loop] = 0.0
         if failed is None:
             return
@@ -60,12 +63,10 @@ class Breaker:
             stalled = time.monotonic() - since > self._open_after_s
             if self._strikes[loop] > tolerate or stalled:
                 self._failed.add(loop)
-                self._note()
-            return
-        self._strikes[loop] = 0
-        if loop in self._failed:
+        else:
+            self._strikes[loop] = 0
             self._failed.discard(loop)
-            self._note()
+        self.poll()
 
     def failing(self, loop: str) -> bool:
         """Whether ``loop``'s last round trip failed (it should probe before it waits)."""

@@ -83,3 +83,16 @@ def test_a_blocking_read_may_take_its_block_time() -> None:
     assert breaker.is_open(time.monotonic() + 1.2)
     leave.set()
     thread.join(10)
+
+
+def test_a_stall_is_counted_even_when_no_loop_was_idle_to_see_it() -> None:
+    # Every loop stuck in its round trip (a held server): nobody polls while it lasts,
+    # and the round trip then ends well. The opening must still be counted, and closed.
+    breaker = Breaker(0.05, ("sender", "listener"))
+    with breaker.track("sender"):
+        time.sleep(0.1)
+    assert breaker.openings == 1
+    assert not breaker.is_open()
+    with breaker.track("sender"):
+        pass
+    assert breaker.openings == 1  # a quick round trip opens nothing
