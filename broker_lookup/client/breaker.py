@@ -52,21 +52,24 @@ class Breaker:
     def _ended(self, loop: str, since: float, tolerate: int, failed: bool | None) -> None:
         """``failed`` None: the round trip ended by another exception (a bug), which
         neither opens nor closes the breaker."""
-        # A stall opened the breaker while every loop was inside a round trip, so none
-        # was idle to poll it: count that opening before the stall's end hides it.
-        self.poll()
+        now = time.monotonic()
+        stalled = now - since > self._open_after_s
+        if stalled and not self._was_open:
+            # Every loop was inside a round trip while this one stalled, so none was idle
+            # to poll the opening: count it before the round trip's end hides it.
+            self._note()
         self._busy_since[loop] = 0.0
         if failed is None:
             return
         if failed:
             self._strikes[loop] += 1
-            stalled = time.monotonic() - since > self._open_after_s
             if self._strikes[loop] > tolerate or stalled:
                 self._failed.add(loop)
         else:
             self._strikes[loop] = 0
             self._failed.discard(loop)
-        self.poll()
+        if self._failed or self._was_open:
+            self.poll()
 
     def failing(self, loop: str) -> bool:
         """Whether ``loop``'s last round trip failed (it should probe before it waits)."""

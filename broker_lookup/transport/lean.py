@@ -32,9 +32,15 @@ Another thread may write to a ``LeanLink`` while its owner reads the replies lat
 own submits, and the sender thread reads their replies when it next wakes (see
 :mod:`broker_lookup.client.sender` for the lock that keeps the two in wire order).
 
+On a plain TCP or unix socket the connection's ``socket_timeout`` is kept by the kernel
+(:func:`kernel_timeouts`): the socket blocks, so a read or a write is one system call
+instead of Python's ``poll`` and then the call.
+
 Errors: transport failures raise redis-py's ``ConnectionError``/``TimeoutError`` (the
 caller translates them at its boundary) and drop the connection, so no reply of a
-failed write is ever taken for a later one; it reconnects on the next call.
+failed write is ever taken for a later one; it reconnects on the next call. (A timeout
+inside redis-py's own read, a health check's PING, comes as its ``ConnectionError``:
+both drop the connection and open the breaker alike.)
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import struct
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -61,6 +68,7 @@ __all__ = [
     "Command",
     "LeanLink",
     "Link",
+    "kernel_timeouts",
     "open_link",
     "pairs",
     "read_replies",
@@ -141,6 +149,31 @@ def read_replies(conn: Any, n: int, wait: bool = True) -> list[Any]:
     return out
 
 
+def kernel_timeouts(sock: socket.socket) -> None:
+    """Make a plain socket blocking, its timeout kept by the kernel instead of Python.
+
+    Python keeps a socket's timeout by making it non-blocking and calling ``poll`` before
+    every ``recv`` and ``send``: two system calls and two releases of the GIL per read
+    or write. With the same timeout as ``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` on a blocking
+    socket each is one call; a timed-out one fails with ``EAGAIN`` (``BlockingIOError``),
+    which :func:`_refill` and :func:`_send_all` raise as redis-py's ``TimeoutError``.
+
+    Idempotent and cheap (one ``gettimeout`` once done), so it is called before each use:
+    redis-py puts its own timeout back when it reconnects or reads with a timeout of its
+    own (a pool's checkout). A socket without a timeout, or non-blocking, is left as is.
+    """
+    timeout = sock.gettimeout()
+    if not timeout:
+        return
+    seconds, fraction = divmod(timeout, 1.0)
+    # A zeroed timeval means no timeout at all to the kernel: never round down to it.
+    micros = max(int(fraction * 1_000_000), 0 if seconds else 1)
+    value = struct.pack("@ll", int(seconds), micros)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+    sock.settimeout(None)
+
+
 def _refill(parser: Any, sock: Any, buffer: bytearray | None) -> None:
     """Read what the socket holds into ``parser``'s hiredis reader; ``buffer`` (the
     parser's own) for a plain socket read here, None to let the parser read it."""
@@ -148,8 +181,9 @@ def _refill(parser: Any, sock: Any, buffer: bytearray | None) -> None:
         if buffer is None:
             parser.read_from_socket()
             return
+        kernel_timeouts(sock)
         got = sock.recv_into(buffer)
-    except TimeoutError as exc:  # socket.timeout: what the parser raises for it
+    except (TimeoutError, BlockingIOError) as exc:  # Python's timeout, or the kernel's
         raise RedisTimeoutError("Timeout reading from socket") from exc
     except OSError as exc:  # a reset peer: what read_response raises for it
         raise ConnectionError(f"Error while reading from the socket: {exc!r}") from exc
@@ -162,9 +196,10 @@ def _send_all(sock: socket.socket, chunks: list[bytes]) -> None:
     """``send_packed_command`` on a plain socket: the same errors, without its layers (the
     caller drops the connection on any of them, as redis-py would)."""
     try:
+        kernel_timeouts(sock)
         for chunk in chunks:
             sock.sendall(chunk)
-    except TimeoutError as exc:  # socket.timeout
+    except (TimeoutError, BlockingIOError) as exc:  # Python's timeout, or the kernel's
         raise RedisTimeoutError("Timeout writing to socket") from exc
     except OSError as exc:
         raise ConnectionError(f"Error while writing to socket: {exc!r}") from exc
@@ -343,11 +378,12 @@ class LeanLink:
         data = b"".join(self._pack(conn, commands))
         written: int
         try:
-            if sock.gettimeout() is None:  # a blocking socket: the flag alone never waits
+            if sock.gettimeout() is None:  # blocking (kernel_timeouts): the flag never waits
                 written = sock.send(data, socket.MSG_DONTWAIT)
             else:
-                # A socket with a timeout is non-blocking underneath, and its send() would
-                # poll for room for up to the timeout: write to the descriptor instead.
+                # Not converted yet (no read or write of the owner's since it connected):
+                # non-blocking underneath, and its send() would poll for room for up to
+                # the timeout, so write to the descriptor instead.
                 written = os.write(sock.fileno(), data)
         except OSError:  # full (nothing written) or broken: the owner's next call finds out
             return None

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
 from collections.abc import Iterator
 
@@ -20,15 +22,20 @@ from broker_lookup.tools.faultproxy.proxy import FaultProxy
 from broker_lookup.transport.lean import LeanLink, open_link
 
 
-@pytest.fixture
-def link(fault_proxy: FaultProxy) -> Iterator[LeanLink]:
-    """A lean link through the fault proxy, closed with its client after the test."""
-    client = redis.Redis.from_url(fault_proxy.url, socket_timeout=5)
+def _through(proxy: FaultProxy, socket_timeout: float) -> Iterator[LeanLink]:
+    """A lean link through ``proxy``, closed with its client after the test."""
+    client = redis.Redis.from_url(proxy.url, socket_timeout=socket_timeout)
     lean = open_link(client)
     assert isinstance(lean, LeanLink)
     yield lean
     lean.close()
     client.close()
+
+
+@pytest.fixture
+def link(fault_proxy: FaultProxy) -> Iterator[LeanLink]:
+    """A lean link through the fault proxy."""
+    yield from _through(fault_proxy, 5)
 
 
 def test_a_reset_while_a_read_waits_raises_redis_connection_error(
@@ -118,3 +125,47 @@ def test_only_plain_sockets_take_writes_from_another_thread() -> None:
     assert isinstance(link, LeanLink)
     link.call([("PING",)])
     assert not link.accepts_direct and link.send_nowait([("PING",)]) is None
+
+
+# -- the socket's timeout, kept by the kernel ---------------------------------------------
+
+
+@pytest.fixture
+def short_link(fault_proxy: FaultProxy) -> Iterator[LeanLink]:
+    """A lean link through the fault proxy whose socket times out after 0.5 s."""
+    yield from _through(fault_proxy, 0.5)
+
+
+def _socket_of(link: LeanLink) -> socket.socket:
+    sock: socket.socket = link._conn._sock
+    return sock
+
+
+def test_a_held_server_times_out_a_read_on_the_kernels_timeout(
+    short_link: LeanLink, fault_proxy: FaultProxy
+) -> None:
+    assert short_link.call([("PING",)]) == [b"PONG"]
+    sock = _socket_of(short_link)
+    # Blocking, with redis-py's 0.5 s as the kernel's: one system call a read, no poll.
+    assert sock.gettimeout() is None
+    seconds, micros = struct.unpack(
+        "@ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)
+    )
+    assert 500_000 <= seconds * 1_000_000 + micros < 510_000  # kept in clock ticks
+    fault_proxy.hold()
+    with pytest.raises(redis.TimeoutError, match="reading"):
+        short_link.call([("PING",)])
+    fault_proxy.release()
+    assert short_link.call([("PING",)]) == [b"PONG"]  # a new connection, converted too
+    assert _socket_of(short_link) is not sock and _socket_of(short_link).gettimeout() is None
+
+
+def test_a_held_server_times_out_a_write_that_fills_the_buffers(
+    short_link: LeanLink, fault_proxy: FaultProxy
+) -> None:
+    short_link.call([("PING",)])
+    fault_proxy.hold()  # the proxy stops reading: the socket buffers fill, then the write waits
+    with pytest.raises(redis.TimeoutError, match="writing"):
+        short_link.call([("SET", "lean-big", b"x" * (64 << 20))])
+    fault_proxy.release()
+    assert short_link.call([("EXISTS", "lean-big")]) == [0]  # the torn write never ran
