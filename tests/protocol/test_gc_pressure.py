@@ -13,13 +13,17 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import pytest
 from faultkit import prompt, ready
 from helpers import MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.tools.stub_engine import Mode, StubEngine
+
+if TYPE_CHECKING:
+    from workers.server import RedisAsyncLookupServer
 
 # A real server only: fakeredis keeps the server's data in this process, among the objects
 # counted here.
@@ -35,6 +39,18 @@ def _answered(client: RedisAsyncLookupClient, lookup_id: str) -> bool:
     return client.lookup_cache(lookup_id) is not None
 
 
+def _rank_and_client(
+    make_server: MakeServer, make_client: MakeClient, mode: Mode
+) -> tuple[RedisAsyncLookupServer, RedisAsyncLookupClient]:
+    """A rank whose engine answers as ``mode`` says, and a client that sees it; long
+    budgets, so no lookup reaches its deadline on a loaded machine."""
+    server = make_server(StubEngine(mode, record=False), lookup_timeout_ms=20_000)
+    client = make_client(lookup_timeout_ms=20_000)
+    ready(server)
+    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the rank")
+    return server, client
+
+
 def _tracked_per_lookup(run: Callable[[], None]) -> float:
     gc.collect()
     before = len(gc.get_objects())
@@ -48,10 +64,7 @@ def test_lookups_in_flight_keep_nothing_tracked(
 ) -> None:
     # A manual engine never answers by itself: every lookup stays in flight (running on
     # the rank, pending on the client) while the objects are counted.
-    server = make_server(StubEngine("manual", record=False), lookup_timeout_ms=20_000)
-    client = make_client(lookup_timeout_ms=20_000)
-    ready(server)
-    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the rank")
+    server, client = _rank_and_client(make_server, make_client, "manual")
     prompts = [prompt(i * 1000) for i in range(WARM + LOOKUPS)]
     # Warm: the first lookups' one-time objects (caches, the connections' buffers).
     for i, tokens in enumerate(prompts[:WARM]):
@@ -78,10 +91,7 @@ def test_held_lookups_keep_nothing_tracked_on_the_rank(
 ) -> None:
     # Long budgets: a lookup answered 0 at its deadline on a loaded machine is cancelled,
     # and its rank releases it instead of holding it.
-    server = make_server(StubEngine("instant", record=False), lookup_timeout_ms=20_000)
-    client = make_client(lookup_timeout_ms=20_000)
-    ready(server)
-    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the rank")
+    server, client = _rank_and_client(make_server, make_client, "instant")
     prompts = [prompt(i * 1000) for i in range(LOOKUPS)]
 
     def answer_and_clear(lookup_ids: list[str]) -> None:
