@@ -6,12 +6,18 @@ no hang, no key left without a TTL, and no hit answered 0 unless a fault explain
 
 from __future__ import annotations
 
+import random
+from types import SimpleNamespace
+from typing import cast
+
 import pytest
 
+from broker_lookup.config import LookupConfig
 from broker_lookup.ops.cli import main
-from broker_lookup.tools.soak.chaos import KINDS
+from broker_lookup.tools.soak.chaos import KINDS, Chaos, ChaosTiming
 from broker_lookup.tools.soak.command import run_soak
 from broker_lookup.tools.soak.faults import FaultLog
+from broker_lookup.tools.soak.rig import Beats, Proxies, Ranks
 
 
 def test_fault_log_explains_a_lookup_until_the_quiet_time_after_the_fault() -> None:
@@ -30,6 +36,29 @@ def test_fault_log_explains_a_lookup_until_the_quiet_time_after_the_fault() -> N
     (example,) = log.examples["lost_hits"]
     assert example["faults_in_effect"] == [] and example["last_fault_before"]["kind"] == "lose_xack"
     assert example["next_fault_after"]["kind"] == "reset"
+
+
+def test_a_lost_reply_that_never_happened_is_dealt_again() -> None:
+    # No proxy is started, so no XACK ever passes: the armed loss gives up unfired.
+    log = FaultLog(quiet_s=1.0, origin=0.0)
+    proxies = Proxies("redis://127.0.0.1:1", ["client", "rank0"])
+    chaos = Chaos(
+        random.Random(0),
+        log,
+        proxies,
+        cast(Ranks, SimpleNamespace(n=1)),
+        None,
+        cast(Beats, None),
+        LookupConfig(),
+        ChaosTiming(every_s=(1.0, 1.0), lose_wait_s=0.5),
+    )
+    chaos._deck = ["lose_xack"]
+    chaos.tick(chaos.next_at)
+    chaos.tick(1.0)  # given up: disarmed
+    assert [(f.kind, f.took_effect) for f in log.faults] == [("lose_xack", False)]
+    assert log.counts() == {} and log.unfired() == 1
+    chaos.tick(chaos.next_at)
+    assert [f.kind for f in log.faults] == ["lose_xack", "lose_xack"]  # the next card dealt
 
 
 @pytest.mark.real

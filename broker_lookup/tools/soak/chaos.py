@@ -6,7 +6,8 @@ process, as a broken node or a flaky link does, while the rest run on.
 
 :class:`Chaos` injects one fault every ``every_s`` (random within the range), drawn
 from a shuffled deck of every kind, so each kind comes up once per round and a short
-soak sees them all. Kinds: ``rank_kill`` (SIGKILL, restart), ``server_restart``,
+soak sees them all; a lost reply whose command was not sent in time is dealt again.
+Kinds: ``rank_kill`` (SIGKILL, restart), ``server_restart``,
 ``hold`` (a stall without RST, 0.5-3 s), ``reset`` (RST of every connection),
 ``delay`` (50-300 ms of latency for 2-4 s), and lost replies: ``lose_evalsha`` (a
 submit or report that ran but whose reply was lost), ``lose_xreadgroup_hold`` and
@@ -130,6 +131,10 @@ class Chaos:
             if ended is not None:
                 self.log.end(effect.fault, ended)
                 self._effects.remove(effect)
+                if not effect.fault.took_effect:
+                    # Its command was not sent in time (its rank was down, say): deal
+                    # the kind again this round, so a short soak still sees it happen.
+                    self._deck.append(effect.fault.kind)
 
     def _inject_next(self, now: float) -> None:
         """The deck's first kind that has a free target now; refilled when empty."""
