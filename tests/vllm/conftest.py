@@ -5,17 +5,32 @@ child processes (``tiny_model.py``, ``scenario.py``, ``vllm serve``), each in it
 process group, killed as a group afterwards (a crashed vLLM leaves its worker behind).
 Without vLLM and LMCache importable the ``vllm`` tests skip, except with ``CI`` and
 ``BROKER_LOOKUP_TEST_VLLM=1`` set, where they fail (the CI leg must run them).
+
+vLLM, LMCache and torch leave files in the temporary directory that outlive every
+engine: ZMQ sockets, ``vllm_dist_*`` and a compile cache with a 156 MB precompiled
+header. The children write them into the session's own scratch directory instead, which
+pytest removes with the session's other old temporary directories (it keeps three).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm_harness import HERE, REQUIRE_ENV, in_ci, installed, run_group, scenario
+
+
+@pytest.fixture(scope="session", autouse=True)
+def children_scratch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """``TMPDIR`` of every child process: the session's scratch directory, not ``/tmp``."""
+    scratch = tmp_path_factory.mktemp("t")  # short: vLLM's socket paths must fit 107 bytes
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(scratch))
+        yield scratch
 
 
 @pytest.fixture(scope="session")
