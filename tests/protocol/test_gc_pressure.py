@@ -11,6 +11,7 @@ collection (which untracks tuples of plain values).
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -19,6 +20,7 @@ import pytest
 from faultkit import prompt, ready
 from helpers import MakeClient, MakeServer, wait_until
 
+import broker_lookup.client.table as lookup_table
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.tools.stub_engine import Mode, StubEngine
 
@@ -33,6 +35,8 @@ pytestmark = pytest.mark.parametrize(
 
 LOOKUPS = 300
 WARM = 50
+#: Counts taken on each side of a measure (see ``_least_kept``).
+COUNTS = 3
 
 
 def _answered(client: RedisAsyncLookupClient, lookup_id: str) -> bool:
@@ -56,9 +60,8 @@ def _kept_tracked() -> int:
 
     The client's and the rank's threads run on while this counts: a tuple one of them
     makes between a collection and the count is tracked until the next collection
-    untracks it (a reconcile pass re-queues each in-flight lookup as a new tuple, 0.5 s
-    after its submit: 302 of them once, on a loaded CI machine). Such an object is not
-    kept by anything, so only what stays tracked through the second collection counts.
+    untracks it. Such an object is not kept by anything, so only what stays tracked
+    through the second collection counts.
     """
     gc.collect()
     first = gc.get_objects()  # holds them, so no id in it is reused by a new object
@@ -67,15 +70,36 @@ def _kept_tracked() -> int:
     return sum(1 for obj in first if id(obj) in still)
 
 
+def _least_kept() -> int:
+    """The least of a few counts, each after the threads had a moment to run.
+
+    A list stays tracked as long as it lives, so a batch a thread has under way across
+    both collections of a count is in it: once in 100 loaded runs, the client's sender
+    was still settling the replies to 88 submits its rank already ran (176 lists, 0.69
+    per lookup). What the lookups keep is in every count; a batch under way only in the
+    counts it overlaps.
+    """
+    least = _kept_tracked()
+    for _ in range(COUNTS - 1):
+        time.sleep(0.05)  # a switch: the other threads finish what they have under way
+        least = min(least, _kept_tracked())
+    return least
+
+
 def _tracked_per_lookup(run: Callable[[], None]) -> float:
-    before = _kept_tracked()
+    before = _least_kept()
     run()
-    return (_kept_tracked() - before) / LOOKUPS
+    return (_least_kept() - before) / LOOKUPS
 
 
 def test_lookups_in_flight_keep_nothing_tracked(
-    make_server: MakeServer, make_client: MakeClient
+    make_server: MakeServer, make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A reconcile pass reads the hash of each lookup in flight for 0.5 s or more, one
+    # reply list per lookup; passes come every 0.1 s, so one could overlap every count (265
+    # of its lists were counted once, on a loaded machine). Not due within the test, the
+    # reconcile queue's tuples are still counted.
+    monkeypatch.setattr(lookup_table, "RECONCILE_AFTER_S", 3600.0)
     # A manual engine never answers by itself: every lookup stays in flight (running on
     # the rank, pending on the client) while the objects are counted.
     server, client = _rank_and_client(make_server, make_client, "manual")
@@ -96,8 +120,9 @@ def test_lookups_in_flight_keep_nothing_tracked(
     per_lookup = _tracked_per_lookup(run)
     assert client.stats()["inflight"] == WARM + LOOKUPS
     # The table's entry, the request (its lists go once the submit is written) and a
-    # rank's running job are untracked; the code before kept 3.3 tracked objects each.
-    assert per_lookup < 1, per_lookup
+    # rank's running job are untracked; the code before kept 3.3 tracked objects each,
+    # and an entry tracked again makes it 1.0.
+    assert per_lookup < 0.5, per_lookup
 
 
 def test_held_lookups_keep_nothing_tracked_on_the_rank(
