@@ -153,7 +153,8 @@ def _sentinel_factory(config: LookupConfig, name: str) -> ConnectionFactory:
         sentinel_kwargs.update({k: kwargs[k] for k in ("username", "password") if k in kwargs})
     if url.flags.get("ssl"):
         sentinel_kwargs.update(ssl=True, **_tls_kwargs(config))
-    sentinel = redis.Sentinel(url.hosts, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    # redis-py 8.2 types Sentinel, the versions before it did not: the ignore is for those.
+    sentinel = redis.Sentinel(url.hosts, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call,unused-ignore]
     db = int(url.path[1]) if len(url.path) == 2 else 0
     pool = SentinelConnectionPool(url.path[0], sentinel, db=db, **kwargs)  # type: ignore[no-untyped-call]
     return lambda: redis.Redis(connection_pool=pool)
