@@ -265,6 +265,7 @@ def _check_issue12_shape(results: dict[str, Any], opts: BenchOptions) -> None:
         assert line in table
 
 
+@pytest.mark.long
 def test_features_cost_compares_both_sides(
     real_server: RealServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -289,6 +290,7 @@ def test_features_cost_compares_both_sides(
     json.dumps(results)
 
 
+@pytest.mark.long
 def test_floor_compares_ours_with_the_protocols_floor(
     real_server: RealServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -190,6 +190,7 @@ def _keys_bounded(conn: redis.Redis, ks: KeySpace) -> dict[str, int]:
     return lengths
 
 
+@pytest.mark.long
 def test_fifty_thousand_lookups_leave_nothing_behind(
     real_server: RealServer, engine_id: str
 ) -> None:

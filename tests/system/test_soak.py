@@ -63,6 +63,7 @@ def test_a_lost_reply_that_never_happened_is_dealt_again() -> None:
 
 @pytest.mark.real
 @pytest.mark.slow
+@pytest.mark.long
 def test_soak_with_every_fault_kind() -> None:
     # A fault every 0.6-1.0 s from a shuffled deck of all ten kinds: every kind by ~12 s.
     # The last 7 s bring no new fault, so lookups after the last one are judged too.
