@@ -81,10 +81,11 @@ class RedisAsyncLookupClient(LookupClientInterface):
             self._factories = [writer, reader]
         else:
             writer = reader = connection_factory
+        self._retention_s = config.retention_ms / 1000
         self._table = LookupTable(
             self._cancel_gen,
             config.max_pending,
-            config.retention_ms / 1000,
+            self._retention_s,
             deadline=self._at_deadline,
             partial=config.partial_answers,
             wait_s=config.wait_ms / 1000,
@@ -127,7 +128,8 @@ class RedisAsyncLookupClient(LookupClientInterface):
     # -- hot path -------------------------------------------------------------------
 
     def lookup_cache(self, lookup_id: str) -> int | None:
-        """-1 unknown, None in flight, else hit tokens (0 after a timeout, until cleared)."""
+        """-1 unknown, None in flight, else hit tokens (0 after a timeout, until cleared),
+        for ``result_retention_ms`` after the answer; -1 again after that."""
         try:
             entry = self._table.entries.get(lookup_id)
         except TypeError:  # an unhashable id: nothing was ever recorded under it
@@ -135,9 +137,11 @@ class RedisAsyncLookupClient(LookupClientInterface):
         if entry is None:
             return -1
         result = entry.result
-        if result is not None:
-            return result
         now = time.monotonic()
+        if result is not None:
+            # Past its retention the ranks may have released the pins this result stands
+            # for: ask again (-1) rather than promise them. The listener evicts it later.
+            return result if now - entry.finished < self._retention_s else -1
         if now >= entry.deadline:
             return self._table.on_deadline(lookup_id, entry, now)
         if not entry.sent and self._breaker.is_open(now):

@@ -154,7 +154,7 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     #: a socket write more inside ``lookup()``. False: every submit goes through the
     #: sender thread's queue
     submit_on_caller_thread: bool = True
-    #: finished lookups never cleared are forgotten after this; with lookup_timeout_ms it
+    #: finished lookups never cleared answer -1 after this; with lookup_timeout_ms it
     #: must fit in worker_pin_ttl_ms, so no result outlives the pins it promises. None:
     #: 30 s, or less where the pin TTL asks for it (see ``retention_ms``)
     result_retention_ms: int | None = None
