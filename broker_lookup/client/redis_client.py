@@ -7,7 +7,7 @@ the writes and a listener thread turns completion events into table entries.
 vLLM calls these methods inside ``Scheduler.schedule()`` with ids taken from a
 client's ``X-Request-Id`` header, so none of them raises on request data: a request
 the protocol cannot carry is answered 0 (recompute), counted in ``stats()`` and logged
-once per kind (see :mod:`broker_lookup.client.admission`). :meth:`RedisAsyncLookupClient.validate`
+once per kind (see :mod:`broker_lookup.client.guard`). :meth:`RedisAsyncLookupClient.validate`
 is the strict, raising check for callers that want it.
 """
 
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker_lookup.client.admission import Admission, Rejected
 from broker_lookup.client.breaker import Breaker
+from broker_lookup.client.guard import Guard
 from broker_lookup.client.insights import RankInsights
 from broker_lookup.client.listener import Listener
 from broker_lookup.client.sender import Sender
@@ -67,7 +68,9 @@ class RedisAsyncLookupClient(LookupClientInterface):
         self.hasher = ChunkedTokenHasher(config)
         self._gens = itertools.count(time.time_ns() // 1000)
         self._deadline_rule = config.deadline_rule()
-        self._admission = Admission(config, self.hasher)
+        #: Keeps the contract path from raising: what it could not serve, by kind.
+        self._guard = Guard()
+        self._admission = Admission(config, self.hasher, self._guard)
         self._breaker = Breaker(config.breaker_open_ms / 1000, ("sender", "listener"))
         self._factories: list[ConnectionFactory] = []
         if connection_factory is None:
@@ -133,6 +136,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
         try:
             entry = self._table.entries.get(lookup_id)
         except TypeError:  # an unhashable id: nothing was ever recorded under it
+            self._guard.rejected("bad_id", lookup_id, "lookup_id is unhashable")
             return -1
         if entry is None:
             return -1
@@ -179,12 +183,17 @@ class RedisAsyncLookupClient(LookupClientInterface):
         request_configs: dict[str, Any] | None,
         with_event: bool,
     ) -> Entry | int:
-        try:
-            return self._submit(token_ids, lookup_id, request_configs, with_event)
-        except Exception as exc:  # a bug of ours must not kill the scheduler's engine
-            self._admission.rejected("internal_error", lookup_id, repr(exc))
-            logger.debug("lookup %.200r failed", lookup_id, exc_info=True)
-            return 0
+        # A bug of ours must not kill the scheduler's engine: answered 0 and counted.
+        return self._guard.call(
+            "internal_error",
+            lookup_id,
+            0,
+            self._submit,
+            token_ids,
+            lookup_id,
+            request_configs,
+            with_event,
+        )
 
     def _submit(
         self,
@@ -214,9 +223,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             self._table.add(lookup_id, entry, finished="unavailable")
             return 0
         if not self._table.add(lookup_id, entry):
-            self._admission.rejected(
-                "table_full", lookup_id, f"max_pending={self.config.max_pending}"
-            )
+            self._guard.rejected("table_full", lookup_id, f"max_pending={self.config.max_pending}")
             return 0
         request = LookupRequest(
             lookup_id=lookup_id,
@@ -245,10 +252,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
 
     def clear_lookup_status(self, lookup_id: str) -> None:
         """Forget the result; a lookup still in flight is cancelled so ranks release it."""
-        try:
-            self._table.pop(lookup_id, None)
-        except Exception as exc:  # an unhashable id, or a bug: never into the scheduler
-            self._admission.rejected("bad_clear", lookup_id, repr(exc))
+        self._guard.call("bad_clear", lookup_id, None, self._table.pop, lookup_id, None)
 
     def cancel_lookup(self, lookup_id: str) -> None:
         """Abort: delete the lookup's key and tell every rank to release its memory.
@@ -256,10 +260,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
         Works after ``clear_lookup_status`` too (vLLM clears on allocation and cancels
         on abort): the cleared generation is remembered so its pins are released.
         """
-        try:
-            self._table.pop(lookup_id, "cancelled")
-        except Exception as exc:
-            self._admission.rejected("bad_cancel", lookup_id, repr(exc))
+        self._guard.call("bad_cancel", lookup_id, None, self._table.pop, lookup_id, "cancelled")
 
     def _cancel_gen(self, lookup_id: str, gen: int) -> None:
         self._sender.cancel(lookup_id, gen)
@@ -283,7 +284,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             "inflight": len(t.inflight),
             "entries": len(t.entries),
             "queued": self._sender.queued,
-            "rejected": dict(self._admission.counts),
+            "rejected": dict(self._guard.counts),
             "truncated": self._admission.truncated,
             "breaker_open": self._breaker.is_open(),
             "breaker_openings": self._breaker.openings,
