@@ -75,7 +75,8 @@ class RedisAsyncLookupClient(LookupClientInterface):
         self._factories: list[ConnectionFactory] = []
         if connection_factory is None:
             name = f"bl-client-{metadata.engine_id}"
-            writer = make_factory(config, name)
+            # The sender retries a batch itself, and not once past close()'s grace.
+            writer = make_factory(config, name, own_retries=True)
             # A stalled server must cost the listener at most BLOCK plus the breaker's
             # threshold, so its timeout sweeps never pause for a full socket timeout.
             reader = make_factory(
@@ -310,8 +311,14 @@ class RedisAsyncLookupClient(LookupClientInterface):
         try:
             for lookup_id, entry in self._table.drain_inflight():
                 self._sender.cancel(lookup_id, entry.gen)
+            # One grace for both threads, not one each. Past it the sender makes no
+            # attempt (nor reconnects) and the pools below are closed under whatever
+            # round trip still waits on a stalled server.
             grace = (self.config.block_ms + self.config.breaker_open_ms) / 1000 + 2.0
-            ok = self._sender.stop(grace) & self._listener.stop(grace)
+            deadline = time.monotonic() + grace
+            self._listener.stop(0.0)  # it ends its read while the sender drains
+            ok = self._sender.stop(grace)
+            ok = self._listener.stop(max(0.0, deadline - time.monotonic())) and ok
             if not ok:
                 logger.error("lookup client threads did not stop within %.1fs", grace)
         except Exception:
