@@ -8,9 +8,9 @@ worker side lives in ``workers``.
 """
 
 from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
+from broker_lookup.client.bypass import BypassLookupClient
 from broker_lookup.client.factory import LookupClientFactory
 from broker_lookup.client.wrappers import (
-    BypassLookupClient,
     ChunkStatisticsLookupClient,
     HitLimitLookupClient,
 )

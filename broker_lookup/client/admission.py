@@ -5,8 +5,9 @@ takes request ids from a client's ``X-Request-Id`` header and calls ``lookup()``
 inside ``Scheduler.schedule()``, where an exception kills the engine. So a request
 is either admitted (its chunk hashes and offsets), trimmed (a prompt with more than
 ``max_chunks_per_request`` chunks is looked up by its first that many: a prefix hit
-is still a right answer), or rejected: answered 0, counted by kind, and logged the
-first time a kind occurs and then at every power of ten.
+is still a right answer), or rejected: answered 0, counted by kind in the client's
+:class:`~broker_lookup.client.guard.Guard`, and logged the first time a kind occurs
+and then at every power of ten.
 
 :meth:`Admission.check` is the strict variant for callers that want an error naming
 the limit and the value; nothing on the scheduler's path calls it.
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from broker_lookup.client.guard import Guard, worth_logging
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import InvalidRequest
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
@@ -46,11 +48,11 @@ class Rejected(msgspec.Struct, frozen=True):
 class Admission:
     """Turns a scheduler's request into hashes and offsets, or a :class:`Rejected`."""
 
-    def __init__(self, config: LookupConfig, hasher: ChunkedTokenHasher) -> None:
+    def __init__(self, config: LookupConfig, hasher: ChunkedTokenHasher, guard: Guard) -> None:
         self._config = config
         self._hasher = hasher
-        #: Requests answered 0 by kind (read by ``stats()`` and the metrics).
-        self.counts: dict[str, int] = {}
+        #: Counts and logs the requests answered 0 (its ``counts`` feed ``stats()``).
+        self.guard = guard
         #: Prompts looked up by their first ``max_chunks_per_request`` chunks only.
         self.truncated = 0
 
@@ -68,12 +70,12 @@ class Admission:
             except Exception as exc:  # InvalidRequest, or whatever odd input raised
                 problem = Rejected("bad_tokens", str(exc)[:200])
         if problem is not None:
-            self.rejected(problem.kind, lookup_id, problem.detail)
+            self.guard.rejected(problem.kind, lookup_id, problem.detail)
             return problem
         limit = self._config.max_chunks_per_request
         if len(hashes) > limit:
             self.truncated += 1
-            if _worth_logging(self.truncated):
+            if worth_logging(self.truncated):
                 logger.warning(
                     "%d prompt(s) over max_chunks_per_request=%d looked up by their first "
                     "%d chunks only (latest %.200r: %d chunks)",
@@ -107,20 +109,6 @@ class Admission:
                 f"{len(hashes)} chunks exceed max_chunks_per_request={cfg.max_chunks_per_request}"
             )
 
-    def rejected(self, kind: str, lookup_id: object, detail: str) -> None:
-        """Count one request answered 0 for ``kind``; log the first and every 10**n-th."""
-        count = self.counts.get(kind, 0) + 1
-        self.counts[kind] = count
-        if _worth_logging(count):
-            shown = repr(lookup_id)[:200]
-            logger.warning(
-                "lookup %s answered 0 (%s: %s); %d such request(s) so far",
-                shown,
-                kind,
-                detail,
-                count,
-            )
-
     def _problem(self, lookup_id: object, request_configs: object) -> Rejected | None:
         cfg = self._config
         reason = wire_id_problem(lookup_id, cfg.max_lookup_id_length)
@@ -128,10 +116,3 @@ class Admission:
             return Rejected("bad_id", reason)
         configs = request_configs_problem(request_configs, cfg.max_request_configs_bytes)
         return None if configs is None else Rejected(configs.kind, configs.reason)
-
-
-def _worth_logging(count: int) -> bool:
-    """1, 10, 100, ...: a flood of one kind costs a handful of log lines."""
-    while count % 10 == 0:
-        count //= 10
-    return count == 1

@@ -25,8 +25,8 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
+from broker_lookup.client.bypass import BypassLookupClient
 from broker_lookup.client.wrappers import (
-    BypassLookupClient,
     ChunkStatisticsLookupClient,
     HitLimitLookupClient,
 )

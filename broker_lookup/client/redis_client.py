@@ -7,7 +7,7 @@ the writes and a listener thread turns completion events into table entries.
 vLLM calls these methods inside ``Scheduler.schedule()`` with ids taken from a
 client's ``X-Request-Id`` header, so none of them raises on request data: a request
 the protocol cannot carry is answered 0 (recompute), counted in ``stats()`` and logged
-once per kind (see :mod:`broker_lookup.client.admission`). :meth:`RedisAsyncLookupClient.validate`
+once per kind (see :mod:`broker_lookup.client.guard`). :meth:`RedisAsyncLookupClient.validate`
 is the strict, raising check for callers that want it.
 """
 
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker_lookup.client.admission import Admission, Rejected
 from broker_lookup.client.breaker import Breaker
+from broker_lookup.client.guard import Guard
 from broker_lookup.client.insights import RankInsights
 from broker_lookup.client.listener import Listener
 from broker_lookup.client.sender import Sender
@@ -67,12 +68,15 @@ class RedisAsyncLookupClient(LookupClientInterface):
         self.hasher = ChunkedTokenHasher(config)
         self._gens = itertools.count(time.time_ns() // 1000)
         self._deadline_rule = config.deadline_rule()
-        self._admission = Admission(config, self.hasher)
+        #: Keeps the contract path from raising: what it could not serve, by kind.
+        self._guard = Guard()
+        self._admission = Admission(config, self.hasher, self._guard)
         self._breaker = Breaker(config.breaker_open_ms / 1000, ("sender", "listener"))
         self._factories: list[ConnectionFactory] = []
         if connection_factory is None:
             name = f"bl-client-{metadata.engine_id}"
-            writer = make_factory(config, name)
+            # The sender retries a batch itself, and not once past close()'s grace.
+            writer = make_factory(config, name, own_retries=True)
             # A stalled server must cost the listener at most BLOCK plus the breaker's
             # threshold, so its timeout sweeps never pause for a full socket timeout.
             reader = make_factory(
@@ -81,10 +85,11 @@ class RedisAsyncLookupClient(LookupClientInterface):
             self._factories = [writer, reader]
         else:
             writer = reader = connection_factory
+        self._retention_s = config.retention_ms / 1000
         self._table = LookupTable(
             self._cancel_gen,
             config.max_pending,
-            config.retention_ms / 1000,
+            self._retention_s,
             deadline=self._at_deadline,
             partial=config.partial_answers,
             wait_s=config.wait_ms / 1000,
@@ -127,17 +132,21 @@ class RedisAsyncLookupClient(LookupClientInterface):
     # -- hot path -------------------------------------------------------------------
 
     def lookup_cache(self, lookup_id: str) -> int | None:
-        """-1 unknown, None in flight, else hit tokens (0 after a timeout, until cleared)."""
+        """-1 unknown, None in flight, else hit tokens (0 after a timeout, until cleared),
+        for ``result_retention_ms`` after the answer; -1 again after that."""
         try:
             entry = self._table.entries.get(lookup_id)
         except TypeError:  # an unhashable id: nothing was ever recorded under it
+            self._guard.rejected("bad_id", lookup_id, "lookup_id is unhashable")
             return -1
         if entry is None:
             return -1
         result = entry.result
-        if result is not None:
-            return result
         now = time.monotonic()
+        if result is not None:
+            # Past its retention the ranks may have released the pins this result stands
+            # for: ask again (-1) rather than promise them. The listener evicts it later.
+            return result if now - entry.finished < self._retention_s else -1
         if now >= entry.deadline:
             return self._table.on_deadline(lookup_id, entry, now)
         if not entry.sent and self._breaker.is_open(now):
@@ -175,12 +184,17 @@ class RedisAsyncLookupClient(LookupClientInterface):
         request_configs: dict[str, Any] | None,
         with_event: bool,
     ) -> Entry | int:
-        try:
-            return self._submit(token_ids, lookup_id, request_configs, with_event)
-        except Exception as exc:  # a bug of ours must not kill the scheduler's engine
-            self._admission.rejected("internal_error", lookup_id, repr(exc))
-            logger.debug("lookup %.200r failed", lookup_id, exc_info=True)
-            return 0
+        # A bug of ours must not kill the scheduler's engine: answered 0 and counted.
+        return self._guard.call(
+            "internal_error",
+            lookup_id,
+            0,
+            self._submit,
+            token_ids,
+            lookup_id,
+            request_configs,
+            with_event,
+        )
 
     def _submit(
         self,
@@ -210,9 +224,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             self._table.add(lookup_id, entry, finished="unavailable")
             return 0
         if not self._table.add(lookup_id, entry):
-            self._admission.rejected(
-                "table_full", lookup_id, f"max_pending={self.config.max_pending}"
-            )
+            self._guard.rejected("table_full", lookup_id, f"max_pending={self.config.max_pending}")
             return 0
         request = LookupRequest(
             lookup_id=lookup_id,
@@ -241,10 +253,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
 
     def clear_lookup_status(self, lookup_id: str) -> None:
         """Forget the result; a lookup still in flight is cancelled so ranks release it."""
-        try:
-            self._table.pop(lookup_id, None)
-        except Exception as exc:  # an unhashable id, or a bug: never into the scheduler
-            self._admission.rejected("bad_clear", lookup_id, repr(exc))
+        self._guard.call("bad_clear", lookup_id, None, self._table.pop, lookup_id, None)
 
     def cancel_lookup(self, lookup_id: str) -> None:
         """Abort: delete the lookup's key and tell every rank to release its memory.
@@ -252,10 +261,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
         Works after ``clear_lookup_status`` too (vLLM clears on allocation and cancels
         on abort): the cleared generation is remembered so its pins are released.
         """
-        try:
-            self._table.pop(lookup_id, "cancelled")
-        except Exception as exc:
-            self._admission.rejected("bad_cancel", lookup_id, repr(exc))
+        self._guard.call("bad_cancel", lookup_id, None, self._table.pop, lookup_id, "cancelled")
 
     def _cancel_gen(self, lookup_id: str, gen: int) -> None:
         self._sender.cancel(lookup_id, gen)
@@ -279,7 +285,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             "inflight": len(t.inflight),
             "entries": len(t.entries),
             "queued": self._sender.queued,
-            "rejected": dict(self._admission.counts),
+            "rejected": dict(self._guard.counts),
             "truncated": self._admission.truncated,
             "breaker_open": self._breaker.is_open(),
             "breaker_openings": self._breaker.openings,
@@ -305,8 +311,14 @@ class RedisAsyncLookupClient(LookupClientInterface):
         try:
             for lookup_id, entry in self._table.drain_inflight():
                 self._sender.cancel(lookup_id, entry.gen)
+            # One grace for both threads, not one each. Past it the sender makes no
+            # attempt (nor reconnects) and the pools below are closed under whatever
+            # round trip still waits on a stalled server.
             grace = (self.config.block_ms + self.config.breaker_open_ms) / 1000 + 2.0
-            ok = self._sender.stop(grace) & self._listener.stop(grace)
+            deadline = time.monotonic() + grace
+            self._listener.stop(0.0)  # it ends its read while the sender drains
+            ok = self._sender.stop(grace)
+            ok = self._listener.stop(max(0.0, deadline - time.monotonic())) and ok
             if not ok:
                 logger.error("lookup client threads did not stop within %.1fs", grace)
         except Exception:

@@ -344,6 +344,7 @@ class Sender(Batcher[Item]):
         with self._wire:
             # The caller's submits went out first, so their replies come first.
             self._settle_written(link, wait=True)
+            self._check_attempt()
             return self._scripts.run_link(link, client, calls)
 
     def _ping(self, client: redis.Redis) -> None:
@@ -353,7 +354,15 @@ class Sender(Batcher[Item]):
         else:
             with self._wire:
                 self._settle_written(link, wait=True)
+                self._check_attempt()
                 link.call([_PING])
+
+    def _check_attempt(self) -> None:
+        """Raise BrokerUnavailable if stopping has ended what this round trip may do: a
+        wait for the caller's replies can outlast close()'s grace, whose end closes the
+        connection under it, and the link would connect again."""
+        if not self.may_attempt():
+            raise BrokerUnavailable("the client is closing: no new round trip")
 
     def _idle(self, client: redis.Redis) -> None:
         link = self._link
@@ -363,7 +372,7 @@ class Sender(Batcher[Item]):
         self._breaker.poll()
         # While the breaker is open because of us, nothing is queued to tell us when
         # Redis is back: probe it, twice a second.
-        if not self._breaker.failing("sender") or self._queue:
+        if not self._breaker.failing("sender") or self._queue or not self.may_attempt():
             return
         now = time.monotonic()
         if now < self._next_probe:

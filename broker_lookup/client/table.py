@@ -206,9 +206,11 @@ class LookupTable:
 
     def _finish_locked(self, lookup_id: str, entry: Entry, result: int, outcome: Outcome) -> None:
         now = time.monotonic()
-        entry.result = result
-        entry.outcome = outcome
+        # ``finished`` before ``result``: lookup_cache reads them without the lock and
+        # judges a result's age by ``finished`` as soon as it sees the result.
         entry.finished = now
+        entry.outcome = outcome
+        entry.result = result
         if self.inflight.get(lookup_id) is entry:
             del self.inflight[lookup_id]
         self.counts[outcome] += 1

@@ -1,31 +1,33 @@
-"""Clients that wrap or replace the Redis client: hit limit, chunk statistics, bypass.
+"""Clients that wrap another client: the hit limit and chunk statistics.
 
 Every wrapper forwards every method of :class:`LookupClientInterface`, including
 ``cancel_lookup`` (LMCache D3 raised AttributeError here). Per-lookup maps are
 bounded and emptied by ``clear_lookup_status`` / ``cancel_lookup``.
+
+Like the Redis client, none of them raises into the scheduler: each contract method
+runs through a :class:`~broker_lookup.client.guard.Guard`, and a wrapper's own
+bookkeeping skips what the client it wraps answers 0 for (that client counts it, so
+every bad call is counted once). ``stats()`` adds a wrapper's counts to its client's.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from broker_lookup.client.guard import Guard
 from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.engine import SyncLookupEngine
 from broker_lookup.interface import LookupClientInterface
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BypassLookupClient", "ChunkStatisticsLookupClient", "HitLimitLookupClient"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["BoundedMap", "ChunkStatisticsLookupClient", "HitLimitLookupClient"]
 
 
-class _BoundedMap(OrderedDict[str, int]):
+class BoundedMap(OrderedDict[str, int]):
     """A dict that forgets its oldest entries beyond ``capacity``."""
 
     def __init__(self, capacity: int) -> None:
@@ -40,10 +42,12 @@ class _BoundedMap(OrderedDict[str, int]):
 
 
 class _Forwarding(LookupClientInterface):
-    """Forwards everything to ``inner``; subclasses override what they change."""
+    """Forwards everything to ``inner`` through a guard; subclasses override the hooks
+    (``_lookup``, ``_lookup_cache``, ``_clear``, ``_cancel``) of what they change."""
 
     def __init__(self, inner: LookupClientInterface) -> None:
         self.inner = inner
+        self._guard = Guard()
 
     @property
     def actual_lookup_client(self) -> LookupClientInterface:
@@ -56,22 +60,52 @@ class _Forwarding(LookupClientInterface):
         lookup_id: str,
         request_configs: dict[str, Any] | None = None,
     ) -> int | None:
-        return self.inner.lookup(token_ids, lookup_id, request_configs)
+        return self._guard.call(
+            "internal_error", lookup_id, 0, self._lookup, token_ids, lookup_id, request_configs
+        )
 
     def lookup_cache(self, lookup_id: str) -> int | None:
-        return self.inner.lookup_cache(lookup_id)
+        return self._guard.call("internal_error", lookup_id, -1, self._lookup_cache, lookup_id)
 
     def clear_lookup_status(self, lookup_id: str) -> None:
-        self.inner.clear_lookup_status(lookup_id)
+        self._guard.call("bad_clear", lookup_id, None, self._clear, lookup_id)
 
     def cancel_lookup(self, lookup_id: str) -> None:
-        self.inner.cancel_lookup(lookup_id)
+        self._guard.call("bad_cancel", lookup_id, None, self._cancel, lookup_id)
 
     def supports_producer_reuse(self) -> bool:
         return self.inner.supports_producer_reuse()
 
     def close(self) -> None:
-        self.inner.close()
+        self._guard.call("close_error", None, None, self.inner.close)
+
+    def stats(self) -> dict[str, Any]:
+        """The wrapped client's ``stats()`` (if it has one), with this wrapper's counts
+        added to ``rejected``."""
+        inner = getattr(self.inner, "stats", None)  # the interface does not require it
+        merged: dict[str, Any] = dict(inner()) if callable(inner) else {}
+        rejected = dict(merged.get("rejected", {}))
+        for kind, count in self._guard.counts.items():
+            rejected[kind] = rejected.get(kind, 0) + count
+        merged["rejected"] = rejected
+        return merged
+
+    def _lookup(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        lookup_id: str,
+        request_configs: dict[str, Any] | None,
+    ) -> int | None:
+        return self.inner.lookup(token_ids, lookup_id, request_configs)
+
+    def _lookup_cache(self, lookup_id: str) -> int | None:
+        return self.inner.lookup_cache(lookup_id)
+
+    def _clear(self, lookup_id: str) -> None:
+        self.inner.clear_lookup_status(lookup_id)
+
+    def _cancel(self, lookup_id: str) -> None:
+        self.inner.cancel_lookup(lookup_id)
 
 
 class HitLimitLookupClient(_Forwarding):
@@ -84,36 +118,43 @@ class HitLimitLookupClient(_Forwarding):
     def __init__(self, inner: LookupClientInterface, config: LookupConfig) -> None:
         super().__init__(inner)
         self.config = config
-        self._tokens = _BoundedMap(config.max_pending)
+        self._tokens = BoundedMap(config.max_pending)
 
     def _limit(self, lookup_id: str, result: int | None) -> int | None:
         ratio = self.config.hit_miss_ratio
-        total = self._tokens.get(lookup_id)
-        if result is None or result <= 0 or ratio is None or not total:
+        if result is None or result <= 0 or ratio is None:
             return result
-        if result / total <= 1 - ratio:
+        total = self._tokens.get(lookup_id)
+        if not total or result / total <= 1 - ratio:
             return result
         chunk = self.config.chunk_size
         return min(result, int(total * (1 - ratio)) // chunk * chunk)
 
-    def lookup(
+    def _lookup(
         self,
         token_ids: list[int] | torch.Tensor,
         lookup_id: str,
-        request_configs: dict[str, Any] | None = None,
+        request_configs: dict[str, Any] | None,
     ) -> int | None:
-        self._tokens.put(lookup_id, len(token_ids))
-        return self._limit(lookup_id, self.inner.lookup(token_ids, lookup_id, request_configs))
+        result = self.inner.lookup(token_ids, lookup_id, request_configs)
+        if isinstance(lookup_id, str):
+            if result == 0:  # nothing to cap later; a prompt it refused may have no length
+                self._tokens.pop(lookup_id, None)
+            else:
+                self._tokens.put(lookup_id, len(token_ids))
+        return self._limit(lookup_id, result)
 
-    def lookup_cache(self, lookup_id: str) -> int | None:
+    def _lookup_cache(self, lookup_id: str) -> int | None:
         return self._limit(lookup_id, self.inner.lookup_cache(lookup_id))
 
-    def clear_lookup_status(self, lookup_id: str) -> None:
-        self._tokens.pop(lookup_id, None)
+    def _clear(self, lookup_id: str) -> None:
+        if isinstance(lookup_id, str):  # any other id: the wrapped client counts it
+            self._tokens.pop(lookup_id, None)
         self.inner.clear_lookup_status(lookup_id)
 
-    def cancel_lookup(self, lookup_id: str) -> None:
-        self._tokens.pop(lookup_id, None)
+    def _cancel(self, lookup_id: str) -> None:
+        if isinstance(lookup_id, str):
+            self._tokens.pop(lookup_id, None)
         self.inner.cancel_lookup(lookup_id)
 
 
@@ -134,7 +175,7 @@ class ChunkStatisticsLookupClient(_Forwarding):
     ) -> None:
         super().__init__(inner)
         self._hasher = ChunkedTokenHasher(config)
-        self._seen_ids = _BoundedMap(config.max_pending)
+        self._seen_ids = BoundedMap(config.max_pending)
         self._unique: set[int] = set()
         self._max_unique = max_unique
         self.total_chunks = 0
@@ -142,13 +183,13 @@ class ChunkStatisticsLookupClient(_Forwarding):
         self.lookup_seconds = 0.0
         self.saturated = False
 
-    def lookup(
+    def _lookup(
         self,
         token_ids: list[int] | torch.Tensor,
         lookup_id: str,
-        request_configs: dict[str, Any] | None = None,
+        request_configs: dict[str, Any] | None,
     ) -> int | None:
-        if lookup_id not in self._seen_ids:
+        if isinstance(lookup_id, str) and lookup_id not in self._seen_ids:
             self._seen_ids.put(lookup_id, 1)
             self._record(token_ids)
         started = time.perf_counter()
@@ -158,7 +199,10 @@ class ChunkStatisticsLookupClient(_Forwarding):
             self.lookup_seconds += time.perf_counter() - started
 
     def _record(self, token_ids: list[int] | torch.Tensor) -> None:
-        hashes, _ = self._hasher.hashes_and_offsets(token_ids)
+        try:
+            hashes, _ = self._hasher.hashes_and_offsets(token_ids)
+        except Exception:  # not a prompt (InvalidRequest or odder): the wrapped client counts it
+            return
         self.lookups += 1
         self.total_chunks += len(hashes)
         for h in hashes:
@@ -167,11 +211,9 @@ class ChunkStatisticsLookupClient(_Forwarding):
                 break
             self._unique.add(h)
 
-    def clear_lookup_status(self, lookup_id: str) -> None:
-        self.inner.clear_lookup_status(lookup_id)
-
-    def cancel_lookup(self, lookup_id: str) -> None:
-        self._seen_ids.pop(lookup_id, None)
+    def _cancel(self, lookup_id: str) -> None:
+        if isinstance(lookup_id, str):
+            self._seen_ids.pop(lookup_id, None)
         self.inner.cancel_lookup(lookup_id)
 
     def get_statistics(self) -> dict[str, Any]:
@@ -195,56 +237,3 @@ class ChunkStatisticsLookupClient(_Forwarding):
         self.total_chunks = self.lookups = 0
         self.lookup_seconds = 0.0
         self.saturated = False
-
-
-class BypassLookupClient(LookupClientInterface):
-    """The scheduler asks its own engine (shared remote backend, MLA); no Redis round trip.
-
-    Unlike LMCache's bypass client it answers ``lookup_cache`` correctly (-1 or the
-    cached int), so the scheduler does not wait forever (LMCache D1).
-    """
-
-    def __init__(
-        self, config: LookupConfig, metadata: LookupMetadata, engine: SyncLookupEngine
-    ) -> None:
-        self.config = config
-        self.metadata = metadata
-        self.engine = engine
-        self._hasher = ChunkedTokenHasher(config)
-        self._results = _BoundedMap(config.max_pending)
-
-    def lookup(
-        self,
-        token_ids: list[int] | torch.Tensor,
-        lookup_id: str,
-        request_configs: dict[str, Any] | None = None,
-    ) -> int:
-        hashes, offsets = self._hasher.hashes_and_offsets(token_ids)
-        if not hashes:
-            return 0
-        try:
-            hits = int(
-                self.engine.lookup(
-                    hashes, offsets, lookup_id=lookup_id, pin=True, request_configs=request_configs
-                )
-            )
-        except Exception:  # an engine failure means "recompute", never a scheduler crash
-            logger.exception("bypass lookup of %s failed; answering 0", lookup_id)
-            hits = 0
-        self._results.put(lookup_id, hits)
-        return hits
-
-    def lookup_cache(self, lookup_id: str) -> int:
-        return self._results.get(lookup_id, -1)
-
-    def clear_lookup_status(self, lookup_id: str) -> None:
-        self._results.pop(lookup_id, None)
-
-    def cancel_lookup(self, lookup_id: str) -> None:
-        self._results.pop(lookup_id, None)
-        release = getattr(self.engine, "cleanup_memory_objs", None)
-        if callable(release):
-            release(lookup_id)
-
-    def close(self) -> None:
-        self._results.clear()

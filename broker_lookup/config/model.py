@@ -34,7 +34,7 @@ __all__ = ["DeadlineRule", "LookupConfig", "LookupMetadata", "expected_ranks", "
 
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "redis+cluster://")
-_SECRET_IN_URL = re.compile(r"(://[^:/@]*:)([^@]*)@")
+_NETLOC_END = re.compile(r"[/?#]")
 _AT_FIELD = re.compile(r" - at `\$\.([a-z_]+)`")
 #: Fields that must be > 0.
 _POSITIVE = (
@@ -47,8 +47,22 @@ _POSITIVE = (
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``."""
-    return _SECRET_IN_URL.sub(r"\1***@", url)
+    """``url`` with any password replaced by ``***``; never raises.
+
+    The password runs to the netloc's last ``@``, as redis-py (``urllib``) reads it, so an
+    unencoded ``@`` inside a password does not leave its tail in a log line.
+    """
+    head, sep, rest = url.partition("://")
+    found = _NETLOC_END.search(rest)
+    cut = rest.rfind("@", 0, found.start() if found else len(rest))
+    if cut < 0:
+        # No '@' in the netloc: a password holding an unencoded '/', '?' or '#' would
+        # show through, so hide up to the last '@' anywhere (at worst too much is hidden).
+        cut = rest.rfind("@")
+    user, colon, _ = rest[: max(cut, 0)].partition(":")
+    if not (sep and cut >= 0 and colon):
+        return url
+    return f"{head}://{user}:***{rest[cut:]}"
 
 
 class DeadlineRule(NamedTuple):
@@ -140,7 +154,7 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     #: a socket write more inside ``lookup()``. False: every submit goes through the
     #: sender thread's queue
     submit_on_caller_thread: bool = True
-    #: finished lookups never cleared are forgotten after this; with lookup_timeout_ms it
+    #: finished lookups never cleared answer -1 after this; with lookup_timeout_ms it
     #: must fit in worker_pin_ttl_ms, so no result outlives the pins it promises. None:
     #: 30 s, or less where the pin TTL asks for it (see ``retention_ms``)
     result_retention_ms: int | None = None

@@ -30,16 +30,17 @@ __all__ = ["DIGEST_MARK", "PREFIX", "KeySpace", "validate_engine_id"]
 #: First segment of every key, so an ACL can grant ``~bl:*``.
 PREFIX = "bl"
 
-_ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+# Both are applied with ``fullmatch``: ``re.match`` with ``$`` accepts a trailing newline.
+_ENGINE_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 #: Lookup ids used verbatim in a key; any other id is keyed by a digest (see KeySpace.lookup).
-_PLAIN_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+_PLAIN_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 #: First character of a digest-keyed id's key part: never in a plain id, so never a collision.
 DIGEST_MARK = "~"
 
 
 def validate_engine_id(engine_id: str) -> str:
     """Return ``engine_id`` if it can sit inside a hash tag, else raise ConfigError."""
-    if not isinstance(engine_id, str) or not _ENGINE_ID_RE.match(engine_id):
+    if not isinstance(engine_id, str) or not _ENGINE_ID_RE.fullmatch(engine_id):
         raise ConfigError(
             f"engine_id={engine_id!r} is invalid: use 1-128 characters of "
             "A-Z a-z 0-9 _ . : - (no braces, it becomes a Redis Cluster hash tag)"
@@ -73,7 +74,7 @@ class KeySpace:
         ``X-Request-Id`` with spaces, non-ASCII, braces, 10 KB) is keyed by
         ``~<sha256 hex>`` and the hash's ``id`` field keeps the original.
         """
-        if _PLAIN_ID_RE.match(lookup_id):
+        if _PLAIN_ID_RE.fullmatch(lookup_id):
             return self._base + "lookup:" + lookup_id
         raw = lookup_id.encode("utf-8", "surrogatepass")
         return self._base + "lookup:" + DIGEST_MARK + hashlib.sha256(raw).hexdigest()

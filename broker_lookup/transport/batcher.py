@@ -4,7 +4,10 @@ The client's sender and each rank's reporter are this thread with a different
 ``_send_batch``: callers only append to a deque, and ring a doorbell only if the thread
 sleeps (no I/O, no lock, no sleep on their side; a burst costs one wake-up, not one per
 item); the thread owns its connection, retries a failed batch a bounded number of times
-with backoff, and survives unexpected errors loudly.
+with backoff, and survives unexpected errors loudly. Once stopping it makes one attempt
+per batch, none after one failed and none past the stop's grace: its owner closes the
+connections then, and nothing may connect again behind it (a stalled server would
+otherwise keep it reconnecting long after).
 
 What a subclass gets and gives, in the order an item travels: its public methods
 queue with :meth:`Batcher._put` (any thread); this loop hands each batch to its
@@ -16,7 +19,9 @@ another way), then settles each item. Nothing else calls back.
 from __future__ import annotations
 
 import logging
+import math
 import queue
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -64,6 +69,10 @@ class Batcher(LoopThread, Generic[T]):
         #: The longest the current (or last) sleep waits without a bell.
         self._sleep_s = IDLE_TICK_S
         self.errors = 0
+        #: When a stop's grace ends (monotonic); inf until :meth:`stop`.
+        self._stop_by = math.inf
+        #: An attempt failed while stopping: no other is made.
+        self._stop_failed = False
 
     def _put(self, item: T) -> bool:
         """Queue ``item``; False (not queued) if ``max_queue`` items already wait."""
@@ -89,7 +98,9 @@ class Batcher(LoopThread, Generic[T]):
         return len(self._queue)
 
     def stop(self, timeout_s: float) -> bool:
-        """Send what is queued (best effort), stop, join; False if the join timed out."""
+        """Send what is queued (one attempt, within ``timeout_s``), stop, join; False if
+        the join timed out."""
+        self._stop_by = time.monotonic() + timeout_s
         self._stop.set()
         self._bell.put(None)
         return super().stop(timeout_s)
@@ -146,14 +157,26 @@ class Batcher(LoopThread, Generic[T]):
         """One round trip of ``calls`` (per-call errors as values); raises BrokerLookupError."""
         return self._scripts.run(client, calls)
 
+    def may_attempt(self) -> bool:
+        """Whether a round trip may start: always, except while stopping, where only
+        within the stop's grace and only until one attempt failed."""
+        if not self._stop.is_set():
+            return True
+        return not self._stop_failed and time.monotonic() < self._stop_by
+
     def _run_with_retries(self, client: redis.Redis, calls: Sequence[Call]) -> list[Any] | None:
-        """Script results, or None once ``retries`` attempts failed (each counted and logged)."""
+        """Script results, or None once ``retries`` attempts failed (each counted and
+        logged), or once :meth:`may_attempt` says no more (stopping)."""
         delay = 0.01
         for attempt in range(1, self._retries + 1):
+            if not self.may_attempt():
+                return None
             try:
                 return self._run_calls(client, calls)
             except BrokerLookupError as exc:
                 self.errors += 1
+                if self._stop.is_set():
+                    self._stop_failed = True
                 logger.warning(
                     "%s: %d operation(s) failed (attempt %d/%d): %s",
                     self.name,

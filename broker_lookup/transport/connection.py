@@ -221,12 +221,19 @@ def close_factory(factory: ConnectionFactory) -> None:
 
 
 def make_factory(
-    config: LookupConfig, name: str, *, socket_timeout_s: float | None = None
+    config: LookupConfig,
+    name: str,
+    *,
+    socket_timeout_s: float | None = None,
+    own_retries: bool = False,
 ) -> ConnectionFactory:
     """A factory of clients for ``config.redis_url``; ``name`` is the CLIENT SETNAME.
 
     ``socket_timeout_s`` overrides ``socket_timeout_ms`` for a loop that must notice a
     stalled server sooner (a blocking read: BLOCK plus the breaker's threshold).
+    ``own_retries``: the loop using it retries itself, so redis-py does not (implied by
+    ``socket_timeout_s``); redis-py's retries, connecting again each time, would
+    multiply the loop's bound and outlast its stop.
     """
     url = config.redis_url
     if url.startswith("redis+sentinel://"):
@@ -234,8 +241,7 @@ def make_factory(
     if url.startswith("redis+cluster://"):
         return _cluster_factory(config, name)
     kwargs = _common_kwargs(config, name, socket_timeout_s)
-    if socket_timeout_s is not None:
-        # The loop retries itself; redis-py's retries would multiply the bound it asked for.
+    if own_retries or socket_timeout_s is not None:
         kwargs["retry"] = Retry(NoBackoff(), 0)
     if url.startswith("rediss://"):
         kwargs.update(_tls_kwargs(config))

@@ -280,7 +280,7 @@ def alert_rules() -> list[dict[str, Any]]:
     return rules
 
 
-DURATION_RE = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
+DURATION_RE = re.compile(r"([0-9]+(ms|s|m|h|d|w|y))+")
 
 
 def test_alert_rules_are_well_formed(alert_rules: list[dict[str, Any]]) -> None:
@@ -293,7 +293,7 @@ def test_alert_rules_are_well_formed(alert_rules: list[dict[str, Any]]) -> None:
         assert rule["annotations"]["summary"]
         assert rule["annotations"]["description"]
         if "for" in rule:
-            assert DURATION_RE.match(rule["for"]), rule["for"]
+            assert DURATION_RE.fullmatch(rule["for"]), rule["for"]
         assert rule["expr"].count("(") == rule["expr"].count(")")
 
 

@@ -16,7 +16,7 @@ from helpers import Backend, MakeClient, MakeServer, stream_entries, stream_fiel
 
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.errors import ConfigError, InvalidRequest
-from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.keys import DIGEST_MARK, KeySpace
 from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
 from broker_lookup.tools.stub_engine import StubEngine
 
@@ -25,7 +25,17 @@ LIMITS: dict[str, Any] = {"max_chunks_per_request": 16, "max_request_configs_byt
 
 
 #: Ids a client's X-Request-Id header can carry into vLLM's request id: all are served.
-HOSTILE_IDS = ["has space", "héllo", "日本語", "tab\tid", "new\nline", "\x00", "{brace}", "x" * 300]
+HOSTILE_IDS = [
+    "has space",
+    "héllo",
+    "日本語",
+    "tab\tid",
+    "new\nline",
+    "req-1\n",  # plain but for a trailing newline, which ``$`` would have let through
+    "\x00",
+    "{brace}",
+    "x" * 300,
+]
 
 
 @pytest.mark.parametrize("lookup_id", HOSTILE_IDS)
@@ -43,8 +53,12 @@ def test_any_str_id_is_served(
     assert client.lookup(TOKENS, lookup_id) is None
     assert answer(client, lookup_id, timeout=10) == 24
     assert engine.started_ids() == [lookup_id]  # the engine sees the caller's plain id
-    key = KeySpace(engine_id).lookup(lookup_id)
+    keys = KeySpace(engine_id)
+    key = keys.lookup(lookup_id)
     assert backend.factory().hget(key, "id") == lookup_id.encode()  # redis-cli shows it
+    # Keyed by its digest: no id a key should not hold reaches the server's key space.
+    assert backend.factory().keys(keys.lookup_pattern) == [key.encode()]
+    assert key.startswith(keys.lookup_pattern[:-1] + DIGEST_MARK)
     client.cancel_lookup(lookup_id)
     assert client.lookup_cache(lookup_id) == -1
     wait_until(lambda: lookup_id in engine.released, message="the abort reached the rank")
@@ -122,7 +136,8 @@ def test_unhashable_ids_never_raise(make_client: MakeClient) -> None:
     assert client.lookup_cache(["a", "list"]) == -1  # type: ignore[arg-type]
     client.clear_lookup_status({"a": 1})  # type: ignore[arg-type]
     client.cancel_lookup(["x"])  # type: ignore[arg-type]
-    assert client.stats()["rejected"] == {"bad_id": 1, "bad_clear": 1, "bad_cancel": 1}
+    # Each call counted once: the lookup and the lookup_cache as bad ids.
+    assert client.stats()["rejected"] == {"bad_id": 2, "bad_clear": 1, "bad_cancel": 1}
 
 
 def test_an_internal_error_answers_zero(

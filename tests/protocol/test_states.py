@@ -282,6 +282,33 @@ def test_sync_client_returns_the_int(make_server: MakeServer, make_client: MakeC
     assert client.lookup_cache("nope") == -1
 
 
+#: Pins live 4 s on a rank; the longest deadline (2.5 s) leaves 1.5 s, of which 1 s is kept.
+RETAINED: dict[str, Any] = {
+    "worker_pin_ttl_ms": 4000,
+    "lookup_timeout_ms": 1000,
+    "result_retention_ms": 1000,
+}
+
+
+def test_a_result_older_than_its_retention_answers_minus_one(
+    make_server: MakeServer, make_client: MakeClient
+) -> None:
+    # The ranks release a result's pins worker_pin_ttl_ms after taking them. A hit answered
+    # after its retention would promise pins that may be gone, whenever the listener's
+    # eviction sweep (every few seconds) comes: lookup_cache itself judges the age.
+    server = make_server(StubEngine("instant", hits=24), **RETAINED)
+    _ready(server)
+    client = make_client(**RETAINED)
+    _alive(client)
+    client.lookup(TOKENS, "r1")
+    assert answer(client, "r1", timeout=10) == 24
+    answered = time.monotonic()  # the result was recorded at or before this
+    wait_until(lambda: time.monotonic() >= answered + 1.0, message="the retention passed")
+    assert client.lookup_cache("r1") == -1
+    client.lookup(TOKENS, "r1")  # asked again, as the scheduler does after -1
+    assert answer(client, "r1", timeout=10) == 24
+
+
 def test_cancel_after_clear_still_releases_the_pins(
     make_server: MakeServer, make_client: MakeClient
 ) -> None:

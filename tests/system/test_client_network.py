@@ -313,3 +313,34 @@ def test_close_while_the_caller_writes_submits_never_raises_into_it(
     thread.join(5)
     assert not thread.is_alive() and errors == []
     wait_until(lambda: mine() == 0, timeout=5, message="close() closed them all")
+
+
+def test_close_under_a_stalled_server_is_bounded_and_opens_no_connection(
+    cluster: RedisAsyncLookupClient, fault_proxy: FaultProxy
+) -> None:
+    """A stalled server (held: no RST) at close(): close() returns within its grace, every
+    thread of the client ends within a bounded join, and nothing connects again."""
+    client = cluster
+    ours = {t for t in threading.enumerate() if t.name.startswith("broker-lookup-")}
+    fault_proxy.hold()
+    for i in range(50):  # in flight and queued: close() cancels each of them
+        client.lookup(HOT, f"stalled-{i}")
+    cfg = client.config
+    grace = (cfg.block_ms + cfg.breaker_open_ms) / 1000 + 2.0  # what close() allows itself
+    started = time.monotonic()
+    client.close()
+    assert time.monotonic() - started < grace + 2.0  # its own join bound, plus slack
+    connections = fault_proxy.stats["connections"]
+
+    def threads_gone() -> bool:
+        return not any(t.is_alive() for t in ours)
+
+    assert ours, "the client's threads were found"
+    wait_until(threads_gone, timeout=10, message="every client thread ended")
+    # Past every timeout a retry or a reconnect could have waited for: none came.
+    wait_until(
+        lambda: time.monotonic() - started > 2 * cfg.socket_timeout_ms / 1000,
+        timeout=30,
+        message="time for a late reconnect to show",
+    )
+    assert fault_proxy.stats["connections"] == connections, "a connection after close()"

@@ -6,7 +6,13 @@ from typing import Any
 
 import pytest
 
-from broker_lookup.config import LookupConfig, LookupMetadata, env_name, expected_ranks
+from broker_lookup.config import (
+    LookupConfig,
+    LookupMetadata,
+    env_name,
+    expected_ranks,
+    redact_url,
+)
 from broker_lookup.errors import ConfigError
 
 #: LMCache 0.5.6 defaults (reference section 9) for the fields that carry LMCache's names.
@@ -191,6 +197,33 @@ def test_repr_hides_passwords_of_sentinel_urls_and_password_only_urls() -> None:
     text = repr(LookupConfig(redis_url="redis+sentinel://:pw1@h1:26379,h2:26379/mymaster"))
     assert "pw1" not in text and ":***@h1" in text
     assert "redis_password=None" in repr(LookupConfig())
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        # redis-py splits the netloc at its last '@': all before it is the password.
+        ("redis://alice:pa@ss@redis:6379/0", "redis://alice:***@redis:6379/0"),
+        ("redis://:p@ss:w@rd@h/0", "redis://:***@h/0"),
+        ("rediss://u:a@b@c@h1:6380", "rediss://u:***@h1:6380"),
+        (
+            "redis+sentinel://:x@y@h1:26379,h2:26379/mymaster",
+            "redis+sentinel://:***@h1:26379,h2:26379/mymaster",
+        ),
+        ("unix://:p@w@/tmp/redis.sock?db=1", "unix://:***@/tmp/redis.sock?db=1"),
+        ("redis://alice@redis:6379/0", "redis://alice@redis:6379/0"),  # no password
+        ("redis://u:pa/ss@h/0", "redis://u:***@h/0"),  # redis-py refuses it; still hidden
+        ("redis://redis:6379/0?name=a@b", "redis://redis:***@b"),  # too much, never too little
+        ("redis://:pw@h:6379/0?name=a@b", "redis://:***@h:6379/0?name=a@b"),
+        ("unix:///run/a@b.sock", "unix:///run/a@b.sock"),
+        ("redis://redis:6379/0", "redis://redis:6379/0"),
+        ("not a url", "not a url"),
+    ],
+)
+def test_redact_url_hides_the_whole_password(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+    if "://" in url:
+        assert shown in repr(LookupConfig(redis_url=url))
 
 
 def test_errors_hide_passwords() -> None:

@@ -52,7 +52,8 @@ def test_valid_engine_ids(engine_id: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "engine_id", ["", "a{b}", "a}", "{", "sp ace", "x" * 129, "é", "a/b", "a*", "new\nline"]
+    "engine_id",
+    ["", "a{b}", "a}", "{", "sp ace", "x" * 129, "é", "a/b", "a*", "new\nline", "e\n", "vllm-0\n"],
 )
 def test_invalid_engine_ids(engine_id: str) -> None:
     with pytest.raises(ConfigError, match="engine_id"):
@@ -85,6 +86,8 @@ HOSTILE_IDS = [
     "x" * 129,
     "x" * 10_000,
     "\n",
+    "req-1\n",  # ``$`` matches before a trailing newline: the id must not reach a key verbatim
+    "x" * 128 + "\n",
     "*",
     "~abc",
     "\udc80",

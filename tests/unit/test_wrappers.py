@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -298,3 +299,90 @@ def test_bypass_engine_failure_answers_zero_and_cancel_needs_no_cleanup() -> Non
     client.cancel_lookup("r")  # the engine has no cleanup_memory_objs: still no error
     assert client.lookup_cache("r") == -1
     assert client.supports_producer_reuse() is False
+
+
+# -- nothing raises into the scheduler ------------------------------------------------------------
+
+
+class Raising(Recording):
+    """An inner client (an external scheme's, say) whose every contract method raises."""
+
+    def lookup(self, *args: Any, **kwargs: Any) -> int | None:
+        raise RuntimeError("inner lookup")
+
+    def lookup_cache(self, lookup_id: str) -> int | None:
+        raise RuntimeError("inner lookup_cache")
+
+    def clear_lookup_status(self, lookup_id: str) -> None:
+        raise RuntimeError("inner clear")
+
+    def cancel_lookup(self, lookup_id: str) -> None:
+        raise RuntimeError("inner cancel")
+
+    def close(self) -> None:
+        raise RuntimeError("inner close")
+
+
+@pytest.mark.parametrize("kind", ["hit_limit", "chunk_statistics"])
+def test_an_inner_client_that_raises_is_answered_counted_and_logged_once(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = wrap(kind, Raising())
+    with caplog.at_level(logging.WARNING, logger="broker_lookup"):
+        for _ in range(3):
+            assert client.lookup(list(range(40)), "r") == 0  # recompute
+            assert client.lookup_cache("r") == -1  # unknown: the scheduler asks again
+            client.clear_lookup_status("r")
+            client.cancel_lookup("r")
+            client.close()
+    want = {"internal_error": 6, "bad_clear": 3, "bad_cancel": 3, "close_error": 3}
+    assert client.stats()["rejected"] == want  # type: ignore[attr-defined]
+    assert len(caplog.records) == 4, "one line per kind"
+
+
+class FailingEngine:
+    """A bypass engine whose lookup answers ``answer`` (raises if it is an exception)
+    and whose cleanup raises when ``cleanup_raises``."""
+
+    def __init__(self, answer: Any, cleanup_raises: bool = False) -> None:
+        self.answer = answer
+        self.cleanup_raises = cleanup_raises
+        self.released: list[str] = []
+
+    def lookup(self, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+    def cleanup_memory_objs(self, lookup_id: str) -> None:
+        if self.cleanup_raises:
+            raise RuntimeError("cleanup failed")
+        self.released.append(lookup_id)
+
+
+@pytest.mark.parametrize("answer", [RuntimeError("backend down"), None, "many", -4, 41, 10**9])
+def test_bypass_engine_failure_or_nonsense_answers_zero_and_releases(
+    answer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = FailingEngine(answer)
+    client = BypassLookupClient(BYPASS_CFG, META, engine)
+    with caplog.at_level(logging.WARNING, logger="broker_lookup"):
+        for i in range(3):
+            assert client.lookup(list(range(40)), f"r{i}") == 0
+            assert client.lookup_cache(f"r{i}") == 0
+    assert client.stats()["rejected"] == {"engine_error": 3}
+    assert engine.released == ["r0", "r1", "r2"], "what it may have pinned is released"
+    assert len(caplog.records) == 1
+
+
+def test_bypass_cancel_with_an_engine_whose_cleanup_raises(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = BypassLookupClient(BYPASS_CFG, META, FailingEngine(40, cleanup_raises=True))
+    assert client.lookup(list(range(40)), "r") == 40
+    with caplog.at_level(logging.WARNING, logger="broker_lookup"):
+        for _ in range(3):
+            client.cancel_lookup("r")
+    assert client.lookup_cache("r") == -1
+    assert client.stats()["rejected"] == {"engine_error": 3}
+    assert len(caplog.records) == 1
