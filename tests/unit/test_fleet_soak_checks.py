@@ -56,7 +56,13 @@ def test_memory_that_keeps_growing_is_not_bounded() -> None:
     growing = [2_000_000 + i * 1_000_000 for i in range(20)]
     verdict = judge_memory(growing, MemoryBound(factor=1.5, slack_bytes=2 << 20))
     assert verdict["judged"] and not verdict["ok"], verdict
-    assert verdict["late_peak"] == growing[-1] > verdict["limit"]
+    assert verdict["late_peak"] == growing[-1] and verdict["late_median"] > verdict["limit"]
+
+
+def test_memory_judges_the_late_level_not_one_spike() -> None:
+    steady = [5_000_000] * 19 + [9_000_000]  # one sample caught a burst of lookups
+    verdict = judge_memory(steady, MemoryBound(factor=1.2, slack_bytes=0))
+    assert verdict["ok"] and verdict["late_peak"] == 9_000_000, verdict
 
 
 def test_memory_with_too_few_samples_is_not_judged() -> None:

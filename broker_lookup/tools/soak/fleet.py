@@ -46,7 +46,6 @@ from broker_lookup.transport.connection import make_factory
 __all__ = ["FleetOptions", "run_fleet"]
 
 _TIMEOUT_MS = 3000  #: lookup_timeout_ms: the box runs many processes on few cores
-_STREAM_CAP = 2000  #: stream_maxlen and done_maxlen: a live engine's streams plateau early
 _ENGINE_TTLS_MS = (15_000, 30_000, 60_000)  #: tried in turn where the build has a TTL
 _CONCURRENCY = 6  #: lookups each engine keeps in flight
 _STOP_S = 60.0  #: the whole fleet's stop at the end, at most
@@ -65,12 +64,16 @@ class FleetOptions:
         calm_s: float = 10.0,
         faulty: int = 3,
         duplicates: bool | None = None,
+        stream_cap: int = 2000,
     ) -> None:
         self.engines, self.duration_s, self.seed = engines, duration_s, seed
         self.churn_every_s, self.chaos_every_s = churn_every_s, chaos_every_s
         self.calm_s, self.faulty = calm_s, faulty
         #: None: run them where the build has one owner per rank
         self.duplicates = duplicates
+        #: stream_maxlen and done_maxlen, so a live engine's streams reach their plateau
+        #: early in the run (the default, 20,000, would take it minutes)
+        self.stream_cap = stream_cap
 
 
 class _Fleet:
@@ -147,12 +150,14 @@ def _engine_ttl_ms(url: str, features: Features) -> int | None:
     return int(getattr(LookupConfig(redis_url=url), "engine_ttl_ms"))  # noqa: B009 (may lack it)
 
 
-def _settings(engine_ttl_ms: int | None) -> dict[str, object]:
+def _settings(engine_ttl_ms: int | None, stream_cap: int) -> dict[str, object]:
     settings: dict[str, object] = {
         "chunk_size": CHUNK,
         "lookup_timeout_ms": _TIMEOUT_MS,
-        "stream_maxlen": _STREAM_CAP,
-        "done_maxlen": _STREAM_CAP,
+        "stream_maxlen": stream_cap,
+        "done_maxlen": stream_cap,
+        # The prompts differ between ranks on purpose: no warning for each of them.
+        "rank_spread_warn_share": 1.0,
     }
     if engine_ttl_ms is not None:
         settings["engine_ttl_ms"] = engine_ttl_ms
@@ -184,46 +189,53 @@ def run_fleet(
         timing = ChaosTiming(every_s=options.chaos_every_s)
         origin = time.monotonic()
         setup = FleetSetup(
-            redis_url, _settings(ttl_ms), work, monitor, origin, _quiet_s(), timing, _CONCURRENCY
+            redis_url,
+            _settings(ttl_ms, options.stream_cap),
+            work,
+            monitor,
+            origin,
+            _quiet_s(),
+            timing,
+            _CONCURRENCY,
         )
         fleet = _Fleet(setup, rng, options)
         stack.callback(fleet.abort)  # a no-op after a clean end: nothing is left live
         _wait_running(fleet)
         start = time.monotonic()
         stats = ServerStats(monitor, origin)
-        before = {"cpu_s": stats.cpu_s(), "lookups": _lookups(fleet)}
-        dups = Duplicates(
-            setup,
-            fleet.live[0],
-            rng,
-            start - origin + 0.15 * options.duration_s,
-            start - origin + 0.6 * options.duration_s,
-        )
+        at = start - origin + options.duration_s * 0.15, start - origin + options.duration_s * 0.6
+        dups = Duplicates(setup, fleet.live[0], rng, *at)
         if duplicates:
             stack.callback(dups.finish, 10.0)
-        plan = plan_churn(
-            rng,
-            options.engines,
-            options.duration_s - options.calm_s,
-            options.churn_every_s,
-            min_life_s=2 * options.churn_every_s[0],
-        )
-        _drive(fleet, dups if duplicates else None, stats, plan, start, options)
-        ended = time.monotonic()
-        after = {"cpu_s": stats.cpu_s(), "lookups": _lookups(fleet, dups)}
+        run = _run(fleet, dups if duplicates else None, stats, start, rng, options)
         _stop(fleet)
         if duplicates:
             dups.finish(10.0)
-        return fleet_summary(
-            fleet.engines,
-            dups,
-            stats,
-            monitor,
-            features,
-            ttl_ms,
-            embedded,
-            {"seconds": ended - start, "before": before, "after": after, "plan": plan},
-        )
+        return fleet_summary(fleet.engines, dups, stats, monitor, features, ttl_ms, embedded, run)
+
+
+def _run(
+    fleet: _Fleet,
+    dups: Duplicates | None,
+    stats: ServerStats,
+    start: float,
+    rng: random.Random,
+    options: FleetOptions,
+) -> dict[str, Any]:
+    """Drive the fleet for the soak's duration; the churn plan, and the server's CPU and
+    the lookups sent before and after."""
+    plan = plan_churn(
+        rng,
+        options.engines,
+        options.duration_s - options.calm_s,
+        options.churn_every_s,
+        min_life_s=2 * options.churn_every_s[0],
+    )
+    before = {"cpu_s": stats.cpu_s(), "lookups": _lookups(fleet)}
+    _drive(fleet, dups, stats, plan, start, options)
+    seconds = time.monotonic() - start
+    after = {"cpu_s": stats.cpu_s(), "lookups": _lookups(fleet, dups)}
+    return {"seconds": seconds, "before": before, "after": after, "plan": plan}
 
 
 def _lookups(fleet: _Fleet, dups: Duplicates | None = None) -> int:

@@ -19,11 +19,14 @@ soak runs them only where the build has it (or when told to).
 from __future__ import annotations
 
 import random
+import signal
 import threading
+from collections import Counter
 from typing import Any
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupMetadata
+from broker_lookup.processes import ExitCode
 from broker_lookup.tools.soak.faults import FaultLog
 from broker_lookup.tools.soak.fleet_engine import Engine, FleetSetup
 from broker_lookup.tools.soak.rig import Ranks
@@ -54,6 +57,8 @@ class Duplicates:
         self.traffic: Traffic | None = None
         self.rank: Ranks | None = None
         self.rank_exit: tuple[int, float] | None = None  #: (exit code, when)
+        self.refused = ""  #: the error the duplicate scheduler's client raised, if any
+        self.rank_ran_to_end = False  #: the rank process was still running at the end
         self._closer: threading.Thread | None = None
         self._drain_until = 0.0
 
@@ -90,7 +95,12 @@ class Duplicates:
         urls = [setup.url] * world
         self.rank = Ranks(urls, owner.engine_id, full, work, setup.timeout_ms, setup.settings)
         meta = LookupMetadata(engine_id=owner.engine_id, world_size=world)
-        self.client = RedisAsyncLookupClient(setup.config(setup.url), meta)
+        try:
+            self.client = RedisAsyncLookupClient(setup.config(setup.url), meta)
+        except Exception as exc:  # it must answer 0, not raise: reported, no lookups sent
+            self.refused = repr(exc)
+            self.state = "done"
+            return
         nothing = [Prompt(p.tokens, [0] * world, p.tier) for p in owner.prompts]
         log = FaultLog(setup.quiet_s, setup.origin)
         self.traffic = Traffic(self.client, nothing, self.rng, log, self._timeout_s)
@@ -109,23 +119,40 @@ class Duplicates:
             self._close()
         if self._closer is not None:
             self._closer.join(timeout_s)
-        if self.rank is not None and self.rank_exit is None:
+        if self.rank is not None and self.rank_exit is None and self.rank.procs:
             self.rank.stop(timeout_s)
+            self.rank_ran_to_end = True
 
     def report(self) -> dict[str, Any]:
         """Its lookups and answers, the scheduler's outcomes, and how the rank ended."""
-        if self.traffic is None or self.client is None:
+        if self.rank is None:
             return {"ran": False}
-        counts = self.traffic.counts
+        counts = self.traffic.counts if self.traffic is not None else Counter[str]()
+        outcomes = self.client.stats()["outcomes"] if self.client is not None else {}
         exit_code, exited_at = self.rank_exit or (None, None)
         return {
             "ran": True,
             "engine_id": self.owner.engine_id,
+            "scheduler_raised": self.refused,
             "scheduler_lookups": counts["lookups"],
             "scheduler_answered_0": counts["right"],
             "scheduler_answered_not_0": counts["wrong"],
             "scheduler_hangs": counts["hangs"],
-            "scheduler_outcomes": self.client.stats()["outcomes"],
+            "scheduler_outcomes": outcomes,
             "rank_exit_code": exit_code,
+            "rank_exit_name": _exit_name(exit_code),
+            "rank_ran_to_end": self.rank_ran_to_end,
             "rank_exited_s": None if exited_at is None else round(exited_at - self.setup.origin, 1),
         }
+
+
+def _exit_name(code: int | None) -> str | None:
+    """The name of a ``python -m workers`` exit code (``ExitCode``), or of its signal."""
+    if code is None:
+        return None
+    if code < 0:
+        return signal.Signals(-code).name
+    try:
+        return ExitCode(code).name
+    except ValueError:
+        return None

@@ -61,7 +61,8 @@ class FleetSetup:
 
     @property
     def timeout_ms(self) -> int:
-        return int(str(self.settings["lookup_timeout_ms"]))
+        """lookup_timeout_ms of every client and rank."""
+        return self.config(self.url).lookup_timeout_ms
 
 
 class Engine:

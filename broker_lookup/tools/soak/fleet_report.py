@@ -50,7 +50,7 @@ def fleet_summary(
     audit = audit_keys(rows, gone_at, time.monotonic(), engine_ttl_ms)
     memory = judge_memory([s["used_memory"] for s in stats.series])
     counts = _counts(engines, dups)
-    checks = judge(counts, audit, memory, features, dups.traffic is not None)
+    checks = judge(counts, audit, memory, features, dups.rank is not None)
     seconds = run["seconds"]
     lookups = run["after"]["lookups"] - run["before"]["lookups"]
     cpu_s = run["after"]["cpu_s"] - run["before"]["cpu_s"]
@@ -96,7 +96,8 @@ def _counts(engines: Sequence[Engine], dups: Duplicates) -> dict[str, int]:
     out = {k: total[k] for k in COUNTS}
     out["unexpected_exits"] = sum(len(e.unexpected_exits) for e in engines)
     dup = dups.traffic.counts if dups.traffic is not None else Counter()
-    out["duplicate_answers"] = dup["wrong"]
+    # Its answers other than 0; a client that raised instead of answering counts once.
+    out["duplicate_answers"] = dup["wrong"] + (1 if dups.refused else 0)
     out["hangs"] += dup["hangs"]
     return out
 
