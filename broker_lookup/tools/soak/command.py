@@ -29,6 +29,9 @@ The rest is there to be read: the faults of each kind, p99 latency, the RSS of e
 at the start and at the end, the client's breaker openings and rejected lookups, and the
 slowest recovery after each kind of fault. The summary goes to stdout as JSON and to stderr
 for a person.
+
+With ``--engines N`` it soaks a fleet instead: N engines on one server, churning, with
+duplicates of one engine's scheduler and rank (:mod:`broker_lookup.tools.soak.fleet`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
 from broker_lookup.tools.soak.chaos import Chaos, ChaosTiming
 from broker_lookup.tools.soak.faults import FaultLog
+from broker_lookup.tools.soak.fleet import FleetOptions, run_fleet
+from broker_lookup.tools.soak.fleet_report import format_fleet_summary
 from broker_lookup.tools.soak.report import format_summary, passed, summarize
 from broker_lookup.tools.soak.rig import Beats, Proxies, Ranks, rss_kb
 from broker_lookup.tools.soak.traffic import CHUNK, Prompt, Traffic, make_prompts
@@ -63,6 +68,7 @@ __all__ = ["add_soak_parser", "cmd_soak", "run_soak", "setup_soak_parser"]
 
 _TIMEOUT_MS = 2000  #: lookup_timeout_ms of the client and the ranks
 _CONCURRENCY = 32  #: lookups the client keeps in flight
+_FLEET_CALM_S = FleetOptions().calm_s
 
 
 def _config(url: str) -> LookupConfig:
@@ -203,23 +209,47 @@ def _interval(text: str) -> tuple[float, float]:
 def setup_soak_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of ``broker-lookup soak``."""
     p.add_argument("--duration", type=float, default=60.0, help="seconds (default 60)")
-    p.add_argument("--ranks", type=int, default=2, help="rank processes (default 2)")
+    p.add_argument("--ranks", type=int, help="rank processes (default 2; not with --engines)")
     p.add_argument("--redis-url", help="use this server (default: an embedded one, restarted)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     low, high = ChaosTiming.every_s
+    flow, fhigh = FleetOptions().chaos_every_s
     p.add_argument(
         "--chaos-every",
         type=_interval,
-        default=ChaosTiming.every_s,
         metavar="MIN-MAX",
-        help=f"seconds between faults, random in the range (default {low:g}-{high:g})",
+        help=f"seconds between faults, random in the range (default {low:g}-{high:g}; "
+        f"with --engines, per faulty engine, {flow:g}-{fhigh:g})",
     )
     p.add_argument(
-        "--calm", type=float, default=0.0, help="seconds at the end without new faults (default 0)"
+        "--calm",
+        type=float,
+        help="seconds at the end without new faults (default 0; with --engines, 10)",
     )
     p.add_argument("--json", help="also write the summary as JSON to this file")
     p.add_argument(
         "--workdir", help="keep the ranks' logs and disk tiers here (default: a temp dir)"
+    )
+    fleet = p.add_argument_group("fleet (many engines on one server)")
+    fleet.add_argument(
+        "--engines", type=int, default=0, help="engines at a time (default 0: one engine)"
+    )
+    clow, chigh = FleetOptions().churn_every_s
+    fleet.add_argument(
+        "--churn-every",
+        type=_interval,
+        default=FleetOptions().churn_every_s,
+        metavar="MIN-MAX",
+        help=f"seconds between engine stops, random in the range (default {clow:g}-{chigh:g})",
+    )
+    fleet.add_argument(
+        "--faulty", type=int, default=FleetOptions().faulty, help="engines that get faults"
+    )
+    fleet.add_argument(
+        "--no-duplicates",
+        action="store_true",
+        help="no second scheduler or rank process on an engine id (they run by default "
+        "where the build has one owner per rank)",
     )
 
 
@@ -231,26 +261,61 @@ def add_soak_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    """Run the soak; print the summary as JSON on stdout and for a person on stderr.
+    """Run the soak (one engine, or a fleet with ``--engines``); print the summary as JSON
+    on stdout and for a person on stderr.
 
-    OK (0) iff no wrong result, hang, leaked key or lost hit; else FAILED.
+    OK (0) iff every check holds (one engine: no wrong result, hang, leaked key or lost
+    hit); else FAILED.
     """
-    if args.duration <= 0 or args.ranks < 1 or not 0 <= args.calm < args.duration:
-        msg = "--duration must be > 0, --ranks >= 1 and 0 <= --calm < --duration"
-        print(f"broker-lookup soak: {msg}", file=sys.stderr)
+    problem = _usage_problem(args)
+    if problem:
+        print(f"broker-lookup soak: {problem}", file=sys.stderr)
         return ExitCode.USAGE
-    summary = run_soak(
-        args.duration,
-        args.ranks,
-        args.redis_url,
-        args.seed,
-        args.chaos_every,
-        args.workdir,
-        args.calm,
-    )
-    text = json.dumps(summary, indent=2, sort_keys=True)
-    print(text)
+    if args.engines:
+        summary = run_fleet(_fleet_options(args), args.redis_url, args.workdir)
+        text, ok = format_fleet_summary(summary), bool(summary["passed"])
+    else:
+        summary = run_soak(
+            args.duration,
+            2 if args.ranks is None else args.ranks,
+            args.redis_url,
+            args.seed,
+            args.chaos_every or ChaosTiming.every_s,
+            args.workdir,
+            args.calm or 0.0,
+        )
+        text, ok = format_summary(summary), passed(summary)
+    dumped = json.dumps(summary, indent=2, sort_keys=True)
+    print(dumped)
     if args.json:
-        Path(args.json).write_text(text + "\n")
-    print(format_summary(summary), file=sys.stderr)
-    return ExitCode.OK if passed(summary) else ExitCode.FAILED
+        Path(args.json).write_text(dumped + "\n")
+    print(text, file=sys.stderr)
+    return ExitCode.OK if ok else ExitCode.FAILED
+
+
+def _usage_problem(args: argparse.Namespace) -> str:
+    """What is wrong with the arguments, or ""."""
+    calm = args.calm if args.calm is not None else (_FLEET_CALM_S if args.engines else 0.0)
+    if args.duration <= 0 or not 0 <= calm < args.duration:
+        return "--duration must be > 0 and 0 <= --calm < --duration"
+    if args.engines:
+        if args.ranks is not None:
+            return "--ranks is not for --engines: engines run 1 or 2 ranks each"
+        if args.engines < 2 or args.faulty < 0:
+            return "--engines must be >= 2 (one is the soak without it) and --faulty >= 0"
+    elif args.ranks is not None and args.ranks < 1:
+        return "--ranks must be >= 1"
+    return ""
+
+
+def _fleet_options(args: argparse.Namespace) -> FleetOptions:
+    return FleetOptions(
+        engines=args.engines,
+        duration_s=args.duration,
+        seed=args.seed,
+        churn_every_s=args.churn_every,
+        chaos_every_s=args.chaos_every or FleetOptions().chaos_every_s,
+        calm_s=_FLEET_CALM_S if args.calm is None else args.calm,
+        faulty=args.faulty,
+        duplicates=False if args.no_duplicates else None,
+    )

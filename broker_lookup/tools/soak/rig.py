@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import redis
@@ -47,11 +47,18 @@ class Ranks(LocalRanks):
     """The soak's rank processes, started at once: each prompt's share preloaded on each rank.
 
     Rank ``r`` connects to ``urls[r]`` (its own fault proxy); ``timeout_ms`` is the
-    lookup timeout, as the client's.
+    lookup timeout, as the client's; ``settings`` are further config fields of every rank
+    (the fleet soak's stream caps and engine TTL).
     """
 
     def __init__(
-        self, urls: list[str], engine_id: str, prompts: list[Prompt], workdir: Path, timeout_ms: int
+        self,
+        urls: list[str],
+        engine_id: str,
+        prompts: list[Prompt],
+        workdir: Path,
+        timeout_ms: int,
+        settings: Mapping[str, object] | None = None,
     ) -> None:
         items = [
             {"tokens": p.tokens, "ranks": [r], "fraction": p.stored[r] / CHUNKS, "tier": p.tier}
@@ -59,7 +66,7 @@ class Ranks(LocalRanks):
             for r in range(len(urls))
         ]
         preload = write_preload(workdir / "preload.json", items)
-        envs = [child_env(os.environ, _settings(url, timeout_ms)) for url in urls]
+        envs = [child_env(os.environ, _settings(url, timeout_ms, settings)) for url in urls]
         args = ["--preload", str(preload), "--load-delay-ms", str(_LOAD_DELAY_MS)]
         super().__init__(engine_id, envs, workdir, [*args, "--log-level", "WARNING"])
         self.start_all()
@@ -69,9 +76,14 @@ class Ranks(LocalRanks):
         return self.procs[rank].pid
 
 
-def _settings(url: str, timeout_ms: int) -> dict[str, str]:
+def _settings(url: str, timeout_ms: int, settings: Mapping[str, object] | None) -> dict[str, str]:
     """The environment of a rank on ``url``."""
-    values = {"redis_url": url, "chunk_size": CHUNK, "lookup_timeout_ms": timeout_ms}
+    values: dict[str, object] = {
+        "redis_url": url,
+        "chunk_size": CHUNK,
+        "lookup_timeout_ms": timeout_ms,
+    }
+    values.update(settings or {})
     return {env_name(k): str(v) for k, v in values.items()}
 
 

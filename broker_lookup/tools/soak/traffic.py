@@ -78,6 +78,7 @@ class Traffic:
     counts: Counter[str] = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)
     serial: int = 0
+    prefix: str = "soak"  #: of its lookup ids (two clients of one engine need two)
     observed: int = 0
     #: Per fault kind, of the 0s answered for a hit after every fault explaining them had
     #: ended, the one that started last after its fault: how long recovery took.
@@ -91,7 +92,7 @@ class Traffic:
             self.counts["reused_ids"] += 1
         else:
             self.serial += 1
-            lookup_id = f"soak-{self.serial}"
+            lookup_id = f"{self.prefix}-{self.serial}"
         prompt = self.rng.choice(self.prompts)
         self.client.lookup(prompt.tokens, lookup_id)
         self.inflight[lookup_id] = _Lookup(prompt, now, reused)
