@@ -48,8 +48,7 @@ def test_request_starts_then_duplicate_is_ignored() -> None:
 
 def test_held_jobs_do_not_count_towards_the_engine_processs_collections() -> None:
     """A rank holds each answered lookup for the pins' TTL: tens of thousands of jobs at a
-    few thousand lookups a second, none of them tracked by the GC of the engine's process
-    (made by the lifecycle's C transitions where built, and by Python)."""
+    few thousand lookups a second, none of them tracked by the GC of the engine's process."""
     t = lifecycle(capacity=1000)
     jobs: list[Job] = []
     for i in range(200):

@@ -47,18 +47,12 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Literal
 
 import msgspec
 
 from broker_lookup.protocol.messages import LookupRequest
 from workers.pipeline.memo import Memo
-
-try:
-    from workers.pipeline import _transitions
-except ImportError:  # the optional C extension was not compiled: every transition in Python
-    _transitions = None  # type: ignore[assignment]
 
 __all__ = ["NOTHING", "Job", "Lifecycle", "State", "Step"]
 
@@ -101,9 +95,6 @@ class Step:
 
 
 NOTHING = Step()
-
-if _transitions is not None:
-    _transitions.setup(Job)
 
 
 @dataclass(slots=True)
@@ -162,25 +153,6 @@ class Lifecycle:
         self._wake_at = -math.inf
         self._soonest = -math.inf
         self._ring: Callable[[], None] | None = None
-        # The common case of the three inputs, one C call each where ``_transitions.c`` is
-        # built (bound here, so no Python frame runs around it); without it they decline,
-        # and the full decision runs. Each is made exactly as the full method would make it.
-        native = _transitions
-        #: ``try_start(req, now, deadline)``: :meth:`on_request`'s ``start`` of a fresh id
-        #: (nothing runs for it, never seen nor aborted), made; False: nothing changed.
-        self.try_start: Callable[[LookupRequest, float, float], bool] = (
-            partial(native.start, self) if native is not None else _decline
-        )
-        #: ``try_report(lookup_id, now)``: :meth:`on_report`'s ``report`` (the job of a
-        #: plain running generation, now reporting), made; None: nothing changed.
-        self.try_report: Callable[[str, float], Job | None] = (
-            partial(native.report, self) if native is not None else _decline_report
-        )
-        #: ``try_hold(lookup_id, gen, now)``: :meth:`on_settled`'s hold of a report Redis
-        #: kept, made; False: nothing changed.
-        self.try_hold: Callable[[str, int, float], bool] = (
-            partial(native.hold, self) if native is not None else _decline
-        )
 
     # -- the three inputs -----------------------------------------------------------
 
@@ -471,12 +443,3 @@ class Lifecycle:
             due = min(due, next(iter(self._held.values())))
         memos = (self._seen, self._aborted, self._late)
         return min(due, *(memo.next_expiry() for memo in memos))
-
-
-def _decline(*_: object) -> bool:
-    """A common-case transition without the C extension: never made here."""
-    return False
-
-
-def _decline_report(*_: object) -> Job | None:
-    return None
