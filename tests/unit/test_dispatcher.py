@@ -11,7 +11,7 @@ import pytest
 from broker_lookup.config import LookupConfig
 from broker_lookup.ops.histogram import LATENCY_BUCKETS
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import Abort, LookupRequest, Request
+from broker_lookup.protocol.messages import Abort, Keep, LookupRequest, Request
 from workers.pipeline import dispatch as dispatch_module
 from workers.pipeline.dispatch import Dispatcher
 from workers.pipeline.lifecycle import Lifecycle
@@ -193,3 +193,56 @@ def test_one_lookup_reported_then_held_then_released_on_abort() -> None:
         "aborts": 1,
         "released": 1,
     }
+
+
+def test_a_report_that_lands_after_the_deadline_answered_keeps_the_promised_prefix() -> None:
+    """The deadline answered 4 tokens from the rank's progress; the rank's final report (8)
+    reached Redis before the rank read the keep: ``settled:4``. The rank keeps 4 pinned."""
+    rank = Rank()
+    rank.start("a")
+    rank.clock.now += 1.2
+    rank.dispatcher.report("a", TOKENS)
+    [report] = rank.queued()
+    rank.dispatcher.settle(report, "settled:4")
+    assert rank.engine.calls == [("start", "a"), ("keep", "a", 4)]
+    assert rank.life.sizes()["held"] == 1
+    assert rank.dispatcher.counts()["report_settled"] == 1
+    rank.dispatcher.handle(Keep(lookup_id="a", gen=0, tokens=4), float("inf"))
+    rank.sweep_at(PIN_TTL_S - 0.1)
+    assert rank.engine.released("a") == 0
+    rank.sweep_at(0.2)
+    assert rank.engine.released("a") == 1
+
+
+def test_the_watchdog_leaves_a_kept_prefix_of_an_engine_still_loading() -> None:
+    rank = Rank()
+    rank.start("a")  # deadline 1 s, the watchdog's time 1.5 s
+    rank.clock.now += 1.05
+    rank.dispatcher.handle(Keep(lookup_id="a", gen=0, tokens=4), float("inf"))
+    rank.sweep_at(1.0)
+    assert rank.engine.released("a") == 0 and rank.queued() == []  # no 0 reported
+    rank.dispatcher.report("a", TOKENS)  # the slow tier finishes: held, not sent
+    assert rank.queued() == [] and rank.life.sizes()["held"] == 1
+    rank.sweep_at(PIN_TTL_S)
+    assert rank.engine.released("a") == 1
+
+
+def test_a_late_report_after_the_watchdog_and_close_release_what_the_engine_pinned() -> None:
+    """The watchdog released ``a`` while its prefetch ran; the engine pinned when it ended:
+    its late report releases again. ``b`` is released by the watchdog and never reports:
+    close releases it again. ``c`` runs at close: its report after close releases it."""
+    rank = Rank()
+    rank.start("a")
+    rank.start("b")
+    rank.sweep_at(1.6)
+    assert rank.queued() == [Report("a", 0, 0), Report("b", 0, 0)]  # the watchdog's 0s
+    assert rank.engine.released("a") == rank.engine.released("b") == 1
+    rank.dispatcher.report("a", TOKENS)
+    assert rank.engine.released("a") == 2
+    assert rank.dispatcher.counts()["report_late"] == 1
+    rank.start("c")
+    rank.dispatcher.release_all()
+    assert (rank.engine.released("b"), rank.engine.released("c")) == (2, 1)
+    assert rank.engine.released("a") == 2  # its late report released it already
+    rank.dispatcher.report("c", TOKENS)
+    assert rank.engine.released("c") == 2

@@ -7,7 +7,8 @@ engine and hands reports to its :class:`~workers.pipeline.reporter.Reporter`:
 * a request or abort from the read loop -> the lifecycle's decision -> release the
   engine's old generation and/or start the new one (``async_lookup_and_prefetch``);
 * the engine's report (any thread) -> checked -> the reporter;
-* the report's answer from Redis -> held (pins kept) or released;
+* the report's answer from Redis -> held (pins kept, or the prefix a partial answer at
+  the deadline promised) or released;
 * the sweeper's clock -> the watchdog's 0 for an engine that never reported, and
   releases of pins past their TTL.
 
@@ -32,6 +33,7 @@ from broker_lookup.ops.histogram import LATENCY_BUCKETS
 from broker_lookup.ops.ratelimit import RateLimitedLog
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, Keep, LookupRequest, Request
+from broker_lookup.protocol.scripts import report_answer
 from workers.pipeline.lifecycle import Job, Lifecycle, Step
 from workers.pipeline.reporter import Report, Reporter
 
@@ -94,7 +96,7 @@ class Dispatcher:
             self._apply(msg.lookup_id, step, "aborts")
             return
         if isinstance(msg, Keep):
-            decision, step = self._tracker.on_keep(msg.lookup_id, msg.gen, msg.tokens)
+            decision, step = self._tracker.on_keep(msg.lookup_id, msg.gen, msg.tokens, now)
             self._apply(msg.lookup_id, step, "keep_" + decision)
             return
         if self._rank not in msg.expected:
@@ -125,7 +127,8 @@ class Dispatcher:
         now = self._clock()
         outcome, job, step = self._tracker.on_report(lookup_id, now)
         if job is None:
-            self.count("report_" + outcome)
+            # late: what the engine pinned after the watchdog's release is released now
+            self._apply(lookup_id, step, "report_" + outcome)
             if outcome == "unknown":
                 self._warn(
                     logging.WARNING,
@@ -164,15 +167,18 @@ class Dispatcher:
             self.count("progress_" + answer)
             return
         now = self._clock()
-        step = self._tracker.on_settled(report.lookup_id, report.gen, answer in _KEEP, now)
-        self._apply(report.lookup_id, step, "report_" + answer)
+        name, decided = report_answer(answer)
+        # After the deadline answered (settled): the promised prefix, at most what we hold.
+        kept = None if decided is None else min(decided, report.hits)
+        step = self._tracker.on_settled(report.lookup_id, report.gen, name in _KEEP, now, kept)
+        self._apply(report.lookup_id, step, "report_" + name)
 
     # -- from the sweeper's clock ----------------------------------------------------
 
     def sweep(self, now: float) -> None:
         """The watchdog, then pins past their TTL (monotonic ``now``)."""
         for kind, job, step in self._tracker.due(now):
-            if kind == "watchdog":
+            if kind == "watchdog":  # kept_expired: its answer was decided, nothing to report
                 self._on_watchdog(job)
             self._apply(job.lookup_id, step)
         for lookup_id in self._tracker.expired_holds(now):
@@ -197,8 +203,9 @@ class Dispatcher:
     # -- at shutdown -----------------------------------------------------------------
 
     def release_all(self) -> None:
-        """Release every generation the engine holds (the threads are stopped)."""
-        for lookup_id in self._tracker.release_all():
+        """Release every generation the engine holds, and what it pinned after a watchdog
+        release (the threads are stopped)."""
+        for lookup_id in self._tracker.release_all(self._clock()):
             self._release(lookup_id)
 
     # -- the engine --------------------------------------------------------------------
