@@ -54,7 +54,7 @@ class LifecycleModel(RuleBasedStateMachine):
         self.inflight: list[tuple[str, int]] = []  # reports queued to Redis, not settled
         self.expires: dict[tuple[str, int], float] = {}  # first arrival + budget
         self.late: dict[str, float] = {}  # ids the watchdog released -> when that is forgotten
-        self.kept: set[tuple[str, int]] = set()  # generations a keep reached
+        self.kept: dict[tuple[str, int], float] = {}  # generations a keep reached -> when
 
     # -- the engine -----------------------------------------------------------------
 
@@ -132,7 +132,7 @@ class LifecycleModel(RuleBasedStateMachine):
                 assert keep and step == Step()
             else:
                 assert settled and step.keep is not None and step.keep <= settled
-                self.kept.add((lookup_id, gen))
+                self.kept.setdefault((lookup_id, gen), self.now)
             self.phase[lookup_id] = "held"
 
     @rule(lookup_id=st.sampled_from(IDS), gen=GENS, tokens=st.sampled_from((2, 4)))
@@ -141,7 +141,7 @@ class LifecycleModel(RuleBasedStateMachine):
         if decision == "kept":
             assert self.engine.get(lookup_id) == gen and step.keep is not None
             assert step.keep <= tokens and not step.release and step.start is None
-            self.kept.add((lookup_id, gen))
+            self.kept.setdefault((lookup_id, gen), self.now)
         else:
             assert step == Step()
 
@@ -162,8 +162,9 @@ class LifecycleModel(RuleBasedStateMachine):
             want = "reporting" if kind == "unsettled" else "running"
             assert self.phase.get(job.lookup_id) == want, (kind, self.phase)
             assert self.now >= job.deadline + GRACE or kind == "unsettled"
-            if kind == "watchdog":
-                assert (job.lookup_id, job.gen) not in self.kept, "watchdog released a keep"
+            kept_at = self.kept.get((job.lookup_id, job.gen))
+            if kept_at is not None and kind != "unsettled":  # held a pin TTL past the keep
+                assert kind == "kept_expired" and self.now >= kept_at + PIN_TTL, "keep released"
             if kind != "unsettled":
                 self.late[job.lookup_id] = self.now + PIN_TTL
             self.apply(job.lookup_id, step, job.gen)
