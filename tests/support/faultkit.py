@@ -204,11 +204,12 @@ class LateEngine:
 
     It confirms its first chunk at once (progress), then reports the whole prompt
     ``after_s`` (give or take ``jitter_s``) after it was asked, from its own thread, as an
-    engine on a slow tier does. It records every keep and release, to judge the
-    promises a partial answer makes (:meth:`broken`). :meth:`close` stops its thread.
+    engine on a slow tier does; with ``after_s`` None, when the test calls
+    :meth:`report_now`. It records every keep and release, to judge the promises a
+    partial answer makes (:meth:`broken`). :meth:`close` stops its thread.
     """
 
-    def __init__(self, after_s: float, jitter_s: float = 0.0, seed: int = 0) -> None:
+    def __init__(self, after_s: float | None, jitter_s: float = 0.0, seed: int = 0) -> None:
         self.server: Any = None
         self._after_s = after_s
         self._jitter_s = jitter_s
@@ -220,6 +221,7 @@ class LateEngine:
         self.released: Counter[str] = Counter()
         #: The smallest prefix a keep trimmed each id to.
         self.kept: dict[str, int] = {}
+        self._tokens: dict[str, int] = {}  # the prompt of each lookup asked
         self._thread = threading.Thread(target=self._run, name="late engine")
         self._thread.start()
 
@@ -235,10 +237,19 @@ class LateEngine:
         request_configs: dict[str, Any] | None = None,
     ) -> None:
         self.server.send_progress_to_scheduler(lookup_id, offsets[0])
-        when = time.monotonic() + self._after_s + self._rng.uniform(-1, 1) * self._jitter_s
         with self._lock:
+            self._tokens[lookup_id] = sum(offsets)
+            if self._after_s is None:
+                return
+            when = time.monotonic() + self._after_s + self._rng.uniform(-1, 1) * self._jitter_s
             heapq.heappush(self._due, (when, lookup_id, sum(offsets)))
             self._lock.notify()
+
+    def report_now(self, lookup_id: str) -> None:
+        """Report the whole prompt of ``lookup_id`` now (``after_s`` None)."""
+        with self._lock:
+            hits = self._tokens[lookup_id]
+        self.server.send_response_to_scheduler(lookup_id, hits)
 
     def cleanup_memory_objs(self, lookup_id: str) -> None:
         with self._lock:
