@@ -45,7 +45,6 @@ __all__ = [
     "check_lookup_id",
     "decode_done",
     "decode_request",
-    "decode_request_payload",
     "encode_request",
     "request_configs_problem",
     "request_fields",
@@ -116,9 +115,6 @@ class DoneEvent(msgspec.Struct, frozen=True, kw_only=True):
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Request)
-#: The ``m`` field's own decoder (bytes -> Request; ``msgspec.DecodeError`` for bytes that
-#: are not one): for a reader that decodes a whole batch in C, such as the rank's.
-decode_request_payload = _DECODER.decode
 
 
 def encode_request(msg: Request) -> bytes:

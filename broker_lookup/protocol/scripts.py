@@ -38,6 +38,7 @@ __all__ = [
     "is_noscript",
     "keep_call",
     "progress_call",
+    "report_answer",
     "report_args",
     "report_call",
     "submit_args",
@@ -201,6 +202,16 @@ def report_call(
         done_ttl_ms=done_ttl_ms,
     )
     return Call(REPORT, (keys.lookup(lookup_id), keys.done), args)
+
+
+def report_answer(answer: str) -> tuple[str, int | None]:
+    """``report.lua``'s answer as (name, tokens): ``settled:<n>`` (the deadline answered the
+    lookup ``n`` tokens before this report came) is ``("settled", n)``; any other answer
+    is itself, with no tokens."""
+    name, colon, tokens = answer.partition(":")
+    if not colon:
+        return answer, None
+    return name, int(tokens) if tokens.isascii() and tokens.isdigit() else None
 
 
 def is_noscript(result: object) -> bool:

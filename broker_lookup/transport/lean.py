@@ -295,9 +295,6 @@ class LeanLink:
         # Fixed per pool, so decided once: hiredis packs str as UTF-8, nothing else.
         encoding = pool.connection_kwargs.get("encoding", "utf-8")
         self._hiredis = HIREDIS_AVAILABLE and encoding == "utf-8"
-        #: Whether :meth:`call_packed` may be used: hiredis packs this pool's commands (its
-        #: bytes are what a caller's own packer must equal) and the read goes with the write.
-        self.accepts_packed = self._hiredis and not self._defer
 
     @property
     def reading(self) -> bool:
@@ -321,18 +318,6 @@ class LeanLink:
             conn = self._connection()
         reads = read is not None and not self._defer
         return self._send(conn, self._pack(conn, wire), len(commands), reads)
-
-    def call_packed(self, data: bytes, n: int, read: bool) -> list[Any]:
-        """:meth:`call` for a write packed by the caller: ``n`` commands' replies, errors
-        as values; ``read``: the write ends with a read, whose reply waits for
-        :meth:`take_read`. Only where :attr:`accepts_packed`."""
-        # reading and is_connected, spelled out: this runs once per rank turn.
-        if self._on_wire or self._kept is not _NO_READ or self._deferred is not None:
-            raise RuntimeError("LeanLink.call_packed while a read is outstanding")
-        conn = self._conn
-        if conn is None or (conn._sock is None if self._plain else not conn.is_connected):
-            conn = self._connection()
-        return self._send(conn, [data], n, read)
 
     def _send(self, conn: Any, chunks: list[bytes], n: int, reads: bool) -> list[Any]:
         """Write ``chunks`` on ``conn``; the replies of the first ``n`` commands. ``reads``:

@@ -29,7 +29,7 @@ def test_rank_loop_survives_an_unexpected_error(
     server = make_server(StubEngine("instant", hits=20))
     client = make_client()
     _ready(server, client)
-    original = server.tracker.try_start  # the first step of every fresh lookup
+    original = server.tracker.on_request  # the first step of every lookup
     calls = {"n": 0}
 
     def flaky(*args: Any) -> Any:
@@ -38,7 +38,7 @@ def test_rank_loop_survives_an_unexpected_error(
             raise RuntimeError("bug in the tracker")
         return original(*args)
 
-    monkeypatch.setattr(server.tracker, "try_start", flaky)
+    monkeypatch.setattr(server.tracker, "on_request", flaky)
     with caplog.at_level(logging.ERROR):
         client.lookup(TOKENS, "first")
         wait_until(lambda: server.stats()["unexpected_errors"] == 1)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import heapq
 import json
+import random
 import signal
 import subprocess
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -193,3 +197,93 @@ def ready(*servers: Any) -> None:
         lambda: all(s.ready and s.stats()["last_heartbeat"] for s in servers),
         message="ranks ready and beating",
     )
+
+
+class LateEngine:
+    """An engine whose final report races the deadline's partial answer.
+
+    It confirms its first chunk at once (progress), then reports the whole prompt
+    ``after_s`` (give or take ``jitter_s``) after it was asked, from its own thread, as an
+    engine on a slow tier does; with ``after_s`` None, when the test calls
+    :meth:`report_now`. It records every keep and release, to judge the promises a
+    partial answer makes (:meth:`broken`). :meth:`close` stops its thread.
+    """
+
+    def __init__(self, after_s: float | None, jitter_s: float = 0.0, seed: int = 0) -> None:
+        self.server: Any = None
+        self._after_s = after_s
+        self._jitter_s = jitter_s
+        self._rng = random.Random(seed)
+        self._lock = threading.Condition()
+        self._due: list[tuple[float, str, int]] = []  # (when, id, hits), soonest first
+        self._stopping = False
+        #: ``cleanup_memory_objs`` calls per id.
+        self.released: Counter[str] = Counter()
+        #: The smallest prefix a keep trimmed each id to.
+        self.kept: dict[str, int] = {}
+        self._tokens: dict[str, int] = {}  # the prompt of each lookup asked
+        self._thread = threading.Thread(target=self._run, name="late engine")
+        self._thread.start()
+
+    def post_init(self, async_lookup_server: Any = None) -> None:
+        self.server = async_lookup_server
+
+    def async_lookup_and_prefetch(
+        self,
+        lookup_id: str,
+        hashes: list[int],
+        offsets: list[int],
+        pin: bool = True,
+        request_configs: dict[str, Any] | None = None,
+    ) -> None:
+        self.server.send_progress_to_scheduler(lookup_id, offsets[0])
+        with self._lock:
+            self._tokens[lookup_id] = sum(offsets)
+            if self._after_s is None:
+                return
+            when = time.monotonic() + self._after_s + self._rng.uniform(-1, 1) * self._jitter_s
+            heapq.heappush(self._due, (when, lookup_id, sum(offsets)))
+            self._lock.notify()
+
+    def report_now(self, lookup_id: str) -> None:
+        """Report the whole prompt of ``lookup_id`` now (``after_s`` None)."""
+        with self._lock:
+            hits = self._tokens[lookup_id]
+        self.server.send_response_to_scheduler(lookup_id, hits)
+
+    def cleanup_memory_objs(self, lookup_id: str) -> None:
+        with self._lock:
+            self.released[lookup_id] += 1
+
+    def keep_memory_objs(self, lookup_id: str, tokens: int) -> None:
+        with self._lock:
+            self.kept[lookup_id] = min(tokens, self.kept.get(lookup_id, tokens))
+
+    def broken(self, answers: dict[str, int]) -> list[str]:
+        """The ids answered a prefix above 0 that this rank released or trimmed below it:
+        the broken promises (call it before anything is cancelled or cleared)."""
+        with self._lock:
+            return [
+                lookup_id
+                for lookup_id, tokens in answers.items()
+                if tokens > 0
+                and (self.released[lookup_id] or self.kept.get(lookup_id, tokens) < tokens)
+            ]
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        self._thread.join(timeout=5)
+        assert not self._thread.is_alive(), "the late engine's thread did not stop"
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and (not self._due or self._due[0][0] > time.monotonic()):
+                    wait = self._due[0][0] - time.monotonic() if self._due else None
+                    self._lock.wait(wait)
+                if self._stopping:
+                    return
+                _, lookup_id, hits = heapq.heappop(self._due)
+            self.server.send_response_to_scheduler(lookup_id, hits)

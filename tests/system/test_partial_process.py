@@ -1,6 +1,7 @@
-"""Partial answers with real rank processes (issue 13): one rank's disk tier is slow,
-so at the deadline it has confirmed only a prefix; the answer is that prefix, both rank
-processes keep exactly it pinned, and a cancel releases everything."""
+"""Partial answers with real rank processes: one rank's disk tier is slow, so at the
+deadline it has confirmed only a prefix; the answer is that prefix, both rank processes
+keep exactly it pinned, and a cancel releases everything. And a rank behind a slow link,
+whose reports reach Redis after the deadline answered, keeps what was answered."""
 
 from __future__ import annotations
 
@@ -9,12 +10,25 @@ from typing import Any
 
 import pytest
 import redis
-from faultkit import CHUNK, MakeLookupClient, StartRank, alive, answer, beat, config, prompt
+from faultkit import (
+    CHUNK,
+    LateEngine,
+    MakeLookupClient,
+    StartRank,
+    alive,
+    answer,
+    beat,
+    config,
+    prompt,
+    ready,
+)
 from helpers import RealServer, wait_until
 
+from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.faultproxy.proxy import FaultProxy
+from workers.server import RedisAsyncLookupServer
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -113,3 +127,41 @@ def test_a_long_prompt_on_a_slow_tier_is_answered_within_its_scaled_deadline(
     assert answer(client, "long", timeout=30) == len(long)
     assert time.monotonic() - started > 2.0  # the sleeps alone: past the flat deadline
     assert client.stats()["outcomes"]["hit"] == 1
+
+
+def test_reports_that_a_slow_link_delivers_after_the_partial_answer_keep_it(
+    real_server: RealServer, fault_proxy: FaultProxy, engine_id: str, clients: MakeLookupClient
+) -> None:
+    """150 ms each way on the rank's link. Its engine reports as soon as the client has
+    its partial answer: before the keep reaches the rank, so the report is sent, and it
+    reaches Redis after the deadline answered (``settled:<n>``). The rank must keep the
+    prefix it was answered, every time."""
+    # A rank turn takes a few round trips, each 300 ms longer (about 0.9 s a turn): a
+    # longer deadline and heartbeat TTL, so the rank confirms its first chunk in time.
+    slow: dict[str, Any] = {**PARTIAL, "lookup_timeout_ms": 3000, "heartbeat_ttl_ms": 5000}
+    engine = LateEngine(after_s=None)
+    meta = LookupMetadata(engine_id=engine_id, world_size=1, worker_id=0)
+    server = RedisAsyncLookupServer(engine, meta, config(fault_proxy.url, **slow))
+    try:
+        ready(server)
+        fault_proxy.delay(150)
+        client = clients(config(real_server.url, **slow), engine_id, 1)
+        alive(client)
+        answers: dict[str, int] = {}
+        for i in range(3):
+            lookup_id = f"slow-{i}"
+            client.lookup(TOKENS, lookup_id)
+            answers[lookup_id] = answer(client, lookup_id, timeout=15)
+            assert answers[lookup_id] == CHUNK  # the confirmed first chunk
+            engine.report_now(lookup_id)
+        wait_until(
+            lambda: server.stats()["counts"].get("report_settled") == len(answers),
+            timeout=15,
+            message="every report answered after its partial answer",
+        )
+        assert engine.broken(answers) == []
+        assert server.tracker.sizes()["held"] == len(answers)
+    finally:
+        fault_proxy.clear()
+        server.close()
+        engine.close()

@@ -5,6 +5,9 @@ time against a model of the engine (plain dicts), checking after every step that
 * every release is of the generation the engine holds, and of one that entered it;
 * every generation that entered the engine is released exactly once, by time alone
   (watchdog, pin TTL) or at close;
+* a kept prefix (a partial answer) is never released by the watchdog;
+* the late report of a generation the watchdog released releases that id again, once,
+  while nothing else holds it (what the engine pinned after the watchdog);
 * no generation starts after its deadline;
 * every map stays bounded.
 """
@@ -50,6 +53,8 @@ class LifecycleModel(RuleBasedStateMachine):
         self.released: set[tuple[str, int]] = set()
         self.inflight: list[tuple[str, int]] = []  # reports queued to Redis, not settled
         self.expires: dict[tuple[str, int], float] = {}  # first arrival + budget
+        self.late: dict[str, float] = {}  # ids the watchdog released -> when that is forgotten
+        self.kept: dict[tuple[str, int], float] = {}  # generations a keep reached -> when
 
     # -- the engine -----------------------------------------------------------------
 
@@ -93,10 +98,18 @@ class LifecycleModel(RuleBasedStateMachine):
     def engine_reports(self, lookup_id: str) -> None:
         outcome, job, step = self.life.on_report(lookup_id, self.now)
         if self.phase.get(lookup_id) != "running":
-            assert (outcome, job, step) in (("unknown", None, Step()), ("late", None, Step()))
+            if self.late.pop(lookup_id, None) is None:
+                assert (outcome, job, step) == ("unknown", None, Step())
+            elif lookup_id in self.engine:  # a newer generation holds the id: not released
+                assert (outcome, job, step) == ("late", None, Step())
+            else:  # what the engine pinned after the watchdog's release
+                assert (outcome, job, step) == ("late", None, Step(release=True))
             return
         assert job is not None and job.gen == self.engine[lookup_id]
-        if outcome == "report":
+        if outcome == "kept":
+            assert (lookup_id, job.gen) in self.kept and step == Step()
+            self.phase[lookup_id] = "held"
+        elif outcome == "report":
             self.phase[lookup_id] = "reporting"
             self.inflight.append((lookup_id, job.gen))
         else:
@@ -104,17 +117,33 @@ class LifecycleModel(RuleBasedStateMachine):
             self.apply(lookup_id, step, job.gen)
 
     @precondition(lambda self: self.inflight)
-    @rule(data=st.data(), keep=st.booleans())
-    def report_settles(self, data: st.DataObject, keep: bool) -> None:
+    @rule(data=st.data(), keep=st.booleans(), settled=st.sampled_from((None, 0, 2, 4)))
+    def report_settles(self, data: st.DataObject, keep: bool, settled: int | None) -> None:
+        """``settled``: the report landed after the deadline answered that many tokens."""
         lookup_id, gen = self.inflight.pop(data.draw(st.integers(0, len(self.inflight) - 1)))
-        step = self.life.on_settled(lookup_id, gen, keep, self.now)
+        keep = keep and settled is None
+        step = self.life.on_settled(lookup_id, gen, keep, self.now, settled)
         ours = self.engine.get(lookup_id) == gen and self.phase[lookup_id] == "reporting"
         if step.release:
             assert ours, "a settle released a generation that was not reporting"
             self.apply(lookup_id, step, gen)
         elif ours:
-            assert keep and step == Step()
+            if settled is None:
+                assert keep and step == Step()
+            else:
+                assert settled and step.keep is not None and step.keep <= settled
+                self.kept.setdefault((lookup_id, gen), self.now)
             self.phase[lookup_id] = "held"
+
+    @rule(lookup_id=st.sampled_from(IDS), gen=GENS, tokens=st.sampled_from((2, 4)))
+    def keep(self, lookup_id: str, gen: int, tokens: int) -> None:
+        decision, step = self.life.on_keep(lookup_id, gen, tokens, self.now)
+        if decision == "kept":
+            assert self.engine.get(lookup_id) == gen and step.keep is not None
+            assert step.keep <= tokens and not step.release and step.start is None
+            self.kept.setdefault((lookup_id, gen), self.now)
+        else:
+            assert step == Step()
 
     @rule(lookup_id=st.sampled_from(IDS), gen=GENS)
     def abort(self, lookup_id: str, gen: int) -> None:
@@ -130,13 +159,19 @@ class LifecycleModel(RuleBasedStateMachine):
 
     def sweep(self) -> None:
         for kind, job, step in self.life.due(self.now):
-            want = "running" if kind == "watchdog" else "reporting"
+            want = "reporting" if kind == "unsettled" else "running"
             assert self.phase.get(job.lookup_id) == want, (kind, self.phase)
             assert self.now >= job.deadline + GRACE or kind == "unsettled"
+            kept_at = self.kept.get((job.lookup_id, job.gen))
+            if kept_at is not None and kind != "unsettled":  # held a pin TTL past the keep
+                assert kind == "kept_expired" and self.now >= kept_at + PIN_TTL, "keep released"
+            if kind != "unsettled":
+                self.late[job.lookup_id] = self.now + PIN_TTL
             self.apply(job.lookup_id, step, job.gen)
         for lookup_id in self.life.expired_holds(self.now):
             assert self.phase.get(lookup_id) == "held"
             self.apply(lookup_id, Step(release=True))
+        self.late = {i: until for i, until in self.late.items() if until > self.now}
 
     # -- invariants -----------------------------------------------------------------
 
@@ -154,7 +189,10 @@ class LifecycleModel(RuleBasedStateMachine):
         self.now += 10 * (PIN_TTL + MEMO_TTL)
         self.sweep()
         assert self.engine == {}, self.engine
-        assert self.life.release_all() == []
+        self.now += 2 * PIN_TTL  # and the watchdog's late ids are forgotten
+        self.sweep()
+        assert self.late == {}
+        assert self.life.release_all(self.now) == []
         assert self.entered == self.released
 
 
@@ -167,4 +205,4 @@ def test_close_releases_every_generation_the_engine_holds() -> None:
     for lookup_id in IDS:
         life.on_request(_req(lookup_id, 1), 0.0, 3.0)
     life.on_report("b", 0.1)
-    assert sorted(life.release_all()) == list(IDS)
+    assert sorted(life.release_all(0.2)) == list(IDS)

@@ -65,7 +65,7 @@ def test_progress_map_forgets_released_jobs() -> None:
 def test_keep_of_a_running_job_trims_then_holds_it_without_a_report() -> None:
     t = running()
     t.on_progress("a", 8, 0.0)
-    decision, step = t.on_keep("a", 1, 8)
+    decision, step = t.on_keep("a", 1, 8, 1.0)
     assert decision == "kept" and step == Step(keep=8)
     assert t.take_progress() == []  # decided: its progress is worth nothing now
     outcome, job, step = t.on_report("a", 2.0)  # the engine stops at the kept prefix
@@ -80,24 +80,75 @@ def test_keep_of_a_held_job_trims_and_pin_ttl_still_releases_it() -> None:
     outcome, _, _ = t.on_report("a", 1.0)
     assert outcome == "report"
     assert t.on_settled("a", 1, True, 1.0) == NOTHING
-    assert t.on_keep("a", 1, 4) == ("kept", Step(keep=4))
-    assert t.on_keep("a", 1, 8) == ("kept", Step(keep=4))  # never widens what it kept
+    assert t.on_keep("a", 1, 4, 1.0) == ("kept", Step(keep=4))
+    assert t.on_keep("a", 1, 8, 1.0) == ("kept", Step(keep=4))  # never widens what it kept
     assert t.expired_holds(1.0 + PIN_TTL) == ["a"]
 
 
 def test_keep_while_the_report_is_in_flight_holds_once_it_settles() -> None:
     t = running()
     t.on_report("a", 1.0)
-    assert t.on_keep("a", 1, 8) == ("kept", Step(keep=8))
+    assert t.on_keep("a", 1, 8, 1.0) == ("kept", Step(keep=8))
     assert t.on_settled("a", 1, True, 1.5) == NOTHING
     assert t.sizes()["held"] == 1
 
 
 def test_keep_of_another_generation_or_an_unknown_id_changes_nothing() -> None:
     t = running(gen=2)
-    assert t.on_keep("a", 1, 8) == ("unknown", NOTHING)
-    assert t.on_keep("b", 2, 8) == ("unknown", NOTHING)
+    assert t.on_keep("a", 1, 8, 1.0) == ("unknown", NOTHING)
+    assert t.on_keep("b", 2, 8, 1.0) == ("unknown", NOTHING)
     t.on_abort("a", 2, 1.0)
-    assert t.on_keep("a", 2, 8) == ("unknown", NOTHING)  # aborted: released, not kept
+    assert t.on_keep("a", 2, 8, 1.0) == ("unknown", NOTHING)  # aborted: released, not kept
     outcome, _, _ = t.on_report("a", 1.5)
     assert outcome == "skipped"
+
+
+def test_the_watchdog_never_releases_a_kept_prefix_the_pin_ttl_after_the_keep_does() -> None:
+    """A partial answer's prefix is a promise: an engine on a slow tier that has not
+    reported by the deadline + grace keeps it pinned (the watchdog is for answers not
+    given yet), until the pin TTL after the keep; its late report then releases again."""
+    t = running()  # deadline 3.0, grace 2.0: the watchdog's time is 5.0
+    assert t.on_keep("a", 1, 8, 3.1) == ("kept", Step(keep=8))
+    assert t.due(5.0) == []
+    assert t.due(3.1 + PIN_TTL - 0.01) == []
+    assert t.sizes()["running"] == 1
+    [(kind, job, step)] = t.due(3.1 + PIN_TTL)
+    assert (kind, job.kept, step) == ("kept_expired", 8, Step(release=True))
+    assert t.events() == {"kept_expired": 1}
+    assert t.on_report("a", 20.0) == ("late", None, Step(release=True))
+
+
+def test_a_keep_then_the_report_holds_for_the_pin_ttl_and_no_timer_releases_it() -> None:
+    t = running()
+    t.on_keep("a", 1, 8, 3.1)
+    outcome, _, step = t.on_report("a", 6.0)  # after the watchdog's old time
+    assert (outcome, step) == ("kept", NOTHING)
+    assert t.due(100.0) == []  # both timers stale: held, not running
+    assert t.expired_holds(6.0 + PIN_TTL - 0.01) == []
+    assert t.expired_holds(6.0 + PIN_TTL) == ["a"]
+
+
+def test_a_report_settled_after_the_deadline_answered_holds_that_prefix() -> None:
+    """``report.lua`` answers ``settled:<n>`` when the deadline answered the lookup before
+    this rank's report landed: the rank keeps the smaller of n and its own count, as the
+    keep it may not have read yet would, instead of releasing what the client answered."""
+    t = running()
+    t.on_report("a", 3.5)
+    assert t.on_settled("a", 1, False, 3.6, kept=8) == Step(keep=8)
+    assert t.sizes()["held"] == 1 and t.sizes()["reporting"] == 0
+    assert t.on_keep("a", 1, 8, 3.7) == ("kept", Step(keep=8))  # the keep, read later
+    assert t.expired_holds(3.6 + PIN_TTL) == ["a"]
+
+
+def test_a_settled_report_keeps_the_smaller_prefix_or_releases_at_0_or_when_cancelled() -> None:
+    t = running()
+    t.on_report("a", 3.5)
+    t.on_keep("a", 1, 4, 3.5)  # read first: the report's answer cannot widen it
+    assert t.on_settled("a", 1, False, 3.6, kept=8) == Step(keep=4)
+    zero = running()
+    zero.on_report("a", 3.5)
+    assert zero.on_settled("a", 1, False, 3.6, kept=0) == Step(release=True)
+    aborted = running()
+    aborted.on_report("a", 3.5)
+    aborted.on_abort("a", 1, 3.5)
+    assert aborted.on_settled("a", 1, False, 3.6, kept=8) == Step(release=True)

@@ -48,8 +48,7 @@ def test_request_starts_then_duplicate_is_ignored() -> None:
 
 def test_held_jobs_do_not_count_towards_the_engine_processs_collections() -> None:
     """A rank holds each answered lookup for the pins' TTL: tens of thousands of jobs at a
-    few thousand lookups a second, none of them tracked by the GC of the engine's process
-    (made by the lifecycle's C transitions where built, and by Python)."""
+    few thousand lookups a second, none of them tracked by the GC of the engine's process."""
     t = lifecycle(capacity=1000)
     jobs: list[Job] = []
     for i in range(200):
@@ -177,16 +176,20 @@ def test_waiting_generation_whose_deadline_passed_is_dropped_not_started() -> No
     assert t.sizes()["running"] == t.sizes()["waiting"] == 0
 
 
-def test_watchdog_releases_an_engine_that_never_reports_then_a_late_report_changes_nothing() -> (
+def test_watchdog_releases_an_engine_that_never_reports_then_its_late_report_releases_again() -> (
     None
 ):
+    """The watchdog's release may come while the engine still prefetches; an engine that
+    pins when its prefetch ends (LMCache's) pinned after it: its late report, which is
+    not sent, releases that id once more."""
     t = lifecycle()
     start(t, gen=1)  # deadline 3.0
     assert t.due(3.0 + GRACE - 0.01) == []
     [(kind, job, step)] = t.due(3.0 + GRACE)
     assert (kind, job.gen, step) == ("watchdog", 1, Step(release=True))
     assert t.sizes()["running"] == 0
-    assert t.on_report("a", 6.0) == ("late", None, NOTHING)
+    assert t.on_report("a", 6.0) == ("late", None, Step(release=True))
+    assert t.on_report("a", 6.1) == ("unknown", None, NOTHING)  # once only
     assert t.events()["watchdog"] == 1
     start(t, gen=2, now=6.1)  # a later generation is served normally
     assert report(t, now=6.2) == 2
@@ -241,6 +244,20 @@ def test_release_all_empties_every_map() -> None:
     start(t, lookup_id="c")
     report(t, lookup_id="c")
     t.on_request(req("a", 2), 0.1, 3.0)
-    assert sorted(t.release_all()) == ["a", "b", "c"]
+    assert sorted(t.release_all(now=0.2)) == ["a", "b", "c"]
     sizes = t.sizes()
     assert sizes["running"] == sizes["reporting"] == sizes["held"] == sizes["waiting"] == 0
+
+
+def test_close_releases_what_the_engine_pinned_after_the_watchdog_and_after_close() -> None:
+    """An engine that pins when its prefetch ends: a watchdog release with no report since
+    is released again at close, and a report of a generation running at close (the
+    engine outlives the server) releases what it pinned."""
+    t = lifecycle()
+    start(t, lookup_id="gone")  # deadline 3.0
+    [(kind, _, _)] = t.due(3.0 + GRACE)
+    assert kind == "watchdog"
+    start(t, lookup_id="busy", now=4.0)
+    assert sorted(t.release_all(now=5.0)) == ["busy", "gone"]
+    assert t.on_report("busy", 6.0) == ("late", None, Step(release=True))
+    assert t.on_report("gone", 6.0) == ("late", None, Step(release=True))

@@ -7,7 +7,8 @@ engine and hands reports to its :class:`~workers.pipeline.reporter.Reporter`:
 * a request or abort from the read loop -> the lifecycle's decision -> release the
   engine's old generation and/or start the new one (``async_lookup_and_prefetch``);
 * the engine's report (any thread) -> checked -> the reporter;
-* the report's answer from Redis -> held (pins kept) or released;
+* the report's answer from Redis -> held (pins kept, or the prefix a partial answer at
+  the deadline promised) or released;
 * the sweeper's clock -> the watchdog's 0 for an engine that never reported, and
   releases of pins past their TTL.
 
@@ -23,7 +24,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from functools import partial
 
 import redis
 
@@ -33,13 +33,9 @@ from broker_lookup.ops.histogram import LATENCY_BUCKETS
 from broker_lookup.ops.ratelimit import RateLimitedLog
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, Keep, LookupRequest, Request
+from broker_lookup.protocol.scripts import report_answer
 from workers.pipeline.lifecycle import Job, Lifecycle, Step
 from workers.pipeline.reporter import Report, Reporter
-
-try:
-    from workers.pipeline import _dispatch
-except ImportError:  # the optional C extension was not compiled: Python takes every call
-    _dispatch = None  # type: ignore[assignment]
 
 __all__ = ["Dispatcher"]
 
@@ -47,9 +43,6 @@ logger = logging.getLogger(__name__)
 
 #: Report answers after which the rank holds the generation's pins.
 _KEEP = ("complete", "recorded", "duplicate")
-
-if _dispatch is not None:
-    _dispatch.setup(LookupRequest, Report, LATENCY_BUCKETS)
 
 
 class Dispatcher:
@@ -62,7 +55,7 @@ class Dispatcher:
         keys: the engine's key space.
         rank: this rank.
         factory: connections for the reporter's own thread.
-        clock: the monotonic clock (a test's own, to compare two dispatchers).
+        clock: the monotonic clock (a test's own, to step time by hand).
     """
 
     def __init__(
@@ -75,31 +68,6 @@ class Dispatcher:
         factory: Callable[[], redis.Redis],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        # The entry points: the common case in one C call each where ``_dispatch.c``
-        # is built (bound here, so no Python frame runs around it; it hands every other
-        # case to the Python method, nothing changed), else the Python method.
-        native = _dispatch
-        #: ``handle(msg, remaining_ms)``: serve one entry; ``remaining_ms`` is how long it
-        #: stays worth answering (the read loop).
-        self.handle: Callable[[Request, float], None] = (
-            partial(native.handle, self) if native is not None else self._handle
-        )
-        #: ``report(lookup_id, hits)``: the engine finished ``lookup_id`` with ``hits``
-        #: tokens loaded; sent, if wanted (any thread).
-        self.report: Callable[[str, object], None] = (
-            partial(native.report, self) if native is not None else self._report
-        )
-        #: ``settle(report, answer)``: Redis answered ``report``; its generation's pins
-        #: held, or released (the reporter).
-        self.settle: Callable[[Report, str], None] = (
-            partial(native.settle, self) if native is not None else self._settle
-        )
-        #: ``serve(messages)``: each ``(entry, remaining_ms)`` of a batch through
-        #: :attr:`handle`, in the reporter's window: the reports made meanwhile (the read
-        #: loop sends them with the batch's XACK). If one raises, they are queued instead.
-        self.serve: Callable[[list[tuple[Request, float]]], list[Report]] = (
-            partial(native.serve, self) if native is not None else self._serve
-        )
         self._clock = clock
         self._engine = engine
         self._tracker = tracker
@@ -120,15 +88,15 @@ class Dispatcher:
 
     # -- from the read loop ---------------------------------------------------------
 
-    def _handle(self, msg: Request, remaining_ms: float) -> None:
-        """:attr:`handle` in Python."""
+    def handle(self, msg: Request, remaining_ms: float) -> None:
+        """Serve one entry; ``remaining_ms`` is how long it stays worth answering."""
         now = self._clock()
         if isinstance(msg, Abort):
             step = self._tracker.on_abort(msg.lookup_id, msg.gen, now)
             self._apply(msg.lookup_id, step, "aborts")
             return
         if isinstance(msg, Keep):
-            decision, step = self._tracker.on_keep(msg.lookup_id, msg.gen, msg.tokens)
+            decision, step = self._tracker.on_keep(msg.lookup_id, msg.gen, msg.tokens, now)
             self._apply(msg.lookup_id, step, "keep_" + decision)
             return
         if self._rank not in msg.expected:
@@ -139,22 +107,13 @@ class Dispatcher:
             return
         # Local and monotonic from here on; capped so no wire value outlives the pin TTL.
         deadline = now + min(remaining_ms / 1000, self._pin_ttl_s)
-        if self._tracker.try_start(msg, now, deadline):  # a fresh id: the common case
-            with self._lock:
-                counts = self._counts
-                counts["start"] = counts.get("start", 0) + 1
-                counts["requests"] = counts.get("requests", 0) + 1
-            self._start(msg)
-            return
-        self._handle_otherwise(msg, now, deadline)
-
-    def _handle_otherwise(self, msg: LookupRequest, now: float, deadline: float) -> None:
-        """:meth:`_handle` of a request through the lifecycle's full decision."""
         decision, step = self._tracker.on_request(msg, now, deadline)
         self._apply(msg.lookup_id, step, decision)
 
-    def _serve(self, messages: list[tuple[Request, float]]) -> list[Report]:
-        """:attr:`serve` in Python."""
+    def serve(self, messages: list[tuple[Request, float]]) -> list[Report]:
+        """Each ``(entry, remaining_ms)`` of a batch through :meth:`handle`, in the
+        reporter's window: the reports made meanwhile (the read loop sends them with the
+        batch's XACK). If one raises, they are queued instead."""
         handle = self.handle
         with self.reporter.riding() as reports:
             for msg, remaining_ms in messages:
@@ -163,20 +122,13 @@ class Dispatcher:
 
     # -- from the engine (any thread) -------------------------------------------------
 
-    def _report(self, lookup_id: str, hits: object) -> None:
-        """:attr:`report` in Python."""
+    def report(self, lookup_id: str, hits: object) -> None:
+        """The engine finished ``lookup_id`` with ``hits`` tokens loaded: sent, if wanted."""
         now = self._clock()
-        job = self._tracker.try_report(lookup_id, now)  # the common case, in one call
-        if job is None:
-            self._report_otherwise(lookup_id, hits, now)
-            return
-        self._send_report(job, hits, now)
-
-    def _report_otherwise(self, lookup_id: str, hits: object, now: float) -> None:
-        """:meth:`report` through the lifecycle's full decision."""
         outcome, job, step = self._tracker.on_report(lookup_id, now)
         if job is None:
-            self.count("report_" + outcome)
+            # late: what the engine pinned after the watchdog's release is released now
+            self._apply(lookup_id, step, "report_" + outcome)
             if outcome == "unknown":
                 self._warn(
                     logging.WARNING,
@@ -185,19 +137,13 @@ class Dispatcher:
                     lookup_id,
                 )
             return
+        self._observe(now - job.started)
         if outcome == "skipped":  # aborted or superseded: nobody wants the answer
-            self._observe(now - job.started)
             self._apply(lookup_id, step, "report_skipped_aborted")
             return
         if outcome == "kept":  # answered at the deadline: held, nothing to send
-            self._observe(now - job.started)
             self.count("report_after_keep")
             return
-        self._send_report(job, hits, now)
-
-    def _send_report(self, job: Job, hits: object, now: float) -> None:
-        """The engine's time for ``job`` observed; its hits (0 if invalid) to the reporter."""
-        self._observe(now - job.started)
         if type(hits) is not int or not 0 <= hits <= job.tokens:
             hits = self._invalid_hits(job, hits)
         self.reporter.put(Report(job.lookup_id, job.gen, hits))
@@ -215,29 +161,24 @@ class Dispatcher:
 
     # -- from the reporter -----------------------------------------------------------
 
-    def _settle(self, report: Report, answer: str) -> None:
-        """:attr:`settle` in Python."""
+    def settle(self, report: Report, answer: str) -> None:
+        """Redis answered ``report``: its generation's pins held, or released (the reporter)."""
         if report.progress:  # nothing to decide: the lookup runs on
             self.count("progress_" + answer)
             return
         now = self._clock()
-        keep = answer in _KEEP
-        if keep and self._tracker.try_hold(report.lookup_id, report.gen, now):  # the common case
-            self.count("report_" + answer)
-            return
-        self._settle_otherwise(report, answer, keep, now)
-
-    def _settle_otherwise(self, report: Report, answer: str, keep: bool, now: float) -> None:
-        """:meth:`_settle` through the lifecycle's full decision."""
-        step = self._tracker.on_settled(report.lookup_id, report.gen, keep, now)
-        self._apply(report.lookup_id, step, "report_" + answer)
+        name, decided = report_answer(answer)
+        # After the deadline answered (settled): the promised prefix, at most what we hold.
+        kept = None if decided is None else min(decided, report.hits)
+        step = self._tracker.on_settled(report.lookup_id, report.gen, name in _KEEP, now, kept)
+        self._apply(report.lookup_id, step, "report_" + name)
 
     # -- from the sweeper's clock ----------------------------------------------------
 
     def sweep(self, now: float) -> None:
         """The watchdog, then pins past their TTL (monotonic ``now``)."""
         for kind, job, step in self._tracker.due(now):
-            if kind == "watchdog":
+            if kind == "watchdog":  # kept_expired: its answer was decided, nothing to report
                 self._on_watchdog(job)
             self._apply(job.lookup_id, step)
         for lookup_id in self._tracker.expired_holds(now):
@@ -262,8 +203,9 @@ class Dispatcher:
     # -- at shutdown -----------------------------------------------------------------
 
     def release_all(self) -> None:
-        """Release every generation the engine holds (the threads are stopped)."""
-        for lookup_id in self._tracker.release_all():
+        """Release every generation the engine holds, and what it pinned after a watchdog
+        release (the threads are stopped)."""
+        for lookup_id in self._tracker.release_all(self._clock()):
             self._release(lookup_id)
 
     # -- the engine --------------------------------------------------------------------

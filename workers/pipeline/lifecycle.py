@@ -9,9 +9,14 @@ States of the generation of an id that the engine holds (DESIGN rule 11)::
 
 Engines that report progress (the prefix confirmed loaded and pinned so far) leave it
 on the running job; the sweeper takes what grew and sends it (``progress.lua``). A
-lookup answered at its deadline with a partial prefix sends a keep: the engine keeps
-that prefix and releases the rest (``keep_memory_objs``), and the generation is held
-once the engine reports, without sending that report (the answer is decided).
+lookup answered at its deadline with a partial prefix is a promise: every rank keeps
+that prefix pinned until the scheduler is done with it or the pin TTL runs out. The
+client sends a keep: the engine keeps that prefix and releases the rest
+(``keep_memory_objs``); a running generation is no longer watched by the watchdog (its
+answer is decided) but by the pin TTL from the keep, and is held once the engine
+reports, without sending that report. A report that reaches Redis after the deadline
+answered (``settled:<n>``) holds the smaller of ``n`` and its own count the same way,
+whether or not the keep was read yet.
 
 The engine never holds two generations of one id: a newer generation that arrives
 while one is running or reporting waits in a single slot per id (a still newer one
@@ -23,9 +28,11 @@ only ever issued while the generation it belongs to is the one the engine holds.
 
 The engine reports by plain id too, so a report is attributed to the generation
 running now. After the watchdog released a generation, a report that comes while no
-generation of that id runs is counted as late and changes nothing; if a newer
-generation already runs, the two cannot be told apart (LMCache's engine contract has
-no generation), and the report counts for the newer one.
+generation of that id runs is late: it is not sent, but the id is released once more,
+because an engine that pins when its prefetch finishes (LMCache's) pinned after the
+watchdog's release; :meth:`Lifecycle.release_all` (close) releases such ids too. If a
+newer generation already runs, the two cannot be told apart (LMCache's engine contract
+has no generation), and the report counts for the newer one.
 
 When the sweeper runs is planned here too (:meth:`Lifecycle.plan_sweep`): at the
 earliest timer, hold, memo expiry or progress to send, or at once for holds beyond
@@ -34,7 +41,8 @@ earliest timer, hold, memo expiry or progress to send, or at once for holds beyo
 sweeper sleeps instead of ticking, and a busy one sweeps no more often than before.
 
 Bounds: ``held`` by the pin TTL and ``capacity``; ``running`` and ``reporting`` by
-time (the watchdog, and the pin TTL for a report that never settles); ``waiting`` by
+time (the watchdog, the pin TTL after a keep, and the pin TTL for a report that never
+settles); ``waiting`` by
 one per tracked id; the memos by ``capacity`` and time; the timer heap by time.
 """
 
@@ -47,18 +55,12 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Literal
 
 import msgspec
 
 from broker_lookup.protocol.messages import LookupRequest
 from workers.pipeline.memo import Memo
-
-try:
-    from workers.pipeline import _transitions
-except ImportError:  # the optional C extension was not compiled: every transition in Python
-    _transitions = None  # type: ignore[assignment]
 
 __all__ = ["NOTHING", "Job", "Lifecycle", "State", "Step"]
 
@@ -88,6 +90,9 @@ class Job(msgspec.Struct, gc=False):
     #: the prefix a partial answer at the deadline kept (a keep entry): the engine's own
     #: report is then not sent, only awaited, and the job is held with this prefix
     kept: int | None = None
+    #: monotonic seconds after which a running job is given up on: its deadline + grace
+    #: (the watchdog), or once a keep decided its answer, the pin TTL after the keep
+    expires: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +106,6 @@ class Step:
 
 
 NOTHING = Step()
-
-if _transitions is not None:
-    _transitions.setup(Job)
 
 
 @dataclass(slots=True)
@@ -162,25 +164,6 @@ class Lifecycle:
         self._wake_at = -math.inf
         self._soonest = -math.inf
         self._ring: Callable[[], None] | None = None
-        # The common case of the three inputs, one C call each where ``_transitions.c`` is
-        # built (bound here, so no Python frame runs around it); without it they decline,
-        # and the full decision runs. Each is made exactly as the full method would make it.
-        native = _transitions
-        #: ``try_start(req, now, deadline)``: :meth:`on_request`'s ``start`` of a fresh id
-        #: (nothing runs for it, never seen nor aborted), made; False: nothing changed.
-        self.try_start: Callable[[LookupRequest, float, float], bool] = (
-            partial(native.start, self) if native is not None else _decline
-        )
-        #: ``try_report(lookup_id, now)``: :meth:`on_report`'s ``report`` (the job of a
-        #: plain running generation, now reporting), made; None: nothing changed.
-        self.try_report: Callable[[str, float], Job | None] = (
-            partial(native.report, self) if native is not None else _decline_report
-        )
-        #: ``try_hold(lookup_id, gen, now)``: :meth:`on_settled`'s hold of a report Redis
-        #: kept, made; False: nothing changed.
-        self.try_hold: Callable[[str, int, float], bool] = (
-            partial(native.hold, self) if native is not None else _decline
-        )
 
     # -- the three inputs -----------------------------------------------------------
 
@@ -221,12 +204,17 @@ class Lifecycle:
 
         ``report``: the server sends the hits for the returned job (now ``reporting``) and
         calls :meth:`on_settled` with the answer. ``skipped``: aborted or superseded, do
-        the step. ``late`` or ``unknown``: nothing runs for that id; ignore it.
+        the step. ``kept``: a keep decided its answer; held, nothing to send. ``late``:
+        the watchdog released that id; nothing is sent, and the step releases what the
+        engine pinned since (unless a newer generation holds the id). ``unknown``: nothing
+        runs for that id; ignore it.
         """
         with self._lock:
             job = self._jobs.get(lookup_id)
             if job is None or job.state != "running":
-                return ("late" if self._late.discard(lookup_id) else "unknown"), None, NOTHING
+                if not self._late.discard(lookup_id):
+                    return "unknown", None, NOTHING
+                return "late", None, (Step(release=True) if job is None else NOTHING)
             if job.aborted or job.superseded:
                 return "skipped", job, self._finish(job, now)
             if job.kept is not None:  # answered at the deadline: hold the kept prefix
@@ -236,16 +224,26 @@ class Lifecycle:
             self._await_settle(job, now + self._pin_ttl_s)
             return "report", job, NOTHING
 
-    def on_settled(self, lookup_id: str, gen: int, keep: bool, now: float) -> Step:
-        """The report of (``lookup_id``, ``gen``) was written (``keep``: hold the pins) or not."""
+    def on_settled(
+        self, lookup_id: str, gen: int, keep: bool, now: float, kept: int | None = None
+    ) -> Step:
+        """The report of (``lookup_id``, ``gen``) was written (``keep``: hold the pins) or not.
+
+        ``kept``: the report came after the deadline answered the lookup that many tokens
+        (the smaller of the answer and the report): that prefix is held as a keep would
+        hold it (the step trims the engine to it), as the scheduler was promised it.
+        """
         with self._lock:
             job = self._jobs.get(lookup_id)
             if job is None or job.gen != gen or job.state != "reporting":
                 return NOTHING  # already released (watchdog, close) or a detached report
-            if keep and not job.aborted and lookup_id not in self._waiting:
-                self._hold(job, now)
+            if job.aborted or lookup_id in self._waiting or not (keep or kept):
+                return self._finish(job, now)
+            self._hold(job, now)
+            if kept is None:
                 return NOTHING
-            return self._finish(job, now)
+            job.kept = kept if job.kept is None else min(job.kept, kept)
+            return Step(keep=job.kept)
 
     def on_progress(self, lookup_id: str, tokens: int, now: float) -> bool:
         """The engine confirmed ``tokens`` of ``lookup_id``'s prefix loaded and pinned.
@@ -277,17 +275,21 @@ class Lifecycle:
                 out.append(job)
         return out
 
-    def on_keep(self, lookup_id: str, gen: int, tokens: int) -> tuple[str, Step]:
+    def on_keep(self, lookup_id: str, gen: int, tokens: int, now: float) -> tuple[str, Step]:
         """The lookup (``lookup_id``, ``gen``) was answered ``tokens`` at its deadline.
 
         ``kept``: the engine keeps that prefix and releases the rest (the step); a running
-        generation is held once the engine reports. ``unknown``: this rank holds no such
-        generation (released, superseded, aborted, or never started): nothing to keep.
+        generation is held once the engine reports, and is no longer the watchdog's: if
+        the engine never reports, it is released a pin TTL after this keep. ``unknown``:
+        this rank holds no such generation (released, superseded, aborted, or never
+        started): nothing to keep.
         """
         with self._lock:
             job = self._jobs.get(lookup_id)
             if job is None or job.gen != gen or job.aborted or job.superseded:
                 return "unknown", NOTHING
+            if job.state == "running" and job.kept is None:
+                self._timer(now + self._pin_ttl_s, job)
             job.kept = tokens if job.kept is None else min(job.kept, tokens)
             return "kept", Step(keep=job.kept)
 
@@ -328,18 +330,20 @@ class Lifecycle:
 
     def due(self, now: float) -> list[tuple[str, Job, Step]]:
         """Generations whose time ran out, now released: ``watchdog`` (never reported by
-        deadline + grace: the server reports 0) or ``unsettled`` (a report that never
-        settled within the pin TTL)."""
+        deadline + grace: the server reports 0), ``kept_expired`` (a keep decided its
+        answer, and the engine did not report within the pin TTL after it: nothing to
+        report) or ``unsettled`` (a report that never settled within the pin TTL)."""
         out: list[tuple[str, Job, Step]] = []
         with self._lock:
             while self._timers and self._timers[0][0] <= now:
-                _, _, lookup_id, gen, state = heapq.heappop(self._timers)
+                when, _, lookup_id, gen, state = heapq.heappop(self._timers)
                 job = self._jobs.get(lookup_id)
-                if job is None or job.gen != gen or job.state != state:
-                    continue  # it moved on before its time: a stale timer
-                self._events["watchdog"] += 1
+                if job is None or job.gen != gen or job.state != state or when < job.expires:
+                    continue  # it moved on before its time, or a keep moved its time on
+                kind = "watchdog" if job.kept is None else "kept_expired"
+                self._events[kind] += 1
                 self._late.add(lookup_id, now + self._pin_ttl_s)
-                out.append(("watchdog", job, self._finish(job, now)))
+                out.append((kind, job, self._finish(job, now)))
             unsettled = self._unsettled
             while unsettled:
                 lookup_id, when = next(iter(unsettled.items()))
@@ -364,10 +368,17 @@ class Lifecycle:
                 memo.expire(now)
         return out
 
-    def release_all(self) -> list[str]:
-        """Every id whose generation the engine holds (shutdown); forgets everything."""
+    def release_all(self, now: float) -> list[str]:
+        """Every id the engine may hold pins of (shutdown): its generation's, or what it
+        pinned after the watchdog released it (no report since). Forgets every
+        generation, but remembers the running ones as late: the engine may still report
+        them after this, and that report releases what their prefetch pinned."""
         with self._lock:
             ids = list(self._jobs)
+            ids += [lookup_id for lookup_id in self._late if lookup_id not in self._jobs]
+            for job in self._jobs.values():
+                if job.state == "running":
+                    self._late.add(job.lookup_id, now + self._pin_ttl_s)
             for store in (self._jobs, self._waiting, self._held, self._progressed):
                 store.clear()
             self._states = dict.fromkeys(_STATES, 0)
@@ -376,7 +387,8 @@ class Lifecycle:
         return ids
 
     def events(self) -> dict[str, int]:
-        """Counts of what was decided here: superseded, expired_waiting, watchdog, unsettled."""
+        """Counts of what was decided here: superseded, expired_waiting, watchdog,
+        kept_expired, unsettled."""
         with self._lock:
             return dict(self._events)
 
@@ -445,6 +457,8 @@ class Lifecycle:
             self._sooner(when)
 
     def _timer(self, when: float, job: Job) -> None:
+        """Give ``job`` up at ``when`` (an earlier timer of it is then stale)."""
+        job.expires = when
         heapq.heappush(self._timers, (when, next(self._seq), job.lookup_id, job.gen, job.state))
         if when < self._wake_at:
             self._sooner(when)
@@ -471,12 +485,3 @@ class Lifecycle:
             due = min(due, next(iter(self._held.values())))
         memos = (self._seen, self._aborted, self._late)
         return min(due, *(memo.next_expiry() for memo in memos))
-
-
-def _decline(*_: object) -> bool:
-    """A common-case transition without the C extension: never made here."""
-    return False
-
-
-def _decline_report(*_: object) -> Job | None:
-    return None

@@ -38,16 +38,10 @@ from broker_lookup.protocol.messages import (
     LookupRequest,
     Request,
     decode_request,
-    decode_request_payload,
 )
 from broker_lookup.transport.lean import Command, Link, pairs, stream_entries
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.entries import entry_problem
-
-try:
-    from workers.pipeline import _scan
-except ImportError:  # the optional C extension was not compiled: the Python path reads all
-    _scan = None  # type: ignore[assignment]
 
 __all__ = ["Batch", "Reader"]
 
@@ -88,12 +82,6 @@ class Reader:
         self._rank = rank
         self._clock = clock
         self._world_size = world_size
-        #: ``_scan.scan``'s limits, fixed per rank: max chunks, max id length, world (-1: none).
-        self._limits = (
-            config.max_chunks_per_request,
-            config.max_lookup_id_length,
-            -1 if world_size is None else world_size,
-        )
         self._group = keys.group(rank)
         self._name = keys.consumer(rank)
         self._recreate = False  # after NOGROUP: the new group starts at 0
@@ -174,15 +162,7 @@ class Reader:
         return (*head, "BLOCK", self._config.block_ms, "STREAMS", self._keys.requests, ">")
 
     def parse(self, reply: Any) -> Batch:
-        """The batch of one XREADGROUP reply (raw or redis-py's shape); dead letters named.
-
-        A batch of new entries that are all lookups to serve is read by the C extension
-        (``_scan.c``) in one call, with the same result; it hands any other batch back.
-        """
-        if _scan is not None and reply and not self._sent_replaying:
-            fast = self._read_natively(reply)
-            if fast is not None:
-                return fast
+        """The batch of one XREADGROUP reply (raw or redis-py's shape); dead letters named."""
         entries = stream_entries(reply)
         if self._sent_replaying:
             if not entries:
@@ -203,16 +183,6 @@ class Reader:
         if aborts and len(messages) > 1:
             messages.sort(key=lambda pair: not isinstance(pair[0], Abort))  # stable: aborts first
         return Batch(messages, [entry_id for entry_id, _ in entries], dead)
-
-    def _read_natively(self, reply: Any) -> Batch | None:
-        found = _scan.scan(
-            reply, decode_request_payload, LookupRequest, self._clock.now_ms(), *self._limits
-        )
-        if found is None:
-            return None
-        messages, ack_ids = found
-        self.stats["entries"] += len(ack_ids)
-        return Batch(messages, ack_ids, [])
 
     def _decode(
         self, dead: list[Command], entry_id: bytes, fields: dict[bytes, bytes] | None

@@ -10,10 +10,6 @@ Redis never stalls the engine (LMCache D14). The queue is bounded: a report that
 not fit is answered ``overflow`` at once, so its lookup is released instead of queued
 without limit while Redis is away.
 
-The read loop's write (dead letters aside) is packed by the optional C extension
-``_pack.c`` in one call where the link takes packed bytes: the same bytes as the Python
-path's commands, without a Call and a command tuple per report.
-
 Every report's answer (the script's, or ``error`` or ``overflow``) goes to ``settle``.
 """
 
@@ -22,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from functools import partial
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -33,7 +28,6 @@ from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import (
-    REPORT,
     Call,
     ScriptSet,
     is_noscript,
@@ -41,16 +35,7 @@ from broker_lookup.protocol.scripts import (
     report_call,
 )
 from broker_lookup.transport.batcher import Batcher
-from broker_lookup.transport.lean import Command, LeanLink, Link
-
-try:
-    from workers.pipeline import _pack
-except ImportError:  # the optional C extension was not compiled: the Python path packs all
-    _pack = None  # type: ignore[assignment]
-try:
-    from workers.pipeline import _dispatch
-except ImportError:  # the optional C extension was not compiled: put is Python's
-    _dispatch = None  # type: ignore[assignment]
+from broker_lookup.transport.lean import Command, Link
 
 __all__ = ["Report", "Reporter", "Served", "Settle"]
 
@@ -138,18 +123,11 @@ class Reporter(Batcher[Report]):
         self._lock = threading.Lock()
         self._riding: list[Report] | None = None  # open while the read loop serves a batch
         self._window = _Window(self)
-        self._packer = self._new_packer()
         #: Reports that did not fit in the queue.
         self.overflows = 0
-        #: ``put(report)``: send ``report`` (any thread): with the batch being served, else
-        #: queued. One C call where ``_dispatch.c`` is built (the dispatcher's report calls
-        #: it per lookup), made exactly as :meth:`_put_report`.
-        self.put: Callable[[Report], None] = (
-            partial(_dispatch.put, self) if _dispatch is not None else self._put_report
-        )
 
-    def _put_report(self, report: Report) -> None:
-        """:attr:`put` in Python."""
+    def put(self, report: Report) -> None:
+        """Send ``report`` (any thread): with the batch being served, else queued."""
         with self._lock:
             if self._riding is not None:
                 self._riding.append(report)
@@ -206,32 +184,11 @@ class Reporter(Batcher[Report]):
         """Write ``batch`` and ``read`` on ``link``: the replies, and how many of them come
         before the reports' (the dead letters' and the XACK's)."""
         ahead = len(batch.dead) + (1 if batch.ack_ids else 0)
-        packer = self._packer if not batch.dead else None
-        if packer is not None and isinstance(link, LeanLink) and link.accepts_packed:
-            data = packer.pack(batch.ack_ids, batch.reports, read)
-            if data is not None:
-                n = ahead + len(batch.reports)
-                return link.call_packed(data, n, read is not None), ahead
         commands: list[Command] = list(batch.dead)
         if batch.ack_ids:
             commands.append(("XACK", self._stream, self._group, *batch.ack_ids))
         commands += [self._scripts.command(self._call(r)) for r in batch.reports]
         return link.call(commands, read), ahead
-
-    def _new_packer(self) -> _pack.Packer | None:
-        """The C packer of the loop's write, fixed per rank; None without the extension."""
-        if _pack is None:
-            return None
-        return _pack.Packer(
-            self._stream,
-            self._group,
-            self._scripts.sha[REPORT],
-            self._keys.done,
-            self._rank,
-            self._config.done_maxlen,
-            self._config.key_grace_ms or 1,
-            self._keys.lookup,
-        )
 
     # -- the queued path (this reporter's thread) -----------------------------------
 

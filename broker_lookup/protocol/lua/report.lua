@@ -9,7 +9,8 @@
 -- is id, gen, result, as before.
 -- Returns: complete | recorded | dropped (no key: cancelled, timed out, expired)
 --          | stale (another generation) | duplicate (rank already reported)
---          | settled (deadline.lua answered it at its deadline: nothing changes)
+--          | settled:<n> (deadline.lua answered it <n> tokens at its deadline: nothing
+--            changes; the rank keeps at most that prefix pinned, as was promised)
 --          | unknown_rank | invalid (hits not in 0..tokens)
 -- Never creates the key, so a late report cannot resurrect a lookup without a TTL.
 -- Each command a script calls costs the server 1-3 µs, several times the Lua around it; every
@@ -34,7 +35,8 @@ if hits == nil or hits < 0 or hits > tonumber(st[4]) or hits ~= math.floor(hits)
 end
 if st[6] then return 'duplicate' end
 if st[1] ~= 'pending' then
-  return 'settled'  -- a partial answer decided it: a late report must not complete it again
+  -- A partial answer decided it: a late report must not complete it again.
+  return 'settled:' .. (redis.call('HGET', KEYS[1], 'result') or '0')
 end
 local stamp = st[5]
 local sec, us

@@ -1,46 +1,16 @@
-"""A rank with none of its optional C extensions serves as one with them does.
-
-Where no compiler is at hand the package installs without ``_scan``, ``_pack``,
-``_transitions`` and ``_dispatch``, and a rank reads, decides, serves and writes every
-lookup in Python. The equivalence tests compare each piece with its Python path; this runs
-the whole Python rank against a client, on fakeredis and on a real server: full and
-partial hits, the minimum over ranks, a cancel that releases the engine's pins, an engine
-that raises, a report out of range, and a batch of many lookups at once.
-"""
+"""A whole rank against a client, on fakeredis and on a real server: full and partial
+hits, the minimum over ranks, a cancel that releases the engine's pins, an engine that
+raises, a report out of range, and a batch of many lookups at once."""
 
 from __future__ import annotations
 
-from functools import partial
-
-import pytest
 from helpers import MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.tools.stub_engine import StubEngine
-from workers.pipeline import dispatch, lifecycle, reader, reporter
 from workers.server import RedisAsyncLookupServer
 
 TOKENS = list(range(40))  # 10 chunks of 4 tokens
-
-
-@pytest.fixture
-def pure_python(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every rank made in the test runs without its C extensions (read at each batch, or
-    bound at construction)."""
-    monkeypatch.setattr(reader, "_scan", None)
-    monkeypatch.setattr(reporter, "_pack", None)
-    monkeypatch.setattr(reporter, "_dispatch", None)
-    monkeypatch.setattr(lifecycle, "_transitions", None)
-    monkeypatch.setattr(dispatch, "_dispatch", None)
-
-
-def _python_only(server: RedisAsyncLookupServer) -> None:
-    """The rank took no C path: each entry point is its Python method."""
-    d = server._dispatcher
-    assert not isinstance(d.handle, partial) and not isinstance(d.report, partial)
-    assert not isinstance(d.serve, partial) and not isinstance(d.reporter.put, partial)
-    assert not isinstance(server.tracker.try_start, partial)
-    assert d.reporter._packer is None
 
 
 def _ready(client: RedisAsyncLookupClient, *servers: RedisAsyncLookupServer) -> None:
@@ -61,19 +31,15 @@ def _answer(client: RedisAsyncLookupClient, lookup_id: str) -> int:
     return result[0]
 
 
-def test_a_rank_without_its_c_extensions_serves_every_case(
-    pure_python: None, make_server: MakeServer, make_client: MakeClient
-) -> None:
+def test_a_rank_serves_every_case(make_server: MakeServer, make_client: MakeClient) -> None:
     engines = [StubEngine("instant", hits=24), StubEngine("instant", hits=16)]
     servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]
-    for server in servers:
-        _python_only(server)
     client = make_client(world_size=2)
     _ready(client, *servers)
     client.lookup(TOKENS, "partial")
     assert _answer(client, "partial") == 16  # the minimum over the two ranks
     client.clear_lookup_status("partial")
-    # Many lookups at once: batches of several entries, each through the Python serve.
+    # Many lookups at once: batches of several entries.
     for i in range(30):
         client.lookup(TOKENS, f"burst-{i}")
     assert [_answer(client, f"burst-{i}") for i in range(30)] == [16] * 30
@@ -90,12 +56,11 @@ def test_a_rank_without_its_c_extensions_serves_every_case(
     wait_until(lambda: all("held" in e.released for e in engines), message="pins released")
 
 
-def test_a_pure_python_rank_answers_an_out_of_range_report_with_0(
-    pure_python: None, make_server: MakeServer, make_client: MakeClient
+def test_a_rank_answers_an_out_of_range_report_with_0(
+    make_server: MakeServer, make_client: MakeClient
 ) -> None:
     engine = StubEngine("manual")
     server = make_server(engine)
-    _python_only(server)
     client = make_client()
     _ready(client, server)
     client.lookup(TOKENS, "r1")
