@@ -15,6 +15,9 @@ key                         type     content
 ``bl:{E}:dead``             stream   dead-lettered entries with the reason
 ``bl:{E}:fp``               hash     hashing fingerprint per process
 ==========================  =======  ====================================================
+
+The streams and ``fp`` live as long as the engine (:attr:`KeySpace.lasting`, see
+``lifetime``); a lookup hash and a heartbeat carry their own, shorter TTL.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ _PLAIN_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 DIGEST_MARK = "~"
 
 
-def validate_engine_id(engine_id: str) -> str:
-    """Return ``engine_id`` if it can sit inside a hash tag, else raise ConfigError."""
+def validate_engine_id(engine_id: str, name: str = "engine_id") -> str:
+    """Return ``engine_id`` if it can sit inside a hash tag, else raise ConfigError
+    (naming it ``name``)."""
     if not isinstance(engine_id, str) or not _ENGINE_ID_RE.match(engine_id):
         raise ConfigError(
-            f"engine_id={engine_id!r} is invalid: use 1-128 characters of "
+            f"{name}={engine_id!r} is invalid: use 1-128 characters of "
             "A-Z a-z 0-9 _ . : - (no braces, it becomes a Redis Cluster hash tag)"
         )
     return engine_id
@@ -55,7 +59,7 @@ class KeySpace:
     'bl:{vllm-0}:lookup:req-1'
     """
 
-    __slots__ = ("_base", "dead", "done", "engine_id", "fingerprint", "requests")
+    __slots__ = ("_base", "dead", "done", "engine_id", "fingerprint", "lasting", "requests")
 
     def __init__(self, engine_id: str) -> None:
         self.engine_id = validate_engine_id(engine_id)
@@ -64,6 +68,9 @@ class KeySpace:
         self.done = self._base + "done"
         self.dead = self._base + "dead"
         self.fingerprint = self._base + "fp"
+        #: The keys that live as long as the engine: every live process refreshes their
+        #: TTL (``engine_ttl_ms``), so they expire once the last one is gone.
+        self.lasting = (self.requests, self.done, self.dead, self.fingerprint)
 
     def lookup(self, lookup_id: str) -> str:
         """Hash holding the state of one lookup, for any ``str`` id.

@@ -144,7 +144,14 @@ def test_the_packed_write_is_the_python_paths_bytes(
 
 
 @pytest.mark.parametrize(
-    "fields", [{}, {"done_maxlen": 1}, {"key_grace_ms": 0}, {"key_grace_ms": 86_400_000}]
+    "fields",
+    [
+        {},
+        {"done_maxlen": 1},
+        {"key_grace_ms": 0},
+        {"key_grace_ms": 3_000_000, "engine_ttl_ms": 3_600_000},
+        {"engine_ttl_ms": 30_000},
+    ],
 )
 def test_the_fixed_parts_follow_the_config(native: ModuleType, fields: dict[str, Any]) -> None:
     reporter = _reporter(**fields)
@@ -178,6 +185,7 @@ def test_the_packer_refuses_a_bad_construction_by_field(native: ModuleType) -> N
         "done_maxlen": 1,
         "done_ttl_ms": 1,
         "key_of": str,
+        "engine_ttl_ms": 1,
     }
     with pytest.raises(TypeError, match="key_of"):
         packer(**{**good, "key_of": 1})

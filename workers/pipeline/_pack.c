@@ -9,7 +9,8 @@
  * stream, the group, the script's sha, the done key, the rank and the report's limits)
  * already framed, and packs the rest:
  *
- *     Packer(stream, group, sha, done_key, rank, done_maxlen, done_ttl_ms, key_of)
+ *     Packer(stream, group, sha, done_key, rank, done_maxlen, done_ttl_ms, key_of,
+ *            engine_ttl_ms)
  *     packer.pack(ack_ids, reports, read) -> bytes | None
  *
  * The bytes equal hiredis' packing of the commands the Python path builds
@@ -119,7 +120,7 @@ typedef struct {
     PyObject *report_head; /* bytes: the array header, "EVALSHA", sha, "2", framed */
     PyObject *report_mid;  /* bytes: the done key and the rank, framed */
     PyObject *maxlen;      /* bytes: done_maxlen, framed */
-    PyObject *ttl;         /* bytes: done_ttl_ms, framed */
+    PyObject *ttl;         /* bytes: done_ttl_ms and engine_ttl_ms, framed */
 } Packer;
 
 /* The bulk strings of `args` (str or int), framed, as one bytes object. */
@@ -143,11 +144,12 @@ done:
 
 static int Packer_init(Packer *self, PyObject *args, PyObject *kwds) {
     static char *names[] = {"stream", "group", "sha", "done_key", "rank",
-                            "done_maxlen", "done_ttl_ms", "key_of", NULL};
-    PyObject *stream, *group, *sha, *done_key, *rank, *maxlen, *ttl, *key_of;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "UUUUO!O!O!O:Packer", names, &stream,
+                            "done_maxlen", "done_ttl_ms", "key_of", "engine_ttl_ms", NULL};
+    PyObject *stream, *group, *sha, *done_key, *rank, *maxlen, *ttl, *key_of, *engine_ttl;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "UUUUO!O!O!OO!:Packer", names, &stream,
                                      &group, &sha, &done_key, &PyLong_Type, &rank,
-                                     &PyLong_Type, &maxlen, &PyLong_Type, &ttl, &key_of)) {
+                                     &PyLong_Type, &maxlen, &PyLong_Type, &ttl, &key_of,
+                                     &PyLong_Type, &engine_ttl)) {
         return -1;
     }
     if (!PyCallable_Check(key_of)) {
@@ -158,14 +160,14 @@ static int Packer_init(Packer *self, PyObject *args, PyObject *kwds) {
     PyObject *head = Py_BuildValue("(sOs)", "EVALSHA", sha, "2");
     PyObject *mid = Py_BuildValue("(OO)", done_key, rank);
     PyObject *one_maxlen = Py_BuildValue("(O)", maxlen);
-    PyObject *one_ttl = Py_BuildValue("(O)", ttl);
+    PyObject *one_ttl = Py_BuildValue("(OO)", ttl, engine_ttl);
     int ok = xack && head && mid && one_maxlen && one_ttl;
     if (ok) {
         Py_XSETREF(self->xack_head, framed(xack));
         PyObject *body = framed(head);
         if (body != NULL) {
-            /* "*11": EVALSHA sha numkeys, two keys, six ARGV (report.lua's header) */
-            Py_XSETREF(self->report_head, PyBytes_FromFormat("*11\r\n%s", PyBytes_AS_STRING(body)));
+            /* "*12": EVALSHA sha numkeys, two keys, seven ARGV (report.lua's header) */
+            Py_XSETREF(self->report_head, PyBytes_FromFormat("*12\r\n%s", PyBytes_AS_STRING(body)));
             Py_DECREF(body);
         }
         Py_XSETREF(self->report_mid, framed(mid));
