@@ -162,12 +162,21 @@ def vllm_instance_id(frame: FrameType | None = None) -> str | None:
         if frame is None:
             break
         found = frame.f_locals
-        for holder in (getattr(found.get("self"), "vllm_config", None), found.get("vllm_config")):
-            instance = getattr(holder, "instance_id", None)
+        for holder in (_attribute(found.get("self"), "vllm_config"), found.get("vllm_config")):
+            instance = _attribute(holder, "instance_id")
             if isinstance(instance, str) and instance:
                 return instance
         frame = frame.f_back
     return None
+
+
+def _attribute(owner: object, name: str) -> object:
+    """``owner.name``, or None: any object sits on a stack, and a lookup on it must not
+    fail an engine's start."""
+    try:
+        return getattr(owner, name, None)
+    except Exception:  # a proxy whose attribute lookup raises something else
+        return None
 
 
 def config_from_lmcache(

@@ -110,3 +110,19 @@ def test_a_local_vllm_config_is_found_too() -> None:
 
     assert connector_init(SimpleNamespace(instance_id="abcde")) == "abcde"
     assert connector_init(SimpleNamespace(instance_id="")) is None  # empty: not an identity
+
+
+def test_an_object_whose_attributes_raise_does_not_stop_the_search() -> None:
+    class Proxy:
+        def __getattr__(self, name: str) -> object:
+            raise RuntimeError(f"no {name} here")
+
+    def behind_a_proxy(self: Proxy) -> str | None:
+        return vllm_instance_id()
+
+    factory = ServiceFactory("e", "abcde", "worker")
+
+    def from_factory(self: ServiceFactory) -> str | None:
+        return behind_a_proxy(Proxy())
+
+    assert from_factory(factory) == "abcde"
