@@ -210,6 +210,7 @@ def _join(url: str, keys: KeySpace, rank: int) -> ScriptSet:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        admin.pexpire(keys.requests, _TTL_MS)  # MKSTREAM: nothing is left without a TTL
         admin.set(keys.heartbeat(rank), "floor", px=_TTL_MS)
     finally:
         admin.close()
