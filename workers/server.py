@@ -83,7 +83,11 @@ class RedisAsyncLookupServer:
         )
         #: Publishes this rank's hashing fingerprint from the read loop, and checks.
         self.fingerprint = Publisher(
-            self.keys, f"rank{self.rank}", ChunkedTokenHasher(cfg), factory
+            self.keys,
+            f"rank{self.rank}",
+            ChunkedTokenHasher(cfg),
+            factory,
+            ttl_ms=cfg.engine_ttl_ms,
         )
         self._dispatcher = Dispatcher(engine, self.tracker, cfg, self.keys, self.rank, factory)
         self._reporter = self._dispatcher.reporter
@@ -105,6 +109,7 @@ class RedisAsyncLookupServer:
             self.fingerprint,
             world_size=metadata.world_size,
             redis_retries=connection_factory is not None,
+            configured_engine_id=metadata.configured_engine_id,
         )
         post_init = getattr(engine, "post_init", None)
         if callable(post_init):

@@ -7,7 +7,10 @@ lookups past their deadline end as 0 and are cancelled even if nobody polls them
 (LMCache D11); ranks without a heartbeat fail their lookups at once (D8); lookups
 whose completion event was missed (a reconnect, a flushed stream) are reconciled
 from their hash, once Redis confirmed their submit (a lookup still queued behind a
-burst is never taken for vanished).
+burst is never taken for vanished). Once per ``heartbeat_interval_ms`` it also
+refreshes the TTL of the engine's streams and fingerprint hash (see
+:mod:`broker_lookup.protocol.lifetime`), off the hot path: an idle engine whose scheduler
+lives keeps them.
 
 Its commands go over the transport's :class:`~broker_lookup.transport.lean.LeanLink`
 (raw replies, no redis-py callbacks) except on Redis Cluster, where redis-py's client
@@ -36,9 +39,10 @@ from broker_lookup.errors import (
 )
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.lifetime import refresh_commands
 from broker_lookup.protocol.messages import decode_done
 from broker_lookup.threads import LoopThread
-from broker_lookup.transport.lean import Command, LeanLink, open_link, stream_entries
+from broker_lookup.transport.lean import Command, LeanLink, Link, open_link, stream_entries
 
 __all__ = ["Listener"]
 
@@ -78,9 +82,12 @@ class Listener(LoopThread):
         self._checked = False
         self.errors = 0
         self.connected = False
-        self._next = {"hb": 0.0, "reconcile": 0.0, "evict": 0.0}
+        self._next = {"hb": 0.0, "reconcile": 0.0, "evict": 0.0, "refresh": 0.0}
         #: The lean connection of the thread's hot reads (None: redis-py's client).
         self._link: LeanLink | None = None
+        #: The thread's link for the refresh (lean, or redis-py's pipeline on a cluster).
+        self._any_link: Link | None = None
+        self._refresh = refresh_commands(keys, config.engine_ttl_ms)
         self._heartbeat_keys = [self._keys.heartbeat(r) for r in expected]
         self._mget: Command = ("MGET", *self._heartbeat_keys)
         #: Per-rank latency and disagreement (``rank_insights``); None when it is off.
@@ -103,6 +110,7 @@ class Listener(LoopThread):
     def _run(self) -> None:
         client = self._factory()
         link = open_link(client)
+        self._any_link = link
         # Redis Cluster's client routes by slot: the listener keeps it there.
         self._link = link if isinstance(link, LeanLink) else None
         try:
@@ -188,8 +196,21 @@ class Listener(LoopThread):
         if now >= self._next["evict"]:
             self._next["evict"] = now + _EVICT_EVERY_S
             self._table.evict_finished(now)
+        if now >= self._next["refresh"]:
+            self._next["refresh"] = now + self._config.heartbeat_interval_ms / 1000
+            self.refresh_engine_keys()
         if self._on_sweep is not None:
             self._on_sweep(client)
+
+    def refresh_engine_keys(self) -> None:
+        """Set the TTL of the engine's lasting keys to ``engine_ttl_ms`` again (the
+        scheduler's beat: while it lives, an idle engine loses nothing)."""
+        link = self._any_link
+        if link is None:
+            return
+        with translate_redis_errors("refreshing the engine's keys"):
+            for reply in link.call(self._refresh):
+                _raise_error(reply)
 
     def check_heartbeats(self, client: redis.Redis) -> None:
         """Refresh :attr:`dead`; fail the in-flight lookups of ranks that just died."""

@@ -108,7 +108,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             config, self.keys, self._table, writer, ScriptSet(), self._breaker, self.insights
         )
         #: Publishes our hashing fingerprint and lists processes that hash differently.
-        self.fingerprint = Publisher(self.keys, "client", self.hasher)
+        self.fingerprint = Publisher(self.keys, "client", self.hasher, ttl_ms=config.engine_ttl_ms)
         self._listener = Listener(
             config,
             self.keys,

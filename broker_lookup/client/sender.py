@@ -441,16 +441,25 @@ class Sender(Batcher[Item]):
         """The script call for ``item``; None for a lookup that finished before it was sent."""
         cfg = self._config
         if isinstance(item, Abort):
-            return cancel_call(self._keys, item, maxlen=cfg.stream_maxlen)
+            return cancel_call(
+                self._keys, item, maxlen=cfg.stream_maxlen, engine_ttl_ms=cfg.engine_ttl_ms
+            )
         if isinstance(item, Keep):
-            return keep_call(self._keys, item, maxlen=cfg.stream_maxlen)
+            return keep_call(
+                self._keys, item, maxlen=cfg.stream_maxlen, engine_ttl_ms=cfg.engine_ttl_ms
+            )
         if isinstance(item, Deadline):
             if item.answer and item.entry.result is not None:
                 return None  # answered meanwhile (a late completion, a cancel)
             abort = Abort(lookup_id=item.lookup_id, gen=item.entry.gen)
             ttl = cfg.key_grace_ms or 1
             return deadline_call(
-                self._keys, abort, maxlen=cfg.stream_maxlen, ttl_ms=ttl, answer=item.answer
+                self._keys,
+                abort,
+                maxlen=cfg.stream_maxlen,
+                ttl_ms=ttl,
+                engine_ttl_ms=cfg.engine_ttl_ms,
+                answer=item.answer,
             )
         entry = item.entry
         entry.sent = True  # before reading result: see Entry.sent
@@ -465,6 +474,7 @@ class Sender(Batcher[Item]):
             created_ms=int(time.time() * 1000),
             ttl_ms=item.request.budget_ms + cfg.wait_ms + cfg.key_grace_ms,
             maxlen=cfg.stream_maxlen,
+            engine_ttl_ms=cfg.engine_ttl_ms,
             insights=entry.weight > 0,
         )
 

@@ -30,7 +30,14 @@ from broker_lookup.config.sources import (
 from broker_lookup.errors import ConfigError
 from broker_lookup.protocol.keys import validate_engine_id
 
-__all__ = ["DeadlineRule", "LookupConfig", "LookupMetadata", "expected_ranks", "redact_url"]
+__all__ = [
+    "ENGINE_TTL_MAX_MS",
+    "DeadlineRule",
+    "LookupConfig",
+    "LookupMetadata",
+    "expected_ranks",
+    "redact_url",
+]
 
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "redis+cluster://")
@@ -42,8 +49,10 @@ _POSITIVE = (
     "heartbeat_ttl_ms stream_maxlen done_maxlen dead_maxlen max_pending "
     "max_lookup_id_length max_chunks_per_request max_request_configs_bytes worker_pin_ttl_ms "
     "worker_dedupe_capacity redis_retries breaker_open_ms worker_watchdog_grace_ms "
-    "partial_answer_wait_ms"
+    "partial_answer_wait_ms engine_ttl_ms"
 ).split()
+#: The longest an engine's keys may outlive its last process (``engine_ttl_ms``).
+ENGINE_TTL_MAX_MS = 3_600_000
 
 
 def redact_url(url: str) -> str:
@@ -148,6 +157,10 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     done_maxlen: int = 20000  #: approximate cap of the completion stream
     dead_maxlen: int = 1000  #: approximate cap of the dead-letter stream
     key_grace_ms: int = 10000  #: a lookup hash lives lookup_timeout_ms + this
+    #: every key of an engine expires at most this long after its last process stopped
+    #: or died; each live process refreshes the engine's streams and fingerprint hash
+    #: with it (at most 1 h, longer than heartbeat_ttl_ms and every lookup hash's TTL)
+    engine_ttl_ms: int = 600_000
     max_pending: int = 100_000  #: lookups the client tracks at once; beyond, lookups answer 0
     #: ``lookup()`` writes its submit itself where it can without waiting (a plain TCP or
     #: unix connection, nothing queued, not a burst): one thread wake-up less per lookup,
@@ -282,6 +295,19 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             ids,
             "ranks are >= 0",
         )
+        self._check_engine_ttl()
+
+    def _check_engine_ttl(self) -> None:
+        ttl = self.engine_ttl_ms
+        floor = max(self.heartbeat_ttl_ms, self.key_ttl_ms)
+        _require(
+            floor < ttl <= ENGINE_TTL_MAX_MS,
+            "engine_ttl_ms",
+            ttl,
+            f"must exceed heartbeat_ttl_ms={self.heartbeat_ttl_ms} and the longest lookup "
+            f"hash TTL ({self.key_ttl_ms} ms: the longest deadline plus key_grace_ms), and be "
+            f"at most {ENGINE_TTL_MAX_MS} (1 h): no key of an engine may outlive it longer",
+        )
 
     @property
     def wait_ms(self) -> int:
@@ -399,10 +425,15 @@ class LookupMetadata(_Validated, frozen=True, kw_only=True):
     worker_id: int = 0  #: this process's rank (the scheduler is 0)
     use_mla: bool = False  #: MLA models ask rank 0 only
     kv_connector_extra_config: dict[str, Any] | None = None  #: vLLM's extra config, copied
+    #: the engine id the operator configured, where ``engine_id`` was derived from it (a
+    #: vLLM instance's own namespace, see ``instance_engine_id``); shown in heartbeats
+    configured_engine_id: str | None = None
 
     def _check(self) -> None:
         try:
             validate_engine_id(self.engine_id)
+            if self.configured_engine_id is not None:
+                validate_engine_id(self.configured_engine_id, "configured_engine_id")
         except ConfigError as exc:
             raise ConfigError(f"{exc} (env {env_name('engine_id')})") from None
         _require(self.world_size >= 1, "world_size", self.world_size, "must be >= 1")

@@ -8,6 +8,13 @@ and our ``RedisAsyncLookupServer`` (loaded through our factory's entry point; th
 package never imports ``workers``) around an :class:`LMCacheEngineAdapter`. Any other
 config gets LMCache's own classes. :func:`uninstall` restores LMCache's functions.
 
+Under vLLM the key namespace is the instance's own: ``<engine_id>.<instance_id>``, where
+``instance_id`` is ``VllmConfig.instance_id``, which vLLM sets once (5 random hex digits
+unless given) and ships with the config to its EngineCore and every worker. So replicas
+started from one manifest, which share ``kv_transfer_config.engine_id``, never share a
+namespace, while each instance's scheduler and its own ranks do. The configured id stays
+visible (``LookupMetadata.configured_engine_id``, in every rank's heartbeat).
+
 vLLM loads :func:`vllm_plugin` in every process through the ``vllm.general_plugins``
 entry point; only with ``BROKER_LOOKUP_LMCACHE=1`` it arms an import hook that installs
 when LMCache's factory is first imported (never importing lmcache itself: that breaks
@@ -19,8 +26,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import threading
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any
 
 import msgspec
@@ -32,6 +40,7 @@ from broker_lookup.errors import ConfigError
 from broker_lookup.integrations.import_hook import hook_fired, when_imported
 from broker_lookup.integrations.lmcache_adapter import LMCacheEngineAdapter
 from broker_lookup.interface import LookupClientInterface
+from broker_lookup.protocol.keys import instance_engine_id
 
 __all__ = [
     "ENV_SWITCH",
@@ -43,6 +52,7 @@ __all__ = [
     "install",
     "is_installed",
     "uninstall",
+    "vllm_instance_id",
     "vllm_plugin",
 ]
 
@@ -77,6 +87,9 @@ HOOK_MODULES = (
 )
 HOOK_KEY = "broker_lookup.integrations.lmcache"
 _PATCHED = ("create_lookup_client", "create_lookup_server")
+#: Frames searched above LMCache's factory call for vLLM's config (LMCache's
+#: ``VllmServiceFactory`` holds it a few frames up).
+_STACK_DEPTH = 24
 _originals: dict[str, Any] = {}
 _lock = threading.Lock()
 
@@ -136,11 +149,46 @@ def _broker_values(extra: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     return values, engine_id
 
 
-def config_from_lmcache(lmc_config: Any, metadata: Any) -> tuple[LookupConfig, LookupMetadata]:
+def vllm_instance_id(frame: FrameType | None = None) -> str | None:
+    """``VllmConfig.instance_id`` of the vLLM instance calling LMCache's factory, if any.
+
+    LMCache's factory functions get LMCache's config and metadata, not vLLM's config, so
+    it is looked up on the call stack (from ``frame``, by default our caller's): the first
+    ``self.vllm_config`` (LMCache's ``VllmServiceFactory``) or local ``vllm_config`` with a
+    non-empty ``instance_id``. None outside vLLM.
+    """
+    frame = frame if frame is not None else sys._getframe(1)
+    for _ in range(_STACK_DEPTH):
+        if frame is None:
+            break
+        found = frame.f_locals
+        for holder in (_attribute(found.get("self"), "vllm_config"), found.get("vllm_config")):
+            instance = _attribute(holder, "instance_id")
+            if isinstance(instance, str) and instance:
+                return instance
+        frame = frame.f_back
+    return None
+
+
+def _attribute(owner: object, name: str) -> object:
+    """``owner.name``, or None: any object sits on a stack, and a lookup on it must not
+    fail an engine's start."""
+    try:
+        return getattr(owner, name, None)
+    except Exception:  # a proxy whose attribute lookup raises something else
+        return None
+
+
+def config_from_lmcache(
+    lmc_config: Any, metadata: Any, instance_id: str | None = None
+) -> tuple[LookupConfig, LookupMetadata]:
     """Our config and metadata from LMCache's ``LMCacheEngineConfig`` and ``LMCacheMetadata``.
 
     Precedence: ``BROKER_LOOKUP_*`` env, then LMCache's own fields (hashing must match
-    LMCache's), then ``extra_config["lookup_broker_*"]``.
+    LMCache's), then ``extra_config["lookup_broker_*"]``. With ``instance_id`` (vLLM's,
+    see :func:`vllm_instance_id`) the engine id is that instance's own,
+    ``<engine_id>.<instance_id>``, and the configured one is kept as
+    ``configured_engine_id``.
 
     Raises:
         ConfigError: a bad value, an unknown ``lookup_broker_*`` key, or no engine id.
@@ -158,8 +206,10 @@ def config_from_lmcache(lmc_config: Any, metadata: Any) -> tuple[LookupConfig, L
             f"set extra_config {EXTRA_PREFIX}engine_id"
         )
     kv_extra = getattr(metadata, "kv_connector_extra_config", None)
+    configured = str(engine_id)
     meta = LookupMetadata(
-        engine_id=str(engine_id),
+        engine_id=instance_engine_id(configured, instance_id) if instance_id else configured,
+        configured_engine_id=configured if instance_id else None,
         world_size=int(metadata.world_size),
         worker_id=int(metadata.worker_id),
         use_mla=bool(getattr(metadata, "use_mla", False)),
@@ -176,17 +226,22 @@ def _create_lookup_client(
 ) -> Any:
     if not broker_requested(config):
         return _originals["create_lookup_client"](config, metadata, lmcache_engine)
-    cfg, meta = config_from_lmcache(config, metadata)
+    cfg, meta = config_from_lmcache(config, metadata, _instance(sys._getframe(1)))
     engine = LMCacheEngineAdapter(lmcache_engine) if lmcache_engine is not None else None
     client = LookupClientFactory.create_lookup_client(cfg, meta, engine, **kwargs)
-    logger.info("LMCache lookup client for engine %s: %s (broker)", meta.engine_id, client)
+    logger.info(
+        "LMCache lookup client for engine %s (configured: %s): %s (broker)",
+        meta.engine_id,
+        meta.configured_engine_id or meta.engine_id,
+        client,
+    )
     return client
 
 
 def _create_lookup_server(lmcache_engine: Any, metadata: Any, **kwargs: Any) -> Any:
     if not broker_requested(lmcache_engine.config):
         return _originals["create_lookup_server"](lmcache_engine, metadata)
-    cfg, meta = config_from_lmcache(lmcache_engine.config, metadata)
+    cfg, meta = config_from_lmcache(lmcache_engine.config, metadata, _instance(sys._getframe(1)))
     adapter = LMCacheEngineAdapter(lmcache_engine)
     server = LookupClientFactory.create_lookup_server(adapter, meta, cfg, **kwargs)
     if server is not None:
@@ -195,6 +250,17 @@ def _create_lookup_server(lmcache_engine: Any, metadata: Any, **kwargs: Any) -> 
         server_class: type = type(server)
         server.__class__ = _compat_class(server_class)
     return server
+
+
+def _instance(frame: FrameType) -> str | None:
+    """:func:`vllm_instance_id` from ``frame`` (LMCache's caller), logged either way."""
+    instance = vllm_instance_id(frame)
+    if instance is None:
+        logger.info(
+            "no vLLM instance id above LMCache's factory: the engine id is the configured "
+            "one, which another instance configured alike would share"
+        )
+    return instance
 
 
 @functools.cache

@@ -162,6 +162,52 @@ def _run_bench(args: argparse.Namespace) -> int:
     return cmd_bench(args)
 
 
+# -- acl (broker_lookup/ops/acl.py) --------------------------------------------------------------
+
+
+def _setup_acl(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine-id", help="scope the users to this engine (and its vLLM instances)")
+    p.add_argument(
+        "--role",
+        choices=("scheduler", "worker", "operator", "admin"),
+        help="print this role's user only (default: a whole file, every role)",
+    )
+    p.add_argument("--user", help="the user's name, with --role (default: the role's name)")
+    secret = p.add_mutually_exclusive_group()
+    secret.add_argument(
+        "--password-stdin", action="store_true", help="read the password from stdin; stored hashed"
+    )
+    secret.add_argument("--password-sha256", help="the password's SHA-256 (64 hex digits)")
+
+
+def _run_acl(args: argparse.Namespace) -> int:
+    from broker_lookup.errors import ConfigError
+    from broker_lookup.ops.acl import acl_file, acl_line
+
+    try:
+        if args.role is None:
+            if args.engine_id is None or args.user or args.password_stdin or args.password_sha256:
+                raise ConfigError(
+                    "a whole file needs --engine-id and takes no --user or password "
+                    "(its passwords are placeholders); use --role for one user"
+                )
+            sys.stdout.write(acl_file(args.engine_id))
+            return ExitCode.OK
+        password = sys.stdin.readline().rstrip("\n") if args.password_stdin else None
+        line = acl_line(
+            args.role,
+            args.engine_id,
+            user=args.user,
+            password=password,
+            password_sha256=args.password_sha256,
+        )
+    except ConfigError as exc:
+        print(f"broker-lookup acl: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    print(line)
+    return ExitCode.OK
+
+
 #: Every subcommand, by name.
 COMMANDS: dict[str, Subcommand] = {
     "demo": Subcommand(
@@ -186,6 +232,11 @@ COMMANDS: dict[str, Subcommand] = {
         "measure lookup latency, caller cost, throughput, hashing, memory and CPU",
         _setup_bench,
         _run_bench,
+    ),
+    "acl": Subcommand(
+        "print least-privilege ACL users for one engine (deploy/users.acl's generator)",
+        _setup_acl,
+        _run_acl,
     ),
 }
 

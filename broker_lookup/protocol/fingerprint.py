@@ -8,7 +8,8 @@ process therefore writes :meth:`ChunkedTokenHasher.fingerprint` into one hash::
     HSET bl:{E}:fp <role>:<host>:<pid> '{"algorithm": ..., "chunk_size": ..., "ts_ms": ...}'
 
 and compares its own against every other member, logging ``HASH MISMATCH`` loudly.
-The key has a PEXPIRE refreshed by each publish; members not refreshed within
+The key lives as long as the engine (``engine_ttl_ms``, refreshed by each publish and
+by every process's beat: see ``lifetime``); members not refreshed within
 :data:`STALE_MS` are dropped by :func:`check`, so restarts do not pile up.
 """
 
@@ -27,14 +28,12 @@ import redis
 from broker_lookup.errors import translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
 
-__all__ = ["PUBLISH_EVERY_S", "STALE_MS", "TTL_MS", "Publisher", "check", "member", "publish"]
+__all__ = ["PUBLISH_EVERY_S", "STALE_MS", "Publisher", "check", "member", "publish"]
 
 logger = logging.getLogger(__name__)
 
-#: PEXPIRE of the fingerprint hash, refreshed by every publish.
-TTL_MS = 60_000
 #: A member whose ``ts_ms`` is older than this is gone (its process stopped publishing).
-STALE_MS = TTL_MS
+STALE_MS = 60_000
 #: How often a live process re-publishes.
 PUBLISH_EVERY_S = 10.0
 
@@ -52,8 +51,9 @@ def member(role: str) -> str:
     return f"{role}:{socket.gethostname()}:{os.getpid()}"
 
 
-def publish(client: redis.Redis, keys: KeySpace, role: str, hasher: Hasher) -> None:
-    """Write this process's fingerprint (with ``ts_ms``) and refresh the key's TTL.
+def publish(client: redis.Redis, keys: KeySpace, role: str, hasher: Hasher, ttl_ms: int) -> None:
+    """Write this process's fingerprint (with ``ts_ms``) and set the key's TTL to ``ttl_ms``
+    (the engine's: ``engine_ttl_ms``).
 
     Raises:
         BrokerUnavailable: Redis could not be reached.
@@ -63,7 +63,7 @@ def publish(client: redis.Redis, keys: KeySpace, role: str, hasher: Hasher) -> N
     with translate_redis_errors("publishing the hash fingerprint"):
         pipe = client.pipeline(transaction=False)
         pipe.hset(keys.fingerprint, member(role), value)
-        pipe.pexpire(keys.fingerprint, TTL_MS)
+        pipe.pexpire(keys.fingerprint, ttl_ms)
         pipe.execute()
 
 
@@ -130,7 +130,8 @@ class Publisher:
     """One process's fingerprint duty: publish and check now, then every PUBLISH_EVERY_S.
 
     Never raises: failures are logged at WARNING (the fingerprint is a diagnostic). It
-    uses the Redis client it is handed, or one of its own made by ``factory``.
+    uses the Redis client it is handed, or one of its own made by ``factory``; ``ttl_ms``
+    is the key's TTL (the engine's ``engine_ttl_ms``).
     """
 
     def __init__(
@@ -139,8 +140,11 @@ class Publisher:
         role: str,
         hasher: Hasher,
         factory: Callable[[], redis.Redis] | None = None,
+        *,
+        ttl_ms: int,
     ) -> None:
         self._keys = keys
+        self._ttl_ms = ttl_ms
         self._role = role
         self._hasher = hasher
         self._factory = factory
@@ -158,7 +162,7 @@ class Publisher:
                     self._own = self._factory()
                 client = self._own
             if client is not None:
-                publish(client, self._keys, self._role, self._hasher)
+                publish(client, self._keys, self._role, self._hasher, self._ttl_ms)
                 self.mismatches = check(client, self._keys, self._hasher.fingerprint())
         except Exception as exc:  # a diagnostic must never break its host
             logger.warning("hash fingerprint publish/check failed: %s", exc)

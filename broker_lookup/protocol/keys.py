@@ -15,6 +15,9 @@ key                         type     content
 ``bl:{E}:dead``             stream   dead-lettered entries with the reason
 ``bl:{E}:fp``               hash     hashing fingerprint per process
 ==========================  =======  ====================================================
+
+The streams and ``fp`` live as long as the engine (:attr:`KeySpace.lasting`, see
+``lifetime``); a lookup hash and a heartbeat carry their own, shorter TTL.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ import re
 from broker_lookup.errors import ConfigError
 from broker_lookup.protocol import lookup_hash
 
-__all__ = ["DIGEST_MARK", "PREFIX", "KeySpace", "validate_engine_id"]
+__all__ = [
+    "DIGEST_MARK",
+    "INSTANCE_MARK",
+    "PREFIX",
+    "KeySpace",
+    "instance_engine_id",
+    "validate_engine_id",
+]
 
 #: First segment of every key, so an ACL can grant ``~bl:*``.
 PREFIX = "bl"
@@ -36,16 +46,49 @@ _ENGINE_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 _PLAIN_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 #: First character of a digest-keyed id's key part: never in a plain id, so never a collision.
 DIGEST_MARK = "~"
+#: Joins a configured engine id and an instance's id into that instance's engine id.
+INSTANCE_MARK = "."
+_NOT_IN_ENGINE_ID = re.compile(r"[^A-Za-z0-9_.:\-]")
+#: Longest instance id kept (vLLM's is 5 hex digits, ``_dp<k>`` added under data parallel).
+_INSTANCE_MAX = 32
 
 
-def validate_engine_id(engine_id: str) -> str:
-    """Return ``engine_id`` if it can sit inside a hash tag, else raise ConfigError."""
+def validate_engine_id(engine_id: str, name: str = "engine_id") -> str:
+    """Return ``engine_id`` if it can sit inside a hash tag, else raise ConfigError
+    (naming it ``name``)."""
     if not isinstance(engine_id, str) or not _ENGINE_ID_RE.fullmatch(engine_id):
         raise ConfigError(
-            f"engine_id={engine_id!r} is invalid: use 1-128 characters of "
+            f"{name}={engine_id!r} is invalid: use 1-128 characters of "
             "A-Z a-z 0-9 _ . : - (no braces, it becomes a Redis Cluster hash tag)"
         )
     return engine_id
+
+
+def instance_engine_id(engine_id: str, instance_id: str) -> str:
+    """The engine id of one instance of ``engine_id``: ``<engine_id>.<instance_id>``.
+
+    vLLM replicas started from one manifest share ``kv_transfer_config.engine_id``; each
+    instance's scheduler and ranks share their own namespace only if it carries the
+    instance's id too. Characters an engine id cannot hold become ``-``; where the result
+    would pass 128 characters, ``engine_id`` is cut and 8 hex digits of its digest added,
+    so distinct configured ids stay distinct.
+
+    >>> instance_engine_id("llama-70b", "3f2a1")
+    'llama-70b.3f2a1'
+
+    Raises:
+        ConfigError: ``engine_id`` is invalid, or ``instance_id`` holds nothing usable.
+    """
+    validate_engine_id(engine_id)
+    instance = _NOT_IN_ENGINE_ID.sub("-", instance_id)[:_INSTANCE_MAX]
+    if not instance:
+        raise ConfigError(f"instance_id={instance_id!r} is empty: no instance namespace")
+    derived = engine_id + INSTANCE_MARK + instance
+    if len(derived) > 128:
+        digest = hashlib.sha256(engine_id.encode()).hexdigest()[:8]
+        keep = 128 - len(digest) - len(instance) - 2
+        derived = f"{engine_id[:keep]}-{digest}{INSTANCE_MARK}{instance}"
+    return validate_engine_id(derived)
 
 
 class KeySpace:
@@ -56,7 +99,7 @@ class KeySpace:
     'bl:{vllm-0}:lookup:req-1'
     """
 
-    __slots__ = ("_base", "dead", "done", "engine_id", "fingerprint", "requests")
+    __slots__ = ("_base", "dead", "done", "engine_id", "fingerprint", "lasting", "requests")
 
     def __init__(self, engine_id: str) -> None:
         self.engine_id = validate_engine_id(engine_id)
@@ -65,6 +108,9 @@ class KeySpace:
         self.done = self._base + "done"
         self.dead = self._base + "dead"
         self.fingerprint = self._base + "fp"
+        #: The keys that live as long as the engine: every live process refreshes their
+        #: TTL (``engine_ttl_ms``), so they expire once the last one is gone.
+        self.lasting = (self.requests, self.done, self.dead, self.fingerprint)
 
     def lookup(self, lookup_id: str) -> str:
         """Hash holding the state of one lookup, for any ``str`` id.

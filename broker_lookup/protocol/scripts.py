@@ -80,14 +80,17 @@ def submit_args(
     maxlen: int,
     lookup_id: str,
     fields: dict[str, Arg],
+    engine_ttl_ms: int,
     insights: bool = False,
 ) -> list[Arg]:
     """ARGV of ``submit.lua``, in the order its header documents.
 
     ``insights``: stamp the server's clock at submit, so each rank's report is timed.
+    ``engine_ttl_ms``: the request stream's TTL (the submit may create it).
     """
     args: list[Arg] = [gen, expected, created_ms, deadline_ms, tokens, ttl_ms, maxlen, lookup_id]
     args.append("1" if insights else "0")
+    args.append(engine_ttl_ms)
     return args + _pairs(fields)
 
 
@@ -99,13 +102,15 @@ def submit_call(
     created_ms: int,
     ttl_ms: int,
     maxlen: int,
+    engine_ttl_ms: int,
     insights: bool = False,
 ) -> Call:
     """The ``submit.lua`` call registering ``request`` and broadcasting it to every rank.
 
-    ``expected`` is the comma-separated rank list, ``ttl_ms`` the hash's PEXPIRE and
-    ``maxlen`` the request stream's approximate cap; ``insights`` (``rank_insights``)
-    stamps ``submitted_us`` so ``report.lua`` times each rank on the server's clock.
+    ``expected`` is the comma-separated rank list, ``ttl_ms`` the hash's PEXPIRE,
+    ``maxlen`` the request stream's approximate cap and ``engine_ttl_ms`` its TTL;
+    ``insights`` (``rank_insights``) stamps ``submitted_us`` so ``report.lua`` times each
+    rank on the server's clock.
     """
     args = submit_args(
         gen=request.gen,
@@ -117,42 +122,55 @@ def submit_call(
         maxlen=maxlen,
         lookup_id=request.lookup_id,
         fields=request_fields(request),
+        engine_ttl_ms=engine_ttl_ms,
         insights=insights,
     )
     # A tuple: untracked by the GC at its first collection, unlike a list.
     return Call(SUBMIT, (keys.lookup(request.lookup_id), keys.requests), tuple(args))
 
 
-def cancel_args(*, gen: int, maxlen: int, fields: dict[str, Arg]) -> list[Arg]:
+def cancel_args(*, gen: int, maxlen: int, engine_ttl_ms: int, fields: dict[str, Arg]) -> list[Arg]:
     """ARGV of ``cancel.lua``, in the order its header documents."""
-    args: list[Arg] = [gen, maxlen]
+    args: list[Arg] = [gen, maxlen, engine_ttl_ms]
     return args + _pairs(fields)
 
 
-def cancel_call(keys: KeySpace, abort: Abort, *, maxlen: int) -> Call:
-    """The ``cancel.lua`` call forgetting ``abort``'s generation and telling every rank."""
-    args = cancel_args(gen=abort.gen, maxlen=maxlen, fields=request_fields(abort))
+def cancel_call(keys: KeySpace, abort: Abort, *, maxlen: int, engine_ttl_ms: int) -> Call:
+    """The ``cancel.lua`` call forgetting ``abort``'s generation and telling every rank
+    (``engine_ttl_ms``: the request stream's TTL)."""
+    args = cancel_args(
+        gen=abort.gen, maxlen=maxlen, engine_ttl_ms=engine_ttl_ms, fields=request_fields(abort)
+    )
     return Call(CANCEL, (keys.lookup(abort.lookup_id), keys.requests), args)
 
 
 def deadline_call(
-    keys: KeySpace, abort: Abort, *, maxlen: int, ttl_ms: int, answer: bool = True
+    keys: KeySpace,
+    abort: Abort,
+    *,
+    maxlen: int,
+    ttl_ms: int,
+    engine_ttl_ms: int,
+    answer: bool = True,
 ) -> Call:
     """The ``deadline.lua`` call for ``abort``'s generation at its deadline: with ``answer``,
     the prefix every expected rank confirmed (a partial answer), or a cancel if that is 0;
     without (the client answered 0 already), a cancel. Either way it names the ranks that
     had not reported.
 
-    ``ttl_ms`` is the hash's PEXPIRE once answered; ``abort`` is the entry sent if it is 0.
+    ``ttl_ms`` is the hash's PEXPIRE once answered, ``engine_ttl_ms`` the request stream's
+    TTL; ``abort`` is the entry sent if it is 0.
     """
-    args: list[Arg] = [abort.gen, maxlen, ttl_ms, int(answer), *_pairs(request_fields(abort))]
+    fields = _pairs(request_fields(abort))
+    args: list[Arg] = [abort.gen, maxlen, ttl_ms, int(answer), engine_ttl_ms, *fields]
     return Call(DEADLINE, (keys.lookup(abort.lookup_id), keys.requests), args)
 
 
-def keep_call(keys: KeySpace, keep: Keep, *, maxlen: int) -> Call:
+def keep_call(keys: KeySpace, keep: Keep, *, maxlen: int, engine_ttl_ms: int) -> Call:
     """The ``keep.lua`` call telling every rank to keep ``keep.tokens`` of a partial answer
-    pinned and release the rest (sent once ``deadline.lua`` answered it)."""
-    args: list[Arg] = [keep.gen, maxlen, *_pairs(request_fields(keep))]
+    pinned and release the rest (sent once ``deadline.lua`` answered it); ``engine_ttl_ms``
+    is the request stream's TTL."""
+    args: list[Arg] = [keep.gen, maxlen, engine_ttl_ms, *_pairs(request_fields(keep))]
     return Call(KEEP, (keys.lookup(keep.lookup_id), keys.requests), args)
 
 
@@ -172,10 +190,17 @@ def _pairs(fields: dict[str, Arg]) -> list[Arg]:
 
 
 def report_args(
-    *, rank: int, gen: int, hits: int, done_maxlen: int, lookup_id: str, done_ttl_ms: int
+    *,
+    rank: int,
+    gen: int,
+    hits: int,
+    done_maxlen: int,
+    lookup_id: str,
+    done_ttl_ms: int,
+    engine_ttl_ms: int,
 ) -> list[Arg]:
     """ARGV of ``report.lua``, in the order its header documents."""
-    return [rank, gen, hits, done_maxlen, lookup_id, done_ttl_ms]
+    return [rank, gen, hits, done_maxlen, lookup_id, done_ttl_ms, engine_ttl_ms]
 
 
 def report_call(
@@ -187,11 +212,12 @@ def report_call(
     hits: int,
     done_maxlen: int,
     done_ttl_ms: int,
+    engine_ttl_ms: int,
 ) -> Call:
     """The ``report.lua`` call recording ``rank``'s ``hits`` for (``lookup_id``, ``gen``).
 
-    ``done_maxlen`` is the done stream's approximate cap, ``done_ttl_ms`` the hash's
-    PEXPIRE once the last expected rank completed it.
+    ``done_maxlen`` is the done stream's approximate cap and ``engine_ttl_ms`` its TTL,
+    ``done_ttl_ms`` the hash's PEXPIRE once the last expected rank completed it.
     """
     args = report_args(
         rank=rank,
@@ -200,6 +226,7 @@ def report_call(
         done_maxlen=done_maxlen,
         lookup_id=lookup_id,
         done_ttl_ms=done_ttl_ms,
+        engine_ttl_ms=engine_ttl_ms,
     )
     return Call(REPORT, (keys.lookup(lookup_id), keys.done), args)
 

@@ -52,17 +52,22 @@ def _protocol_calls(ks: KeySpace, lookup_id: str) -> list[list[Call]]:
             deadline_ms=now + 5000,
             tokens=64,
             ttl_ms=60000,
+            engine_ttl_ms=60_000,
             maxlen=1000,
             lookup_id=lookup_id,
             fields={"type": "lookup", "id": lookup_id},
         ),
     )
     reports = [
-        Call(REPORT, (ks.lookup(lookup_id), ks.done), [rank, GEN, 16, 1000, lookup_id, 5000])
+        Call(
+            REPORT, (ks.lookup(lookup_id), ks.done), [rank, GEN, 16, 1000, lookup_id, 5000, 60_000]
+        )
         for rank in (0, 1)
     ]
     cancel = Call(
-        CANCEL, (ks.lookup(lookup_id), ks.requests), [GEN, 1000, "type", "abort", "id", lookup_id]
+        CANCEL,
+        (ks.lookup(lookup_id), ks.requests),
+        [GEN, 1000, 60_000, "type", "abort", "id", lookup_id],
     )
     return [[submit], reports, [cancel]]
 
@@ -71,8 +76,12 @@ def _partial_calls(ks: KeySpace, lookup_id: str) -> list[list[Call]]:
     """A lookup answered at its deadline: progress, deadline, keep, then cancel."""
     [[submit], [report, _], [cancel]] = _protocol_calls(ks, lookup_id)
     progress = progress_call(ks, lookup_id, rank=1, gen=GEN, tokens=8)
-    deadline = deadline_call(ks, Abort(lookup_id=lookup_id, gen=GEN), maxlen=1000, ttl_ms=5000)
-    keep = keep_call(ks, Keep(lookup_id=lookup_id, gen=GEN, tokens=8), maxlen=1000)
+    deadline = deadline_call(
+        ks, Abort(lookup_id=lookup_id, gen=GEN), maxlen=1000, ttl_ms=5000, engine_ttl_ms=60_000
+    )
+    keep = keep_call(
+        ks, Keep(lookup_id=lookup_id, gen=GEN, tokens=8), maxlen=1000, engine_ttl_ms=60_000
+    )
     return [[submit], [report, progress], [deadline], [keep], [cancel]]
 
 

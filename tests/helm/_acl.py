@@ -5,50 +5,48 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-#: Commands run inside the Lua scripts: ACL rules apply to them too.
+#: Commands run inside the Lua scripts: ACL rules apply to them too. Scripts are loaded
+#: with SCRIPT LOAD and run with EVALSHA only: EVAL is granted to nobody.
 SCRIPT_COMMANDS = {
     "xadd",
     "hset",
     "hget",
     "hmget",
-    "hgetall",
     "del",
-    "pexpire",
-    "exists",
+    "pexpire",  # the lookup hash's TTL, and each stream's after its XADD
     "time",  # submit.lua and report.lua stamp on the server's clock (rank_insights)
 }
-#: Beyond the protocol's published lists, what the code calls (found by the end-to-end
-#: test in test_server_configs.py): the listener reads its start position with XREVRANGE,
-#: report.lua records a rank's count once with HSETNX (and, like progress.lua, checks
-#: with HEXISTS whether the rank reported), and `broker-lookup inspect` names its
-#: connection (CLIENT SETNAME touches no data).
-SCHEDULER_EXTRA = {"xrevrange"}
-WORKER_EXTRA = {"hsetnx", "hexists"}
-OPERATOR_EXTRA = {"client|setname"}
+#: The owner leases' script (claim.lua) on the owner and epoch keys.
+OWNERSHIP = {"get", "set", "hincrby", "pexpire", "del"}
+#: What every connection does: name itself, and PING (redis-py's health check, probes).
+CONNECTION = {"client|setname", "ping"}
+#: Beyond the scripts, what each role's code sends: the listener reads completions
+#: (XREAD), where to start (XREVRANGE) and the ranks' heartbeats (MGET); progress.lua
+#: checks with HEXISTS whether the rank reported; every process keeps its fingerprint
+#: in a hash (HSET, HGETALL, HDEL of stale members); a rank reads its group's lag
+#: (XINFO GROUPS) and keeps its heartbeat (SET, DEL).
+SCHEDULER_EXTRA = {"evalsha", "script|load", "xread", "xrevrange", "mget", "hgetall", "hdel"}
+WORKER_EXTRA = {
+    *"evalsha script|load xgroup|create xreadgroup xack xinfo|groups set hexists".split(),
+    *"hgetall hdel".split(),
+}
 #: redis-py >= 5 sends CLIENT SETINFO on every connect and ignores a refusal. The
 #: command (and so an ACL rule naming it) exists only from Redis 7.2, and the file must
 #: load on Redis 6.2+, so it is not granted; its refusals are expected in ACL LOG.
 HANDSHAKE_NOT_GRANTED = "client|setinfo"
 #: Per role, the commands its ACL user must be granted (lower case; subcommands as cmd|sub).
 EXPECTED_COMMANDS = {
-    "scheduler": set(
-        """evalsha eval script|load xread xadd xtrim hmget hgetall get pttl mget scan ping
-        hset expire pexpire client|setname info xinfo""".split()
-    )
-    | SCRIPT_COMMANDS
-    | SCHEDULER_EXTRA,
-    "worker": set(
-        """xgroup|create xreadgroup xack xadd xpending xinfo evalsha eval script|load set del
-        get hset pexpire ping client|setname info time""".split()
-    )
-    | SCRIPT_COMMANDS
-    | WORKER_EXTRA,
-    "operator": set(
-        """scan hgetall hget get pttl ttl xinfo xlen xrange xrevrange xpending ping info
-        type""".split()
-    )
-    | OPERATOR_EXTRA,
+    "scheduler": SCRIPT_COMMANDS | OWNERSHIP | CONNECTION | SCHEDULER_EXTRA,
+    "worker": SCRIPT_COMMANDS | OWNERSHIP | CONNECTION | WORKER_EXTRA,
+    # Read-only: broker-lookup inspect and the redis-cli commands of docs/deploy.md.
+    "operator": CONNECTION
+    | set("scan type get mget pttl ttl hget hgetall xlen xrange xrevrange xpending info".split())
+    | {"xinfo"},  # every XINFO subcommand
+    # Stops a runaway script; touches no key.
+    "admin": CONNECTION | {"script|kill", "info"},
 }
+#: The engine the shipped file's users are scoped to (the chart's default engine.id).
+SHIPPED_ENGINE = "vllm-engine"
 
 
 @dataclass

@@ -14,7 +14,7 @@ import yaml
 
 from broker_lookup.ops.metrics import METRIC_NAMES
 
-from ._acl import EXPECTED_COMMANDS, AclUser, parse_acl
+from ._acl import EXPECTED_COMMANDS, SHIPPED_ENGINE, AclUser, parse_acl
 from ._chart import DEPLOY
 
 pytestmark = pytest.mark.helm
@@ -163,10 +163,10 @@ def test_acl_default_user_is_off(acl: dict[str, AclUser]) -> None:
 
 
 def test_acl_roles(acl: dict[str, AclUser]) -> None:
-    assert set(acl) == {"default", "scheduler", "worker", "operator"}
+    assert set(acl) == {"default", "scheduler", "worker", "operator", "admin"}
 
 
-@pytest.mark.parametrize("role", ["scheduler", "worker", "operator"])
+@pytest.mark.parametrize("role", ["scheduler", "worker", "operator", "admin"])
 def test_acl_least_privilege(acl: dict[str, AclUser], role: str) -> None:
     user = acl[role]
     assert user.enabled
@@ -176,7 +176,9 @@ def test_acl_least_privilege(acl: dict[str, AclUser], role: str) -> None:
     assert rules.index("resetkeys") < first_grant
     assert rules.index("resetchannels") < first_grant
     assert rules.index("-@all") < first_grant
-    assert user.key_patterns == ["~bl:*"]
+    # One engine's keys and its vLLM instances' (the admin's SCRIPT KILL needs none).
+    scoped = [f"~bl:{{{SHIPPED_ENGINE}}}:*", f"~bl:{{{SHIPPED_ENGINE}.*}}:*"]
+    assert user.key_patterns == ([] if role == "admin" else scoped)
     assert user.allowed == EXPECTED_COMMANDS[role]
     for broad in ("allkeys", "~*", "+@all", "allcommands", "allchannels", "&*", "nopass"):
         assert broad not in rules, broad
@@ -188,6 +190,7 @@ def test_acl_least_privilege(acl: dict[str, AclUser], role: str) -> None:
 def test_acl_operator_is_read_only(acl: dict[str, AclUser]) -> None:
     writes = {"set", "del", "hset", "xadd", "xack", "xtrim", "expire", "pexpire", "eval"}
     assert not acl["operator"].allowed & writes
+    assert not acl["admin"].allowed & writes
 
 
 # ----------------------------------------------------- dashboard and alerts --

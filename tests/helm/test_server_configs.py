@@ -2,7 +2,9 @@
 
 * the chart's Redis container command + ConfigMap, run as rendered;
 * deploy/valkey.conf with deploy/users.acl: every role can run exactly its
-  commands on ``bl:*`` keys (``ACL DRYRUN``) and nothing else.
+  commands on its engine's keys, ``bl:{vllm-engine}:*`` and its vLLM instances'
+  ``bl:{vllm-engine.<instance>}:*`` (``ACL DRYRUN``), and nothing else: no other
+  engine's keys, so one engine's credential cannot forge another's hits.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,14 +23,16 @@ from pathlib import Path
 import pytest
 import redis
 
-from ._acl import EXPECTED_COMMANDS, HANDSHAKE_NOT_GRANTED, parse_acl
+from ._acl import EXPECTED_COMMANDS, HANDSHAKE_NOT_GRANTED, SHIPPED_ENGINE, parse_acl
 from ._chart import DEPLOY, RenderFn, container
 from ._server import client, command, free_port, running_server, server_binary
 
 pytestmark = [pytest.mark.helm, pytest.mark.real]
 
-K = "bl:{e1}"
-#: One valid invocation per command; keys sit under bl:* so key rules pass.
+K = f"bl:{{{SHIPPED_ENGINE}.3f2a1}}"  # a vLLM instance of the shipped engine
+#: Another engine's keys: no role of the shipped engine may touch them.
+OTHER = "bl:{other-engine}"
+#: One valid invocation per command; keys sit under the shipped engine so key rules pass.
 EXAMPLES: dict[str, list[str]] = {
     "evalsha": ["EVALSHA", "0" * 40, "1", f"{K}:lookup:1"],
     "eval": ["EVAL", "return 1", "1", f"{K}:lookup:1"],
@@ -57,7 +62,11 @@ EXAMPLES: dict[str, list[str]] = {
     "type": ["TYPE", f"{K}:requests"],
     "client|setname": ["CLIENT", "SETNAME", "bl-worker-0"],
     "client|setinfo": ["CLIENT", "SETINFO", "LIB-NAME", "redis-py"],
-    "xinfo": ["XINFO", "GROUPS", f"{K}:requests"],
+    "xinfo": ["XINFO", "STREAM", f"{K}:requests"],
+    "xinfo|groups": ["XINFO", "GROUPS", f"{K}:requests"],
+    "hdel": ["HDEL", f"{K}:fp", "rank0:gone:1"],
+    "hincrby": ["HINCRBY", f"{K}:epoch", "0", "1"],
+    "script|kill": ["SCRIPT", "KILL"],
     "xlen": ["XLEN", f"{K}:requests"],
     "xrange": ["XRANGE", f"{K}:dead", "-", "+", "COUNT", "10"],
     "xrevrange": ["XREVRANGE", f"{K}:dead", "+", "-", "COUNT", "10"],
@@ -79,11 +88,16 @@ FORBIDDEN = [
     ["XADD", "other:stream", "*", "f", "v"],
     ["SUBSCRIBE", "bl:ch"],
     ["XGROUP", "DESTROY", f"{K}:requests", "rank-0"],
+    ["XADD", f"{OTHER}:done", "*", "id", "x", "gen", "1", "result", "999"],
+    ["EVALSHA", "0" * 40, "2", f"{OTHER}:lookup:1", f"{OTHER}:done"],
+    ["SET", f"{OTHER}:hb:0", "{}"],
+    ["HSET", "bl:{vllm-engine-2}:lookup:1", "r0", "999"],  # a look-alike engine id
 ]
 PASSWORDS = {
     "scheduler": "changeme-scheduler-password",
     "worker": "changeme-worker-password",
     "operator": "changeme-operator-password",
+    "admin": "changeme-admin-password",
 }
 
 
@@ -92,6 +106,8 @@ def test_examples_cover_every_granted_command() -> None:
     assert granted <= set(EXAMPLES)
 
 
+#: The test's own all-powerful user, which runs ``ACL DRYRUN`` for the roles.
+ROOT = "test-root"
 ADMIN_PASSWORD = "test-admin-password"
 
 
@@ -99,12 +115,12 @@ ADMIN_PASSWORD = "test-admin-password"
 def acl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """deploy/valkey.conf with its aclfile line enabled; yields the port.
 
-    The ACL file is the shipped one plus a test-only ``admin`` (appended to a
+    The ACL file is the shipped one plus a test-only user ``ROOT`` (appended to a
     temporary copy) that runs ``ACL DRYRUN`` on behalf of the roles.
     """
     tmp = tmp_path_factory.mktemp("acl")
     acl = (DEPLOY / "users.acl").read_text().rstrip("\n")
-    acl += f"\nuser admin on >{ADMIN_PASSWORD} ~* &* +@all\n"
+    acl += f"\nuser {ROOT} on >{ADMIN_PASSWORD} ~* &* +@all\n"
     (tmp / "users.acl").write_text(acl)
     text = (DEPLOY / "valkey.conf").read_text()
     example = "# aclfile /etc/valkey/users.acl"
@@ -120,7 +136,7 @@ def acl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 
 @pytest.fixture(scope="module")
 def admin(acl_server: int) -> Iterator[redis.Redis]:
-    conn = client(acl_server, username="admin", password=ADMIN_PASSWORD, decode_responses=True)
+    conn = client(acl_server, username=ROOT, password=ADMIN_PASSWORD, decode_responses=True)
     yield conn
     conn.close()
 
@@ -147,7 +163,7 @@ def acl_denials(admin: redis.Redis) -> list[str]:
 
 def test_shipped_acl_loads_as_is(acl_server: int, admin: redis.Redis) -> None:
     users = set(command(admin, "ACL", "USERS"))
-    assert users == set(parse_acl(DEPLOY / "users.acl")) | {"admin"}
+    assert users == set(parse_acl(DEPLOY / "users.acl")) | {ROOT}
     assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
     assert admin.config_get("appendonly") == {"appendonly": "no"}
     assert admin.config_get("save") == {"save": ""}
@@ -188,7 +204,11 @@ def test_role_may_run_its_commands(admin: redis.Redis, role: str) -> None:
 
 @pytest.mark.parametrize("role", sorted(PASSWORDS))
 def test_role_may_run_nothing_else(admin: redis.Redis, role: str) -> None:
-    others = [EXAMPLES[n] for n in sorted(set(EXAMPLES) - EXPECTED_COMMANDS[role])]
+    granted = EXPECTED_COMMANDS[role]
+    # A subcommand of a command granted whole (the operator's XINFO GROUPS) is granted too.
+    others = [
+        EXAMPLES[n] for n in sorted(set(EXAMPLES) - granted) if n.split("|")[0] not in granted
+    ]
     allowed = [argv for argv in [*FORBIDDEN, *others] if dryrun(admin, role, argv) == "OK"]
     assert allowed == []
 
@@ -205,13 +225,51 @@ def test_operator_commands_write_nothing(admin: redis.Redis) -> None:
 
 def test_scripts_cannot_escape_the_acl(acl_server: int, admin: redis.Redis) -> None:
     worker = client(acl_server, username="worker", password=PASSWORDS["worker"])
-    assert worker.eval("return redis.call('HSET', KEYS[1], 'r0', 5)", 1, f"{K}:lookup:9") == 1
+
+    def run(script: str, *keys: str) -> object:
+        return worker.evalsha(worker.script_load(script), len(keys), *keys)
+
+    assert run("return redis.call('HSET', KEYS[1], 'r0', 5)", f"{K}:lookup:9") == 1
     with pytest.raises(redis.ResponseError):
-        worker.eval("return redis.call('FLUSHALL')", 0)
+        run("return redis.call('FLUSHALL')")
     assert admin.exists(f"{K}:lookup:9") == 1
+    for outside in ("outside", f"{OTHER}:lookup:9"):  # another engine's hits: never forged
+        with pytest.raises(redis.ResponseError):
+            run("return redis.call('HSET', KEYS[1], 'r0', 5)", outside)
+        assert admin.exists(outside) == 0
     with pytest.raises(redis.ResponseError):
-        worker.eval("return redis.call('SET', KEYS[1], 1)", 1, "outside")
-    assert admin.exists("outside") == 0
+        worker.eval("return 1", 0)  # scripts run by EVALSHA only
+
+
+def test_admin_kills_a_runaway_script(acl_server: int, admin: redis.Redis) -> None:
+    """A script stuck in a loop blocks the whole server; ``admin`` can stop it, and do
+    nothing else to the data."""
+    command(admin, "CONFIG", "SET", "busy-reply-threshold", "100")
+    scheduler = client(acl_server, username="scheduler", password=PASSWORDS["scheduler"])
+    sha = scheduler.script_load("while true do end")
+    killed: list[str] = []
+
+    def run_it() -> None:
+        try:
+            scheduler.evalsha(sha, 0)
+        except redis.ResponseError as exc:
+            killed.append(str(exc))
+
+    stuck = threading.Thread(target=run_it, daemon=True)
+    stuck.start()
+    operator = client(acl_server, username="admin", password=PASSWORDS["admin"])
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert operator.script_kill() is True
+            break
+        except redis.ResponseError as exc:  # "NOTBUSY": the loop has not started yet
+            assert "NOTBUSY" in str(exc) and time.monotonic() < deadline, exc
+            time.sleep(0.05)
+    stuck.join(10)
+    assert not stuck.is_alive() and admin.ping()
+    assert killed and "kill" in killed[0].lower()
+    assert dryrun(admin, "admin", ["GET", f"{K}:hb:0"]) != "OK"
 
 
 # ------------------------------------------------------- the chart's Redis --
@@ -281,9 +339,9 @@ def test_protocol_runs_under_least_privilege_users(
 ) -> None:
     """Worker as `worker`, client as `scheduler`, inspect as `operator`: no ACL denial."""
     from broker_lookup import LookupConfig, LookupMetadata, RedisAsyncLookupClient
-    from broker_lookup.protocol.keys import KeySpace
+    from broker_lookup.protocol.keys import KeySpace, instance_engine_id
 
-    engine = "acl-e2e"
+    engine = instance_engine_id(SHIPPED_ENGINE, "acl5e")  # as a vLLM instance names it
     keys = KeySpace(engine)
     command(admin, "ACL", "LOG", "RESET")
 

@@ -235,3 +235,40 @@ def test_vllm_plugin_installs_only_when_switched_on(
         assert integration.is_installed()
     finally:
         integration.uninstall()
+
+
+# -- one namespace per vLLM instance -------------------------------------------------------
+
+
+class VllmServiceFactory:
+    """Stands in for LMCache's ``VllmServiceFactory``: it holds vLLM's config and calls
+    LMCache's factory from its methods, as LMCache's does."""
+
+    def __init__(self, lmc: SimpleNamespace, instance_id: str) -> None:
+        self.lmc = lmc
+        self.vllm_config = SimpleNamespace(instance_id=instance_id)
+
+    def maybe_create_lookup_client(self, config: Any, meta: Any, **kw: Any) -> Any:
+        return self.lmc.Factory.create_lookup_client(config, meta, None, **kw)
+
+    def maybe_create_lookup_server(self, engine: Any, meta: Any, **kw: Any) -> Any:
+        return self.lmc.Factory.create_lookup_server(engine, meta, **kw)
+
+
+def test_each_vllm_instance_gets_its_own_namespace(
+    lmc: SimpleNamespace, installed: Any, fake: Any, made: list[Any], make_metadata: Any
+) -> None:
+    """Two replicas of one manifest (one engine id): each one's client and server share a
+    namespace, the replicas do not, and the configured engine id stays visible."""
+    config = lmc_config(lmc, enable_async_loading=True, extra_config=URL)
+    engine = SimpleNamespace(config=config)
+    configured = make_metadata().engine_id
+    for instance in ("3f2a1", "9c0d4"):
+        vllm = VllmServiceFactory(lmc, instance)
+        client = vllm.maybe_create_lookup_client(config, make_metadata(), connection_factory=fake)
+        server = vllm.maybe_create_lookup_server(engine, make_metadata(), connection_factory=fake)
+        made += [client, server]
+        assert client.metadata.engine_id == server.metadata.engine_id == f"{configured}.{instance}"
+        assert server.metadata.configured_engine_id == configured
+    outside = client_for(lmc, made, config, make_metadata(), connection_factory=fake)
+    assert outside.metadata.engine_id == configured  # no vLLM config above: as configured

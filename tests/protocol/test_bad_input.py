@@ -296,6 +296,7 @@ def test_report_script_refuses_unknown_ranks_and_bad_counts(
         deadline_ms=2,
         tokens=40,
         ttl_ms=60_000,
+        engine_ttl_ms=60_000,
         maxlen=100,
         lookup_id="s1",
         fields={"m": "x"},
@@ -303,7 +304,9 @@ def test_report_script_refuses_unknown_ranks_and_bad_counts(
     scripts.call(conn, Call(SUBMIT, (key, ks.requests), args))
 
     def report(rank: int, hits: str | int) -> object:
-        return scripts.call(conn, Call(REPORT, (key, ks.done), [rank, 3, hits, 100, "s1", 1000]))
+        return scripts.call(
+            conn, Call(REPORT, (key, ks.done), [rank, 3, hits, 100, "s1", 1000, 60_000])
+        )
 
     assert report(5, 8) == b"unknown_rank"
     assert report(0, -1) == b"invalid"

@@ -63,7 +63,7 @@ def test_scripts_are_reloaded_after_a_flush(backend: Backend, engine_id: str) ->
     link = open_link(client)
     assert isinstance(link, LeanLink)
     ks = KeySpace(engine_id)
-    call = Call(CANCEL, (ks.lookup("w1"), ks.requests), [1, 100, "type", "abort"])
+    call = Call(CANCEL, (ks.lookup("w1"), ks.requests), [1, 100, 60_000, "type", "abort"])
     try:
         admin.script_flush()
         assert ScriptSet().run_link(link, client, [call]) == [0]  # NOSCRIPT, loaded, run once

@@ -153,12 +153,13 @@ def test_noscript_reload_in_one_pipeline(backend: Backend, engine_id: str) -> No
             deadline_ms=req.deadline_ms,
             tokens=8,
             ttl_ms=60_000,
+            engine_ttl_ms=60_000,
             maxlen=100,
             lookup_id="p1",
             fields=request_fields(req),
         ),
     )
-    report = Call(REPORT, (ks.lookup("p1"), ks.done), [0, 7, 8, 100, "p1", 1000])
+    report = Call(REPORT, (ks.lookup("p1"), ks.done), [0, 7, 8, 100, "p1", 1000, 60_000])
     results = scripts.run(conn, [submit, report, report])
     assert results[1:] == [b"complete", b"duplicate"]
     assert conn.hget(ks.lookup("p1"), "result") == b"8"

@@ -40,7 +40,7 @@ def test_same_hashing_no_mismatch(
     assert published(redis, engine_id, RANK0, CLIENT)
     assert server.fingerprint.run() == []
     key = KeySpace(engine_id).fingerprint
-    assert 0 < redis.pttl(key) <= fingerprint.TTL_MS
+    assert 0 < redis.pttl(key) <= client.config.engine_ttl_ms
     value = json.loads(text(redis.hget(key, CLIENT)))
     assert value.pop("ts_ms") > 0
     assert value == client.hasher.fingerprint()
@@ -91,7 +91,7 @@ def test_publisher_never_raises(
 ) -> None:
     backend.fake.connected = False
     publisher = fingerprint.Publisher(
-        KeySpace(engine_id), "client", ChunkedTokenHasher(), backend.factory
+        KeySpace(engine_id), "client", ChunkedTokenHasher(), backend.factory, ttl_ms=60_000
     )
     assert publisher.run() == []
     assert "fingerprint publish/check failed" in caplog.text

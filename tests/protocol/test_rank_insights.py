@@ -188,6 +188,7 @@ def test_scripts_stamp_only_when_asked(backend: Backend, engine_id: str) -> None
             deadline_ms=int(time.time() * 1000) + 5000,
             tokens=40,
             ttl_ms=10_000,
+            engine_ttl_ms=60_000,
             maxlen=1000,
             lookup_id=lookup_id,
             fields={"type": "lookup", "id": lookup_id},
@@ -198,7 +199,7 @@ def test_scripts_stamp_only_when_asked(backend: Backend, engine_id: str) -> None
         assert (stamp is not None) is insights
         if stamp is not None:
             assert stamp.isdigit() and len(stamp) == 16  # exact digits, never 1.7e+15
-        report: list[str | bytes | int] = [0, 1, 24, 1000, lookup_id, 10_000]
+        report: list[str | bytes | int] = [0, 1, 24, 1000, lookup_id, 10_000, 60_000]
         got = scripts.call(redis, Call(REPORT, (keys.lookup(lookup_id), keys.done), report))
         assert got == b"complete"
         latency = redis.hget(keys.lookup(lookup_id), lookup_hash.latency_field(0))

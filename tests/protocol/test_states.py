@@ -88,7 +88,7 @@ def test_duplicate_report_from_one_rank_does_not_complete(
     gen = int(text(redis.hget(ks.lookup("r1"), "gen")))
     # A redelivered report of rank 0 (e.g. after a crash and replay) must not count as rank 1.
     again = ScriptSet().call(
-        redis, Call(REPORT, (ks.lookup("r1"), ks.done), [0, gen, 16, 1000, "r1", 1000])
+        redis, Call(REPORT, (ks.lookup("r1"), ks.done), [0, gen, 16, 1000, "r1", 1000, 60_000])
     )
     assert again == b"duplicate"
     assert client.lookup_cache("r1") is None
@@ -212,7 +212,7 @@ def test_late_report_after_cancel_resurrects_no_key(
     client.cancel_lookup("r1")
     wait_until(lambda: not redis.exists(ks.lookup("r1")))
     late = ScriptSet().call(
-        redis, Call(REPORT, (ks.lookup("r1"), ks.done), [0, gen, 40, 1000, "r1", 1000])
+        redis, Call(REPORT, (ks.lookup("r1"), ks.done), [0, gen, 40, 1000, "r1", 1000, 60_000])
     )
     assert late == b"dropped"
     assert not redis.exists(ks.lookup("r1"))
@@ -236,7 +236,7 @@ def test_id_reuse_gets_a_new_generation(
     wait_until(lambda: int(redis.hget(ks.lookup("r1"), "gen") or 0) > gen1)
     # Attempt 1's report arrives now: it is stale and must not complete attempt 2.
     stale = ScriptSet().call(
-        redis, Call(REPORT, (ks.lookup("r1"), ks.done), [0, gen1, 40, 1000, "r1", 1000])
+        redis, Call(REPORT, (ks.lookup("r1"), ks.done), [0, gen1, 40, 1000, "r1", 1000, 60_000])
     )
     assert stale == b"stale"
     assert client.lookup_cache("r1") is None
@@ -347,20 +347,21 @@ def test_a_resubmitted_generation_keeps_the_reports_already_recorded(
             deadline_ms=2,
             tokens=40,
             ttl_ms=60_000,
+            engine_ttl_ms=60_000,
             maxlen=100,
             lookup_id="r1",
             fields={"type": "lookup", "m": "x"},
         ),
     )
     scripts.call(conn, submit)
-    assert scripts.call(conn, Call(REPORT, (key, ks.done), [0, 7, 24, 100, "r1", 1000])) == (
-        b"recorded"
-    )
+    assert scripts.call(
+        conn, Call(REPORT, (key, ks.done), [0, 7, 24, 100, "r1", 1000, 60_000])
+    ) == (b"recorded")
     assert scripts.call(conn, submit) == b"duplicate"
     assert conn.hget(key, "r0") == b"24" and conn.xlen(ks.requests) == 1
-    assert scripts.call(conn, Call(REPORT, (key, ks.done), [1, 7, 16, 100, "r1", 1000])) == (
-        b"complete"
-    )
+    assert scripts.call(
+        conn, Call(REPORT, (key, ks.done), [1, 7, 16, 100, "r1", 1000, 60_000])
+    ) == (b"complete")
     assert conn.hget(key, "result") == b"16"
     # A newer generation still replaces the hash.
     scripts.call(conn, Call(SUBMIT, (key, ks.requests), [8, *submit.args[1:]]))

@@ -19,6 +19,7 @@ import pytest
 import redis
 from redis.typing import EncodableT, FieldT
 
+from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ __all__ = [
     "MakeServer",
     "RealServer",
     "command",
+    "engine_keys",
+    "holds_for",
     "stream_entries",
     "stream_fields",
     "text",
@@ -61,6 +64,36 @@ def wait_until(
             what = message or getattr(predicate, "__name__", repr(predicate))
             raise AssertionError(f"waited {timeout:g}s for {what}; last value: {value!r}")
         time.sleep(interval)
+
+
+def holds_for(
+    predicate: Callable[[], object], seconds: float, interval: float = 0.1, message: str = ""
+) -> None:
+    """Assert ``predicate`` stays truthy, polled every ``interval``, for ``seconds``: for
+    what must last (a key that must not expire while its engine lives).
+
+    Raises:
+        AssertionError: ``predicate`` was falsy once; the message says when and what.
+    """
+    started = time.monotonic()
+    while True:
+        value = predicate()
+        elapsed = time.monotonic() - started
+        if not value:
+            what = message or getattr(predicate, "__name__", repr(predicate))
+            raise AssertionError(f"{what} stopped holding after {elapsed:.1f}s: {value!r}")
+        if elapsed >= seconds:
+            return
+        time.sleep(interval)
+
+
+def engine_keys(conn: redis.Redis, engine_id: str) -> dict[str, int]:
+    """Every key of ``engine_id`` on ``conn``'s server, with its PTTL (-1: no TTL); a key
+    that expired between the SCAN and its PTTL is left out."""
+    pattern = KeySpace(engine_id).pattern
+    found = sorted({text(k) for k in conn.scan_iter(match=pattern, count=500)})
+    ttls = {key: int(conn.pttl(key)) for key in found}
+    return {key: ttl for key, ttl in ttls.items() if ttl != -2}
 
 
 def text(value: object) -> str:

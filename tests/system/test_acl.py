@@ -1,11 +1,18 @@
 """deploy/users.acl on a real server: the protocol runs end to end as ``scheduler`` and
-``worker``, nothing it does is denied (``ACL LOG`` stays empty), and what it does not
-need is: FLUSHALL, CONFIG, KEYS, keys outside ``bl:*``, scripts touching such keys,
-and every connection that does not log in (``default`` is off)."""
+``worker`` (lookups, cancels, timeouts, partial answers, dead letters) and ``inspect``
+as ``operator``, nothing it does is denied (``ACL LOG`` stays empty), and what it does
+not need is: FLUSHALL, CONFIG, KEYS, EVAL, another engine's keys (so one engine's
+credential cannot forge another's hits), scripts touching such keys, and every
+connection that does not log in (``default`` is off).
+
+The shipped users serve the chart's default engine, ``vllm-engine``, and its vLLM
+instances (``vllm-engine.<instance_id>``): each test runs as such an instance."""
 
 from __future__ import annotations
 
+import io
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +25,8 @@ from redis.retry import Retry
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.ops.inspect import run_inspect
+from broker_lookup.protocol.keys import KeySpace, instance_engine_id
 from broker_lookup.tools.embedded import EmbeddedServer
 from broker_lookup.tools.stub_engine import StubEngine
 from workers.reference.engine import ReferenceEngine
@@ -37,6 +45,14 @@ FAST: dict[str, Any] = {
     "key_grace_ms": 2000,
 }
 TOKENS = list(range(40))
+#: The engine the shipped users are scoped to (deploy/users.acl, the chart's default).
+SHIPPED_ENGINE = "vllm-engine"
+
+
+@pytest.fixture
+def engine_id() -> str:
+    """A fresh vLLM instance of the shipped engine: within the users' scope, and unique."""
+    return instance_engine_id(SHIPPED_ENGINE, uuid.uuid4().hex[:5])
 
 
 def acl_users() -> dict[str, list[str]]:
@@ -92,12 +108,15 @@ def _as(server: EmbeddedServer, user: str) -> redis.Redis:
 
 def test_file_has_least_privilege_users() -> None:
     users = acl_users()
-    assert {"default", "scheduler", "worker"} <= set(users)
+    assert set(users) == {"default", "scheduler", "worker", "operator", "admin"}
     assert "off" in users["default"] and "+@all" not in users["default"]
-    for role in ("scheduler", "worker"):
+    scoped = [f"~bl:{{{SHIPPED_ENGINE}}}:*", f"~bl:{{{SHIPPED_ENGINE}.*}}:*"]
+    for role in ("scheduler", "worker", "operator"):
         rules = users[role]
-        assert [r for r in rules if r.startswith(("~", "%"))] == ["~bl:*"]
+        assert [r for r in rules if r.startswith(("~", "%"))] == scoped
         assert "-@all" in rules and not any(r.startswith("+@") for r in rules)
+        assert "+eval" not in rules  # scripts run by EVALSHA alone
+    assert "+script|kill" in users["admin"] and not any(r.startswith("~") for r in users["admin"])
 
 
 #: redis-py's connect handshake; refused on purpose (the rule only parses on Redis 7.2+, and
@@ -109,7 +128,7 @@ def _denials(admin: redis.Redis) -> list[dict[str, Any]]:
     return [
         dict(e)
         for e in admin.acl_log()
-        if e.get("username") in ("scheduler", "worker") and e.get("object") != HANDSHAKE
+        if e.get("username") in ("scheduler", "worker", "operator") and e.get("object") != HANDSHAKE
     ]
 
 
@@ -141,12 +160,20 @@ def _protocol_run(server: EmbeddedServer, engine_id: str) -> None:
         wait_until(lambda: client.lookup_cache("timeout") == 0, timeout=10)
         _as(server, "scheduler").xadd(KeySpace(engine_id).requests, {"m": b"junk"})
         wait_until(lambda: ranks[0].stats()["consumer"]["dead_letters"] == 1)
+        inspect_as_operator(server, engine_id)
     finally:
         client.close()
         for rank in ranks:
             rank.close()
     assert all(rank.stats()["reporter_errors"] == 0 for rank in ranks)
     assert client.stats()["redis_errors"] == 0
+
+
+def inspect_as_operator(server: EmbeddedServer, engine_id: str) -> None:
+    """``broker-lookup inspect --check`` as ``operator``: every rank alive, groups there."""
+    out = io.StringIO()
+    code = run_inspect(_config(server, "operator"), engine_id, world_size=2, check=True, out=out)
+    assert code == 0, out.getvalue()
 
 
 def test_protocol_runs_under_the_shipped_users(
@@ -213,6 +240,10 @@ def test_partial_answers_run_under_the_shipped_users(
         ("DEL", "other:key"),
         ("EVAL", "return redis.call('SET', KEYS[1], '1')", 1, "other:key"),
         ("EVAL", "return redis.call('GET', 'other:key')", 0),
+        ("EVAL", "return 1", 0),  # scripts run by EVALSHA alone
+        ("XADD", "bl:{other-engine}:done", "*", "id", "x", "gen", "1", "result", "999"),
+        ("HSET", "bl:{other-engine}:lookup:x", "r0", "999"),
+        ("SET", "bl:{other-engine}:hb:0", "{}"),
         ("SCRIPT", "FLUSH"),
         ("SHUTDOWN",),
         ("ACL", "SETUSER", "evil", "on", "+@all"),

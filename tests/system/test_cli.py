@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import redis
-from helpers import RealServer, wait_until
+from helpers import RealServer, engine_keys, wait_until
 
+from broker_lookup.config import LookupConfig
 from broker_lookup.processes import child_env, python_module, spawn, terminate
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
@@ -96,6 +97,12 @@ def test_demo_on_a_given_server_with_one_rank(real_server: RealServer) -> None:
     pids = _check_demo_output(proc.stdout)
     assert len(pids) == 1 and _gone(pids[0])
     assert "(given)" in proc.stdout
+    engine = re.search(r"engine: (\S+)", proc.stdout)
+    assert engine is not None
+    left = engine_keys(redis.Redis.from_url(real_server.url), engine.group(1))
+    assert left  # its streams stay, until they expire: nothing is left without a TTL
+    ttl = LookupConfig().engine_ttl_ms
+    assert {key: pttl for key, pttl in left.items() if not 0 < pttl <= ttl} == {}
 
 
 @pytest.fixture

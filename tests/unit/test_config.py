@@ -136,6 +136,21 @@ def test_heartbeat_ttl_must_cover_two_intervals() -> None:
         LookupConfig(heartbeat_interval_ms=100, heartbeat_ttl_ms=199)
 
 
+def test_engine_ttl_bounds_every_key_of_the_engine() -> None:
+    """Above the heartbeat's and every lookup hash's TTL, at most 1 h; 10 min by default."""
+    assert LookupConfig().engine_ttl_ms == 600_000
+    LookupConfig(engine_ttl_ms=3_600_000)
+    LookupConfig(engine_ttl_ms=3000, key_grace_ms=500, lookup_timeout_ms=1500, chunk_size=4)
+    for ttl in (3_600_001, 2000, 0):
+        with pytest.raises(
+            ConfigError, match=rf"engine_ttl_ms={ttl} .*BROKER_LOOKUP_ENGINE_TTL_MS"
+        ):
+            LookupConfig(engine_ttl_ms=ttl)
+    with pytest.raises(ConfigError, match=r"engine_ttl_ms=22000 .*lookup hash TTL \(22000 ms"):
+        LookupConfig(engine_ttl_ms=22_000)  # the default lookup hash lives 22 s
+    assert LookupConfig.from_env({"BROKER_LOOKUP_ENGINE_TTL_MS": "60000"}).engine_ttl_ms == 60_000
+
+
 # -- metadata ------------------------------------------------------------------------------
 
 

@@ -4,6 +4,10 @@
 ``heartbeat_interval_ms`` by the read loop itself, so a rank whose loop is stuck or
 dead stops beating and its lookups fail fast (DESIGN rule 7). It is deleted at
 shutdown, so clients see the rank gone at once instead of after the TTL.
+
+The same write refreshes the TTL of the engine's streams and fingerprint hash
+(``engine_ttl_ms``, see :mod:`broker_lookup.protocol.lifetime`): while a rank lives they
+never expire, however idle the engine; once its last process is gone they do.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from redis.exceptions import ResponseError
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.lifetime import refresh_commands
 from broker_lookup.transport.lean import Link
 
 __all__ = ["Heartbeat"]
@@ -30,9 +35,19 @@ logger = logging.getLogger(__name__)
 class Heartbeat:
     """Writes one rank's heartbeat when due; owns no thread or connection."""
 
-    def __init__(self, config: LookupConfig, keys: KeySpace, rank: int) -> None:
+    def __init__(
+        self,
+        config: LookupConfig,
+        keys: KeySpace,
+        rank: int,
+        configured_engine_id: str | None = None,
+    ) -> None:
         self._key = keys.heartbeat(rank)
         self._rank = rank
+        self._refresh = refresh_commands(keys, config.engine_ttl_ms)
+        #: The engine id the operator configured, where the key namespace was derived
+        #: from it (a vLLM instance): shown in the heartbeat, for inspect and metrics.
+        self._configured = configured_engine_id
         self._interval_s = config.heartbeat_interval_ms / 1000
         self._ttl_ms = config.heartbeat_ttl_ms
         self._started_ms = int(time.time() * 1000)
@@ -45,9 +60,10 @@ class Heartbeat:
         return now >= self._next
 
     def beat(self, link: Link, info: dict[str, Any]) -> None:
-        """Write the heartbeat: who this rank is, plus ``info`` (its map sizes, counters)."""
+        """Write the heartbeat: who this rank is, plus ``info`` (its map sizes, counters);
+        refresh the engine's lasting keys in the same round trip."""
         self._next = time.monotonic() + self._interval_s
-        body = {
+        body: dict[str, Any] = {
             "rank": self._rank,
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -55,10 +71,13 @@ class Heartbeat:
             "ts_ms": int(time.time() * 1000),
             **info,
         }
+        if self._configured is not None:
+            body["configured_engine_id"] = self._configured
+        beat = ("SET", self._key, json.dumps(body), "PX", self._ttl_ms)
         with translate_redis_errors("writing the heartbeat"):
-            [reply] = link.call([("SET", self._key, json.dumps(body), "PX", self._ttl_ms)])
-            if isinstance(reply, ResponseError):
-                raise reply
+            for reply in link.call([beat, *self._refresh]):
+                if isinstance(reply, ResponseError):
+                    raise reply
         self.last_beat = time.time()
 
     def clear(self, link: Link) -> None:

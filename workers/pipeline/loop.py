@@ -61,6 +61,8 @@ class RankLoop(LoopThread):
         fingerprint: this rank's hashing fingerprint, published and checked each turn.
         world_size: ranks beyond it in an entry's ``expected`` make it invalid.
         redis_retries: keep redis-py's own retries on the loop's connection.
+        configured_engine_id: shown in the heartbeat where the engine id was derived from
+            it (``LookupMetadata.configured_engine_id``).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class RankLoop(LoopThread):
         *,
         world_size: int | None = None,
         redis_retries: bool = True,
+        configured_engine_id: str | None = None,
     ) -> None:
         super().__init__(f"rank {rank} consumer", f"rank-{rank}")
         self._factory = factory
@@ -85,7 +88,7 @@ class RankLoop(LoopThread):
         #: The server's clock, sampled with the heartbeat; judges request budgets.
         self.clock = ServerClock()
         self.reader = Reader(config, keys, rank, self.clock, world_size)
-        self.heartbeat = Heartbeat(config, keys, rank)
+        self.heartbeat = Heartbeat(config, keys, rank, configured_engine_id)
         #: Set while the group exists and the loop is reading.
         self.ready = threading.Event()
         self._next_group_info = 0.0

@@ -63,7 +63,9 @@ class Batch:
     #: (a keep stays after its lookup: it only means something once that runs).
     messages: list[tuple[Request, float]]
     ack_ids: list[bytes]  #: every entry read, dead-lettered ones included
-    dead: list[Command]  #: the XADDs dead-lettering the entries that can't be served
+    #: the XADDs dead-lettering the entries that can't be served, each followed by the
+    #: dead-letter stream's PEXPIRE (it lives as long as the engine)
+    dead: list[Command]
 
 
 class Reader:
@@ -94,13 +96,19 @@ class Reader:
     # -- the group ------------------------------------------------------------------
 
     def ensure_group(self, link: Link) -> None:
-        """Create the group (idempotent: BUSYGROUP only); at ``0`` after NOGROUP."""
+        """Create the group (idempotent: BUSYGROUP only); at ``0`` after NOGROUP.
+
+        MKSTREAM may create the stream, so its TTL is set in the same round trip.
+        """
         start = "0" if self._recreate else "$"
         stream = self._keys.requests
+        create = ("XGROUP", "CREATE", stream, self._group, start, "MKSTREAM")
         with translate_redis_errors(f"creating consumer group {self._group} on {stream}"):
-            [reply] = link.call([("XGROUP", "CREATE", stream, self._group, start, "MKSTREAM")])
+            reply, ttl = link.call([create, ("PEXPIRE", stream, self._config.engine_ttl_ms)])
             if isinstance(reply, ResponseError) and not str(reply).startswith("BUSYGROUP"):
                 raise reply
+            if isinstance(ttl, ResponseError):
+                raise ttl
         if self._recreate and not isinstance(reply, ResponseError):
             logger.info("rank %d: re-created group %s at 0", self._rank, self._group)
         self._recreate = False
@@ -190,21 +198,23 @@ class Reader:
         try:
             msg = decode_request(fields)
         except MalformedMessage as exc:
-            dead.append(self._dead_letter(entry_id, exc.reason, fields))
+            dead += self._dead_letter(entry_id, exc.reason, fields)
             return None
         reason = entry_problem(msg, self._config, self._world_size)
         if reason is not None:
-            dead.append(self._dead_letter(entry_id, reason, fields))
+            dead += self._dead_letter(entry_id, reason, fields)
             return None
         return msg
 
-    def _dead_letter(self, entry_id: bytes, reason: str, raw: object) -> Command:
-        """The XADD parking an entry that can't be served in ``bl:{E}:dead``; counted."""
+    def _dead_letter(self, entry_id: bytes, reason: str, raw: object) -> list[Command]:
+        """The XADD parking an entry that can't be served in ``bl:{E}:dead``, and the
+        stream's PEXPIRE (it may have just been created); counted."""
         self.stats["dead_letters"] += 1
         logger.warning("rank %d: dead-lettering entry %r: %s", self._rank, entry_id, reason)
         fields = ("rank", self._rank, "entry", entry_id, "reason", reason, "raw", repr(raw)[:1024])
         cap = ("MAXLEN", "~", self._config.dead_maxlen)
-        return ("XADD", self._keys.dead, *cap, "*", *fields)
+        dead = self._keys.dead
+        return [("XADD", dead, *cap, "*", *fields), ("PEXPIRE", dead, self._config.engine_ttl_ms)]
 
 
 def _text(value: object) -> str:

@@ -235,6 +235,7 @@ class Reporter(Batcher[Report]):
             hits=report.hits,
             done_maxlen=self._config.done_maxlen,
             done_ttl_ms=self._config.key_grace_ms or 1,
+            engine_ttl_ms=self._config.engine_ttl_ms,
         )
 
     def _answer(self, result: object) -> str:

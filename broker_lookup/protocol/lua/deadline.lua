@@ -1,7 +1,8 @@
 -- deadline.lua: answer a lookup at its deadline with the prefix every rank confirmed.
 -- KEYS[1] lookup hash   KEYS[2] request stream
 -- ARGV: gen, stream maxlen, ttl ms once answered, answer ("1": answer it; "0": the client
--- answered 0 already, only cancel), then the abort entry's field/value pairs. Built by
+-- answered 0 already, only cancel), stream ttl ms, then the abort entry's field/value
+-- pairs. Built by
 -- deadline_call (protocol/scripts.py); the hash's fields are named in protocol/lookup_hash.py.
 -- The answer is the minimum over the expected ranks of what each confirmed: its final
 -- report (r<rank>), else its progress (p<rank>); 0 if any rank confirmed nothing. A
@@ -43,6 +44,7 @@ if st[1] and st[2] == ARGV[1] then
   if st[1] ~= 'pending' then missing = {} end  -- it completed: nobody was late
 end
 local fields = {}
-for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(fields))
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
 return {0, 'none', table.concat(missing, ',')}

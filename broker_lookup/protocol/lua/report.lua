@@ -1,7 +1,7 @@
 -- report.lua: record one rank's hit count; the last expected rank completes the lookup.
 -- KEYS[1] lookup hash   KEYS[2] done stream
 -- The hash's fields are named in protocol/lookup_hash.py.
--- ARGV: rank, gen, hits, done maxlen, lookup id, ttl ms once done
+-- ARGV: rank, gen, hits, done maxlen, lookup id, ttl ms once done, done stream ttl ms
 -- With a submitted_us stamp (submit.lua, rank_insights on) it also records l<rank>, the
 -- µs from the submit to this report on the server's clock, and the done entry carries
 -- ranks (the expected list), hits and lat (per rank in that order; lat empty where a
@@ -15,7 +15,7 @@
 -- Never creates the key, so a late report cannot resurrect a lookup without a TTL.
 -- Each command a script calls costs the server 1-3 µs, several times the Lua around it; every
 -- rank runs this once per lookup: a report that does not complete the lookup makes
--- three (HMGET, TIME, HSET), the completing one six. The script runs atomically, so
+-- three (HMGET, TIME, HSET), the completing one seven. The script runs atomically, so
 -- reading this rank's field in the first HMGET is as good as an HSETNX.
 local own = 'r' .. ARGV[1]
 local st = redis.call('HMGET', KEYS[1], 'state', 'gen', 'expected', 'tokens', 'submitted_us',
@@ -82,4 +82,5 @@ else
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[5], 'gen', ARGV[2],
              'result', min)
 end
+redis.call('PEXPIRE', KEYS[2], ARGV[7])  -- the XADD may have created the stream
 return 'complete'

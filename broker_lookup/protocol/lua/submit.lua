@@ -3,8 +3,8 @@
 -- ARGV: gen, expected ("0,1,2"), created_ms, deadline_ms, tokens, key ttl ms,
 --       stream maxlen, lookup id (the caller's, kept readable: the key may hold a digest),
 --       insights ("1": stamp submitted_us, the server's epoch µs, so report.lua can time
---       each rank on the server's clock; "0": no stamp), then the stream entry's
---       field/value pairs.
+--       each rank on the server's clock; "0": no stamp), the stream's ttl ms (the
+--       engine's: it may create the stream), then the stream entry's field/value pairs.
 -- ARGV is built by submit_args (protocol/scripts.py); the hash's fields are named in
 -- protocol/lookup_hash.py, the stream entry's in protocol/messages.py.
 -- Idempotent per generation: a batch re-sent after its reply was lost finds its own
@@ -34,4 +34,6 @@ else
              'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
-return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(ARGV, 10))
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(ARGV, 11))
+redis.call('PEXPIRE', KEYS[2], ARGV[10])
+return id

@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 _BLOCK_MS = 200  #: every blocking read returns this often, so a stop is seen
 _BATCH = 64
-_TTL_MS = 60_000  #: the lookup hash's TTL and the heartbeat's: longer than any run
+_TTL_MS = 60_000  #: the lookup hash's TTL, the heartbeat's, the streams': longer than any run
 _DONE_MAXLEN = 10_000
 _STREAM_MAXLEN = 100_000
 _BUDGET_MS = 5_000
@@ -152,6 +152,7 @@ class FloorClient:
             created_ms=now_ms,
             ttl_ms=_TTL_MS,
             maxlen=_STREAM_MAXLEN,
+            engine_ttl_ms=_TTL_MS,
         )
         self._submits.send([self._scripts.command(call)])
         self._unread += 1
@@ -209,6 +210,7 @@ def _join(url: str, keys: KeySpace, rank: int) -> ScriptSet:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        admin.pexpire(keys.requests, _TTL_MS)  # MKSTREAM: nothing is left without a TTL
         admin.set(keys.heartbeat(rank), "floor", px=_TTL_MS)
     finally:
         admin.close()
@@ -238,6 +240,7 @@ class _Answer:
             hits=int(len(msg.offsets) * self._fraction) * self._chunk,
             done_maxlen=_DONE_MAXLEN,
             done_ttl_ms=_TTL_MS,
+            engine_ttl_ms=_TTL_MS,
         )
         return self._scripts.command(call)
 

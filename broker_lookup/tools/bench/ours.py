@@ -17,6 +17,7 @@ import redis
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
+from broker_lookup.config.model import ENGINE_TTL_MAX_MS
 from broker_lookup.processes import python_module
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.bench.children import start_rank_host, stop_all
@@ -176,7 +177,12 @@ def latency_and_probes(opts: BenchOptions, url: str, run_id: str) -> dict[str, A
         with rank_host(opts, url, engines, frozenset({mute_id})) as pids:
             # First, while no key of an earlier run expires and blurs used_memory.
             client = client_for(
-                url, mute_id, 1, lookup_timeout_ms=_PATIENT_MS, worker_pin_ttl_ms=2 * _PATIENT_MS
+                url,
+                mute_id,
+                1,
+                lookup_timeout_ms=_PATIENT_MS,
+                worker_pin_ttl_ms=2 * _PATIENT_MS,
+                engine_ttl_ms=ENGINE_TTL_MAX_MS,  # outlives the patient lookups' hashes
             )
             try:
                 out["pending"] = pending_probe(client, Prompts(opts.tokens), opts.pending, server)
