@@ -14,6 +14,11 @@ key                         type     content
 ``bl:{E}:hb:<r>``           string   rank heartbeat (JSON), PX TTL
 ``bl:{E}:dead``             stream   dead-lettered entries with the reason
 ``bl:{E}:fp``               hash     hashing fingerprint per process
+``bl:{E}:owner:<role>``     string   the lease of one role (``<r>`` a rank, ``sched`` the
+                                     scheduler): ``<token> <identity JSON>``, PX lease
+``bl:{E}:epochs``           hash     per role, the last epoch handed out (fencing tokens)
+``bl:{E}:contender:<role>`` string   a process waiting for that role's lease (identity JSON),
+                                     PX lease: a conflict, for ``inspect``
 ==========================  =======  ====================================================
 """
 
@@ -25,7 +30,7 @@ import re
 from broker_lookup.errors import ConfigError
 from broker_lookup.protocol import lookup_hash
 
-__all__ = ["DIGEST_MARK", "PREFIX", "KeySpace", "validate_engine_id"]
+__all__ = ["DIGEST_MARK", "PREFIX", "SCHEDULER_ROLE", "KeySpace", "rank_role", "validate_engine_id"]
 
 #: First segment of every key, so an ACL can grant ``~bl:*``.
 PREFIX = "bl"
@@ -35,6 +40,13 @@ _ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 _PLAIN_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 #: First character of a digest-keyed id's key part: never in a plain id, so never a collision.
 DIGEST_MARK = "~"
+#: The role of an engine's scheduler (its lookup client) in the ownership keys.
+SCHEDULER_ROLE = "sched"
+
+
+def rank_role(rank: int) -> str:
+    """The role of one rank in the ownership keys."""
+    return str(rank)
 
 
 def validate_engine_id(engine_id: str) -> str:
@@ -55,7 +67,7 @@ class KeySpace:
     'bl:{vllm-0}:lookup:req-1'
     """
 
-    __slots__ = ("_base", "dead", "done", "engine_id", "fingerprint", "requests")
+    __slots__ = ("_base", "dead", "done", "engine_id", "epochs", "fingerprint", "requests")
 
     def __init__(self, engine_id: str) -> None:
         self.engine_id = validate_engine_id(engine_id)
@@ -64,6 +76,8 @@ class KeySpace:
         self.done = self._base + "done"
         self.dead = self._base + "dead"
         self.fingerprint = self._base + "fp"
+        #: Per role, the last fencing epoch handed out by ``claim.lua``.
+        self.epochs = self._base + "epochs"
 
     def lookup(self, lookup_id: str) -> str:
         """Hash holding the state of one lookup, for any ``str`` id.
@@ -97,6 +111,24 @@ class KeySpace:
     def heartbeat_pattern(self) -> str:
         """SCAN pattern matching every heartbeat key of this engine."""
         return self._base + "hb:*"
+
+    def owner(self, role: str) -> str:
+        """String key holding the lease of ``role`` (:func:`rank_role` or SCHEDULER_ROLE)."""
+        return f"{self._base}owner:{role}"
+
+    @property
+    def owner_pattern(self) -> str:
+        """SCAN pattern matching every lease of this engine."""
+        return self._base + "owner:*"
+
+    def contender(self, role: str) -> str:
+        """String key a process waiting for ``role``'s lease keeps refreshed: a conflict."""
+        return f"{self._base}contender:{role}"
+
+    @property
+    def contender_pattern(self) -> str:
+        """SCAN pattern matching every contender key of this engine."""
+        return self._base + "contender:*"
 
     @property
     def pattern(self) -> str:

@@ -16,6 +16,18 @@
 -- rank runs this once per lookup: a report that does not complete the lookup makes
 -- three (HMGET, TIME, HSET), the completing one six. The script runs atomically, so
 -- reading this rank's field in the first HMGET is as good as an HSETNX.
+-- Fencing (one owner per rank): with KEYS[3] (the rank's lease key, owner:<r>) and
+-- ARGV[7] (the token the rank holds), nothing is recorded unless the lease holds that
+-- token, so an old owner that was paused or cut off while another took over changes
+-- nothing: returns 'fenced'. One GET more per report. The rank always passes both
+-- (report_call's fence); without them the script is unfenced, as the tests of the
+-- other rules call it.
+if KEYS[3] then
+  local lease = redis.call('GET', KEYS[3])
+  if not lease or string.sub(lease, 1, #ARGV[7] + 1) ~= ARGV[7] .. ' ' then
+    return 'fenced'
+  end
+end
 local own = 'r' .. ARGV[1]
 local st = redis.call('HMGET', KEYS[1], 'state', 'gen', 'expected', 'tokens', 'submitted_us',
                       own)
