@@ -70,6 +70,7 @@ class Lease:
         self.holder: Holder | None = None
         self._renewed = -float("inf")  # send time of the last claim that succeeded
         self._unheld_since: float | None = clock()
+        self._contended_since: float | None = None  # first 'held' of this episode
         self._lapse_logged = False
         #: ``conflicts``: episodes of finding another live holder; ``lost``: leases lost
         #: to another process; ``claims``: leases taken (first or after an expiry).
@@ -117,6 +118,14 @@ class Lease:
             since = self._unheld_since = self._renewed + self._lease_s
         return max(0.0, t - since)
 
+    def contended_for(self, now: float | None = None) -> float:
+        """Seconds since a claim first found another live holder, without this process
+        holding the lease since (0.0: no other holder seen; Redis being away is not one)."""
+        since = self._contended_since
+        if since is None:
+            return 0.0
+        return max(0.0, (self._clock() if now is None else now) - since)
+
     def state(self) -> dict[str, Any]:
         """For stats, metrics and readiness: held, epoch, the other holder, counts."""
         holder = self.holder
@@ -158,6 +167,7 @@ class Lease:
         self.holder = None
         self._renewed = sent_at
         self._unheld_since = None
+        self._contended_since = None
         self._lapse_logged = False
         return True
 
@@ -201,8 +211,11 @@ class Lease:
                 holder.describe() if holder else "?",
                 self.identity.describe(),
             )
+        now = self._clock()
         if self._unheld_since is None:
-            self._unheld_since = self._clock()
+            self._unheld_since = now
+        if self._contended_since is None:
+            self._contended_since = now
         self.token = None
         self.holder = holder
 

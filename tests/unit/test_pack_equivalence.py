@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from broker_lookup.config import LookupConfig
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.transport.lean import Command, LeanLink
+from broker_lookup.transport.lease import Lease
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.reader import Reader
 from workers.pipeline.reporter import Report, Reporter, Served
@@ -151,6 +152,27 @@ def test_the_fixed_parts_follow_the_config(native: ModuleType, fields: dict[str,
     served = Served([Report("req-1", 2, 16), Report("a b", 0, 0)], [b"1-1", b"2-0"], [])
     link = _packed(reporter, served, _read("block"))
     assert link.data == _python_bytes(reporter, served, _read("block"))
+
+
+def test_the_fenced_write_follows_the_lease_token(native: ModuleType) -> None:
+    keys = KeySpace("e:1")
+    lease = Lease(keys, "3", "rank 3", 2000, 60_000)
+    reporter = Reporter(LookupConfig(), keys, 3, _no_connection, lambda r, a: None, lease)
+    served = Served([Report("req-1", 2, 16), Report("a b", 0, 0)], [b"1-1"], [])
+    for token in ("1.aaaa", "2.bbbb", None):  # claimed, taken over after a lapse, lost
+        lease.token = token
+        link = _packed(reporter, served, _read("block"))
+        assert not link.fell_back
+        assert link.data == _python_bytes(reporter, served, _read("block"))
+        # report.lua's KEYS[3] and ARGV[7]: the lease key and the token held ("" when none).
+        key, held = keys.owner("3"), token or ""
+        assert link.data is not None and b"*13\r\n$7\r\nEVALSHA\r\n" in link.data
+        assert f"${len(key)}\r\n{key}\r\n".encode() in link.data
+        assert f"${len(held)}\r\n{held}\r\n".encode() in link.data
+
+
+def _no_connection() -> Any:
+    raise AssertionError("no connection expected")
 
 
 def test_dead_letters_and_other_links_take_the_python_path(native: ModuleType) -> None:

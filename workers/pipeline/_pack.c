@@ -6,10 +6,11 @@
  * (workers.pipeline.reporter). Built in Python that is a Call per report, a command tuple
  * per Call and hiredis' packer per tuple: inside a rank, on caches the blocking read
  * emptied, that costs about 25 µs a turn. A Packer holds what is fixed per rank (the
- * stream, the group, the script's sha, the done key, the rank and the report's limits)
- * already framed, and packs the rest:
+ * stream, the group, the script's sha, the done key, the rank, the report's limits and
+ * the rank's fence: its lease key and token, fixed until the lease changes hands) already
+ * framed, and packs the rest:
  *
- *     Packer(stream, group, sha, done_key, rank, done_maxlen, done_ttl_ms, key_of)
+ *     Packer(stream, group, sha, done_key, rank, done_maxlen, done_ttl_ms, key_of, fence)
  *     packer.pack(ack_ids, reports, read) -> bytes | None
  *
  * The bytes equal hiredis' packing of the commands the Python path builds
@@ -117,9 +118,9 @@ typedef struct {
     PyObject *key_of;     /* lookup id -> the lookup hash's key (KeySpace.lookup) */
     PyObject *xack_head;  /* bytes: "XACK", stream, group, framed */
     PyObject *report_head; /* bytes: the array header, "EVALSHA", sha, "2", framed */
-    PyObject *report_mid;  /* bytes: the done key and the rank, framed */
+    PyObject *report_mid;  /* bytes: the done key (, the lease key) and the rank, framed */
     PyObject *maxlen;      /* bytes: done_maxlen, framed */
-    PyObject *ttl;         /* bytes: done_ttl_ms, framed */
+    PyObject *ttl;         /* bytes: done_ttl_ms (, the fencing token), framed */
 } Packer;
 
 /* The bulk strings of `args` (str or int), framed, as one bytes object. */
@@ -143,29 +144,41 @@ done:
 
 static int Packer_init(Packer *self, PyObject *args, PyObject *kwds) {
     static char *names[] = {"stream", "group", "sha", "done_key", "rank",
-                            "done_maxlen", "done_ttl_ms", "key_of", NULL};
+                            "done_maxlen", "done_ttl_ms", "key_of", "fence", NULL};
     PyObject *stream, *group, *sha, *done_key, *rank, *maxlen, *ttl, *key_of;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "UUUUO!O!O!O:Packer", names, &stream,
+    PyObject *fence = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "UUUUO!O!O!O|O:Packer", names, &stream,
                                      &group, &sha, &done_key, &PyLong_Type, &rank,
-                                     &PyLong_Type, &maxlen, &PyLong_Type, &ttl, &key_of)) {
+                                     &PyLong_Type, &maxlen, &PyLong_Type, &ttl, &key_of,
+                                     &fence)) {
         return -1;
     }
     if (!PyCallable_Check(key_of)) {
         PyErr_SetString(PyExc_TypeError, "Packer: key_of must be callable");
         return -1;
     }
+    /* fence: None, or (lease key, token): report.lua's KEYS[3] and ARGV[7] */
+    int fenced = fence != Py_None;
+    if (fenced && !(PyTuple_Check(fence) && PyTuple_GET_SIZE(fence) == 2)) {
+        PyErr_SetString(PyExc_TypeError, "Packer: fence must be None or (lease key, token)");
+        return -1;
+    }
     PyObject *xack = Py_BuildValue("(sOO)", "XACK", stream, group);
-    PyObject *head = Py_BuildValue("(sOs)", "EVALSHA", sha, "2");
-    PyObject *mid = Py_BuildValue("(OO)", done_key, rank);
+    PyObject *head = Py_BuildValue("(sOs)", "EVALSHA", sha, fenced ? "3" : "2");
+    PyObject *mid = fenced ? Py_BuildValue("(OOO)", done_key, PyTuple_GET_ITEM(fence, 0), rank)
+                           : Py_BuildValue("(OO)", done_key, rank);
     PyObject *one_maxlen = Py_BuildValue("(O)", maxlen);
-    PyObject *one_ttl = Py_BuildValue("(O)", ttl);
+    PyObject *one_ttl = fenced ? Py_BuildValue("(OO)", ttl, PyTuple_GET_ITEM(fence, 1))
+                               : Py_BuildValue("(O)", ttl);
     int ok = xack && head && mid && one_maxlen && one_ttl;
     if (ok) {
         Py_XSETREF(self->xack_head, framed(xack));
         PyObject *body = framed(head);
         if (body != NULL) {
-            /* "*11": EVALSHA sha numkeys, two keys, six ARGV (report.lua's header) */
-            Py_XSETREF(self->report_head, PyBytes_FromFormat("*11\r\n%s", PyBytes_AS_STRING(body)));
+            /* EVALSHA sha numkeys, then two keys and six ARGV (report.lua's header), or
+               fenced three keys and seven ARGV: "*11" or "*13" */
+            Py_XSETREF(self->report_head, PyBytes_FromFormat("*%d\r\n%s", fenced ? 13 : 11,
+                                                             PyBytes_AS_STRING(body)));
             Py_DECREF(body);
         }
         Py_XSETREF(self->report_mid, framed(mid));

@@ -18,6 +18,7 @@ class Packer:
         done_maxlen: int,
         done_ttl_ms: int,
         key_of: Callable[[str], str],
+        fence: tuple[str, str] | None = None,
     ) -> None: ...
     def pack(
         self, ack_ids: list[bytes], reports: list[Report], read: Command | None, /

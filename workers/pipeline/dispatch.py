@@ -33,6 +33,7 @@ from broker_lookup.ops.histogram import LATENCY_BUCKETS
 from broker_lookup.ops.ratelimit import RateLimitedLog
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, Keep, LookupRequest, Request
+from broker_lookup.transport.lease import Lease
 from workers.pipeline.lifecycle import Job, Lifecycle, Step
 from workers.pipeline.reporter import Report, Reporter
 
@@ -63,6 +64,7 @@ class Dispatcher:
         rank: this rank.
         factory: connections for the reporter's own thread.
         clock: the monotonic clock (a test's own, to compare two dispatchers).
+        lease: the rank's lease, whose token fences every report (None: unfenced).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class Dispatcher:
         rank: int,
         factory: Callable[[], redis.Redis],
         clock: Callable[[], float] = time.monotonic,
+        lease: Lease | None = None,
     ) -> None:
         # The entry points: the common case in one C call each where ``_dispatch.c``
         # is built (bound here, so no Python frame runs around it; it hands every other
@@ -109,7 +112,7 @@ class Dispatcher:
         #: Progress is only worth a Redis write where the deadline may answer with it.
         self._progress_on = config.partial_answers
         #: Sends the reports (its thread is started and stopped by the server).
-        self.reporter = Reporter(config, keys, rank, factory, self.settle)
+        self.reporter = Reporter(config, keys, rank, factory, self.settle, lease)
         self._lock = threading.Lock()  # counts and the engine histogram: every thread
         self._counts: dict[str, int] = {}
         #: Engine time from start to report, per LATENCY_BUCKETS bucket (+ overflow).

@@ -2,36 +2,30 @@
 
 ``bl:{E}:hb:<r>`` is a JSON string with a PX TTL, rewritten every
 ``heartbeat_interval_ms`` by the read loop itself, so a rank whose loop is stuck or
-dead stops beating and its lookups fail fast (DESIGN rule 7). It is deleted at
-shutdown, so clients see the rank gone at once instead of after the TTL.
+dead stops beating and its lookups fail fast (DESIGN rule 7). ``claim.lua`` writes it
+with the renewal of the rank's lease, and only for the lease's holder, so a second
+process started for the rank never passes for it. It is deleted with the lease's
+release at shutdown, so clients see the rank gone at once instead of after the TTL.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import time
 from typing import Any
 
-from redis.exceptions import ResponseError
-
 from broker_lookup.config import LookupConfig
-from broker_lookup.errors import BrokerLookupError, translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.transport.lean import Link
 
 __all__ = ["Heartbeat"]
 
-logger = logging.getLogger(__name__)
-
 
 class Heartbeat:
-    """Writes one rank's heartbeat when due; owns no thread or connection."""
+    """Makes one rank's heartbeat when due; owns no thread or connection."""
 
     def __init__(self, config: LookupConfig, keys: KeySpace, rank: int) -> None:
-        self._key = keys.heartbeat(rank)
         self._rank = rank
         self._interval_s = config.heartbeat_interval_ms / 1000
         self._ttl_ms = config.heartbeat_ttl_ms
@@ -44,8 +38,9 @@ class Heartbeat:
         """Whether a heartbeat is due at monotonic ``now`` (:meth:`beat` schedules the next)."""
         return now >= self._next
 
-    def beat(self, link: Link, info: dict[str, Any]) -> None:
-        """Write the heartbeat: who this rank is, plus ``info`` (its map sizes, counters)."""
+    def body(self, info: dict[str, Any]) -> tuple[str, int]:
+        """The heartbeat ``claim.lua`` writes: who this rank is, plus ``info`` (its map
+        sizes, counters), and its TTL in ms. Schedules the next one."""
         self._next = time.monotonic() + self._interval_s
         body = {
             "rank": self._rank,
@@ -55,17 +50,8 @@ class Heartbeat:
             "ts_ms": int(time.time() * 1000),
             **info,
         }
-        with translate_redis_errors("writing the heartbeat"):
-            [reply] = link.call([("SET", self._key, json.dumps(body), "PX", self._ttl_ms)])
-            if isinstance(reply, ResponseError):
-                raise reply
-        self.last_beat = time.time()
+        return json.dumps(body), self._ttl_ms
 
-    def clear(self, link: Link) -> None:
-        """Delete the heartbeat (shutdown); a failure is logged, not raised."""
-        try:
-            with translate_redis_errors("deleting the heartbeat"):
-                link.settle_read()
-                link.call([("DEL", self._key)])
-        except BrokerLookupError as exc:
-            logger.warning("rank %d: heartbeat not deleted at shutdown: %s", self._rank, exc)
+    def written(self) -> None:
+        """The heartbeat of the last :meth:`body` was written."""
+        self.last_beat = time.time()

@@ -35,6 +35,7 @@ from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import (
     REPORT,
     Call,
+    Fence,
     ScriptSet,
     is_noscript,
     progress_call,
@@ -42,6 +43,7 @@ from broker_lookup.protocol.scripts import (
 )
 from broker_lookup.transport.batcher import Batcher
 from broker_lookup.transport.lean import Command, LeanLink, Link
+from broker_lookup.transport.lease import Lease
 
 try:
     from workers.pipeline import _pack
@@ -120,6 +122,7 @@ class Reporter(Batcher[Report]):
         rank: int,
         factory: Callable[[], redis.Redis],
         settle: Settle,
+        lease: Lease | None = None,
     ) -> None:
         super().__init__(
             f"rank {rank} reporter",
@@ -135,6 +138,9 @@ class Reporter(Batcher[Report]):
         self._stream = keys.requests
         self._group = keys.group(rank)
         self._settle = settle
+        #: The rank's lease: every report carries its fence (None: unfenced, for tests).
+        self._lease = lease
+        self._packed_fence: Fence | None = None
         self._lock = threading.Lock()
         self._riding: list[Report] | None = None  # open while the read loop serves a batch
         self._window = _Window(self)
@@ -206,6 +212,9 @@ class Reporter(Batcher[Report]):
         """Write ``batch`` and ``read`` on ``link``: the replies, and how many of them come
         before the reports' (the dead letters' and the XACK's)."""
         ahead = len(batch.dead) + (1 if batch.ack_ids else 0)
+        lease = self._lease
+        if lease is not None and lease.fence != self._packed_fence:
+            self._packer = self._new_packer()  # the token changed hands: a new fence
         packer = self._packer if not batch.dead else None
         if packer is not None and isinstance(link, LeanLink) and link.accepts_packed:
             data = packer.pack(batch.ack_ids, batch.reports, read)
@@ -219,9 +228,11 @@ class Reporter(Batcher[Report]):
         return link.call(commands, read), ahead
 
     def _new_packer(self) -> _pack.Packer | None:
-        """The C packer of the loop's write, fixed per rank; None without the extension."""
+        """The C packer of the loop's write, fixed per rank and lease token; None without
+        the extension."""
         if _pack is None:
             return None
+        self._packed_fence = self._lease.fence if self._lease is not None else None
         return _pack.Packer(
             self._stream,
             self._group,
@@ -231,6 +242,7 @@ class Reporter(Batcher[Report]):
             self._config.done_maxlen,
             self._config.key_grace_ms or 1,
             self._keys.lookup,
+            self._packed_fence,
         )
 
     # -- the queued path (this reporter's thread) -----------------------------------
@@ -266,9 +278,16 @@ class Reporter(Batcher[Report]):
     # -- the script -------------------------------------------------------------------
 
     def _call(self, report: Report) -> Call:
+        # The fence of the moment the report is sent: a token this process holds now.
+        fence = self._lease.fence if self._lease is not None else None
         if report.progress:
             return progress_call(
-                self._keys, report.lookup_id, rank=self._rank, gen=report.gen, tokens=report.hits
+                self._keys,
+                report.lookup_id,
+                rank=self._rank,
+                gen=report.gen,
+                tokens=report.hits,
+                fence=fence,
             )
         return report_call(
             self._keys,
@@ -278,6 +297,7 @@ class Reporter(Batcher[Report]):
             hits=report.hits,
             done_maxlen=self._config.done_maxlen,
             done_ttl_ms=self._config.key_grace_ms or 1,
+            fence=fence,
         )
 
     def _answer(self, result: object) -> str:
