@@ -189,12 +189,16 @@ class Listener(LoopThread):
         now = time.monotonic()
         for lookup_id, entry in self._table.overdue(now):
             self._table.on_deadline(lookup_id, entry, now)
+        lease = self.lease
+        # Every sweep while not held (just back from a stall longer than the lease: lookups
+        # answer 0 until this succeeds), before the heartbeats: ranks seen alive again
+        # then mean the lease was tried too.
+        if now >= self._next["lease"] or (lease is not None and not lease.held(now)):
+            self._next["lease"] = now + self._config.heartbeat_interval_ms / 1000
+            self.renew(client)
         if now >= self._next["hb"]:
             self._next["hb"] = now + self._config.heartbeat_interval_ms / 2000
             self.check_heartbeats(client)
-        if now >= self._next["lease"]:
-            self._next["lease"] = now + self._config.heartbeat_interval_ms / 1000
-            self.renew(client)
         if now >= self._next["reconcile"]:
             self._next["reconcile"] = now + 0.1
             self._reconcile(client, now)
@@ -237,14 +241,16 @@ class Listener(LoopThread):
         lease = self.lease
         if lease is None:
             return
-        now = time.monotonic()
-        lease.note_lapse(now)
-        with translate_redis_errors("claiming the scheduler's lease"):
-            reply = run_claim(self._scripts, client, self._link, lease.claim_call())
-            try:
-                lease.on_reply(reply, now)
-            except ValueError as exc:
-                raise BrokerResponseError(f"claiming the scheduler's lease: {exc}") from None
+        for _ in range(2):  # again at once if ours came back later than the lease
+            now = time.monotonic()
+            lease.note_lapse(now)
+            with translate_redis_errors("claiming the scheduler's lease"):
+                reply = run_claim(self._scripts, client, self._link, lease.claim_call())
+                try:
+                    if lease.on_reply(reply, now) or lease.holder is not None:
+                        return
+                except ValueError as exc:
+                    raise BrokerResponseError(f"claiming the scheduler's lease: {exc}") from None
 
     def _reconcile(self, client: redis.Redis, now: float) -> None:
         due = self._table.due_for_reconcile(now, _RECONCILE_BATCH)

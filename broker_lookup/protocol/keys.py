@@ -30,7 +30,16 @@ import re
 from broker_lookup.errors import ConfigError
 from broker_lookup.protocol import lookup_hash
 
-__all__ = ["DIGEST_MARK", "PREFIX", "SCHEDULER_ROLE", "KeySpace", "rank_role", "validate_engine_id"]
+__all__ = [
+    "DIGEST_MARK",
+    "FLEET_PATTERN",
+    "PREFIX",
+    "SCHEDULER_ROLE",
+    "KeySpace",
+    "engine_of",
+    "rank_role",
+    "validate_engine_id",
+]
 
 #: First segment of every key, so an ACL can grant ``~bl:*``.
 PREFIX = "bl"
@@ -47,6 +56,21 @@ SCHEDULER_ROLE = "sched"
 def rank_role(rank: int) -> str:
     """The role of one rank in the ownership keys."""
     return str(rank)
+
+
+#: SCAN pattern matching every key of every engine on a server.
+FLEET_PATTERN = PREFIX + ":{*"
+
+
+def engine_of(key: str | bytes) -> str | None:
+    """The engine id in ``key``'s hash tag (``bl:{<engine>}:...``); None for another key."""
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    head = PREFIX + ":{"
+    end = text.find("}:", len(head))
+    if not text.startswith(head) or end < 0:
+        return None
+    engine = text[len(head) : end]
+    return engine if _ENGINE_ID_RE.match(engine) else None
 
 
 def validate_engine_id(engine_id: str) -> str:
@@ -129,6 +153,11 @@ class KeySpace:
     def contender_pattern(self) -> str:
         """SCAN pattern matching every contender key of this engine."""
         return self._base + "contender:*"
+
+    def part(self, key: str | bytes) -> str:
+        """What follows this engine's prefix in ``key`` (``owner:0``, ``hb:1``, ``done``)."""
+        text = key.decode(errors="replace") if isinstance(key, bytes) else key
+        return text[len(self._base) :] if text.startswith(self._base) else text
 
     @property
     def pattern(self) -> str:

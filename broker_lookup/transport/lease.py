@@ -147,7 +147,9 @@ class Lease:
     # -- replies ---------------------------------------------------------------------------
 
     def on_reply(self, reply: Any, sent_at: float) -> bool:
-        """Apply ``claim.lua``'s reply to a claim sent at monotonic ``sent_at``; True if held.
+        """Apply ``claim.lua``'s reply to a claim sent at monotonic ``sent_at``; True if held
+        now. False with no other :attr:`holder`: ours, but the reply came back later than the
+        lease (a stalled server): claim again at once.
 
         Raises:
             ValueError: Not a reply ``claim.lua`` gives (a server error).
@@ -169,7 +171,7 @@ class Lease:
         self._unheld_since = None
         self._contended_since = None
         self._lapse_logged = False
-        return True
+        return self.held()
 
     def _on_claimed(self, token: str | None) -> None:
         self.counts["claims"] += 1

@@ -198,11 +198,12 @@ class RankLoop(LoopThread):
             if isinstance(reply, ResponseError):
                 raise reply
         try:
-            if lease.on_reply(reply, now):
-                self.heartbeat.written()
-                return True
+            held = lease.on_reply(reply, now)
         except ValueError as exc:
             raise BrokerResponseError(f"{self._claim_context}: {exc}") from None
+        if lease.holder is None:  # ours (a slow reply leaves it lapsed: claimed again next)
+            self.heartbeat.written()
+            return held
         self.ready.clear()
         self._stop.wait(self._retry_s)
         return False
