@@ -202,7 +202,7 @@ def claim_call(
 def release_call(keys: KeySpace, role: str, identity: Identity, *, rank: bool) -> Call:
     """The ``claim.lua`` call releasing ``role``'s lease if ``identity`` holds it (a clean
     stop: the next process takes over at once); a rank's heartbeat goes with it."""
-    keys_ = (keys.owner(role), keys.epochs, keys.contender(role))
+    keys_: tuple[str, ...] = (keys.owner(role), keys.epochs, keys.contender(role))
     if rank:
         keys_ = (*keys_, keys.heartbeat(int(role)))
     return Call(CLAIM, keys_, ("release", role, identity.encode(), identity.nonce, 0, 0))

@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import time
 
-from helpers import Backend, wait_until
+import redis
+from helpers import Backend, text, wait_until
 
 from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace, rank_role
-from broker_lookup.protocol.ownership import Identity, parse_claim_reply, parse_holder
+from broker_lookup.protocol.ownership import ClaimReply, Identity, parse_claim_reply, parse_holder
 from broker_lookup.protocol.scripts import (
     SUBMIT,
     Call,
@@ -26,8 +27,10 @@ from broker_lookup.transport.lease import Lease, run_claim
 LEASE_MS = 300
 
 
-def _claim(conn, ks: KeySpace, who: Identity, role: str = "0", **kw):
-    call = claim_call(ks, role, who, lease_ms=kw.pop("lease_ms", LEASE_MS), epochs_ttl_ms=60_000)
+def _claim(
+    conn: redis.Redis, ks: KeySpace, who: Identity, role: str = "0", lease_ms: int = LEASE_MS
+) -> ClaimReply:
+    call = claim_call(ks, role, who, lease_ms=lease_ms, epochs_ttl_ms=60_000)
     return parse_claim_reply(ScriptSet().call(conn, call))
 
 
@@ -42,24 +45,24 @@ def test_claim_renew_conflict_and_takeover_after_expiry(backend: Backend, engine
     first = _claim(conn, ks, a)
     assert first.status == "claimed" and first.token == "1.aaaa"
     # The record is plain text redis-cli reads: the token, then the identity's JSON.
-    value = conn.get(ks.owner("0")).decode()
+    value = text(conn.get(ks.owner("0")))
     token, _, ident = value.partition(" ")
     assert token == "1.aaaa" and json.loads(ident)["host"] == "host-aaaa"
     assert 0 < conn.pttl(ks.owner("0")) <= LEASE_MS
     assert 0 < conn.pttl(ks.epochs) <= 60_000
     # The holder renews: the same token. A retry of a claim whose reply was lost lands here.
-    assert _claim(conn, ks, a) == first.__class__("renewed", token="1.aaaa")
+    assert _claim(conn, ks, a) == ClaimReply("renewed", token="1.aaaa")
     # A second process finds the live holder, changes nothing but its contender key.
     other = _claim(conn, ks, b)
     assert other.status == "held" and other.holder is not None
     assert other.holder.token == "1.aaaa" and other.holder.info["host"] == "host-aaaa"
-    assert conn.get(ks.owner("0")).decode() == value
-    assert json.loads(conn.get(ks.contender("0")))["nonce"] == "bbbb"
+    assert text(conn.get(ks.owner("0"))) == value
+    assert json.loads(text(conn.get(ks.contender("0"))))["nonce"] == "bbbb"
     assert 0 < conn.pttl(ks.contender("0")) <= LEASE_MS
     # Once the holder stops renewing, its lease expires and the newcomer takes over with
     # a larger epoch; its own contender key goes.
     assert wait_until(lambda: _claim(conn, ks, b).status == "claimed", timeout=10)
-    assert conn.get(ks.owner("0")).decode().startswith("2.bbbb ")
+    assert text(conn.get(ks.owner("0"))).startswith("2.bbbb ")
     assert conn.get(ks.contender("0")) is None
     # The old holder comes back: it is now the one waiting.
     assert _claim(conn, ks, a).status == "held"
@@ -105,7 +108,7 @@ def test_heartbeat_is_written_by_the_holder_only(backend: Backend, engine_id: st
     assert 0 < conn.pttl(ks.heartbeat(0)) <= 5000
 
 
-def _submit(conn, ks: KeySpace, lookup_id: str, gen: int = 7) -> None:
+def _submit(conn: redis.Redis, ks: KeySpace, lookup_id: str, gen: int = 7) -> None:
     args = submit_args(
         gen=gen,
         expected="0",
@@ -120,7 +123,7 @@ def _submit(conn, ks: KeySpace, lookup_id: str, gen: int = 7) -> None:
     ScriptSet().call(conn, Call(SUBMIT, (ks.lookup(lookup_id), ks.requests), args))
 
 
-def _report(conn, ks: KeySpace, lookup_id: str, token: str, hits: int = 32) -> bytes:
+def _report(conn: redis.Redis, ks: KeySpace, lookup_id: str, token: str, hits: int = 32) -> bytes:
     call = report_call(
         ks,
         lookup_id,
@@ -188,4 +191,5 @@ def test_lease_state_follows_the_replies(backend: Backend, engine_id: str) -> No
     assert b.on_reply(run_claim(scripts, conn, None, b.claim_call()), now[0])
     assert not a.on_reply(run_claim(scripts, conn, None, a.claim_call()), now[0])
     assert a.counts["lost"] == 1 and a.token is None and b.state()["epoch"] == 2
-    assert parse_holder(conn.get(ks.owner("0"))).token == b.token  # type: ignore[union-attr]
+    holder = parse_holder(conn.get(ks.owner("0")))
+    assert holder is not None and holder.token == b.token

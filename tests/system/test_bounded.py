@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import redis
-from faultkit import CHUNK, config, prompt
+from faultkit import CHUNK, config, prompt, second_scheduler
 from helpers import RealServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
@@ -87,11 +87,8 @@ class Run:
         ]
         meta = LookupMetadata(engine_id=engine_id, world_size=2)
         self.client = RedisAsyncLookupClient(cfg, meta)
-        self.fast = RedisAsyncLookupClient(fast, meta)  # for the lookups that time out
-        # One scheduler per engine id: a second one answers 0 without submitting. This run
-        # needs a second deadline on the same ranks, so its second client is let through
-        # on purpose (its lease conflict is logged and counted, nothing else changes).
-        self.fast.lease.held = lambda now=None: True  # type: ignore[method-assign]
+        # For the lookups that time out: a second deadline on the same ranks.
+        self.fast = second_scheduler(RedisAsyncLookupClient(fast, meta))
         for i, tokens in PROMPTS.items():
             hashes, offsets = self.client.hasher.hashes_and_offsets(tokens)
             for rank, engine in enumerate(self.engines):
