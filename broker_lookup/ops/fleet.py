@@ -50,8 +50,9 @@ def engine_roles(client: redis.Redis, keys: KeySpace, parts: list[str]) -> dict[
         pipe.get(keys.owner(role))
         pipe.pttl(keys.owner(role))
         pipe.get(keys.contender(role))
-        # A rank's heartbeat; the scheduler has none (its lease again keeps the stride).
-        pipe.exists(keys.heartbeat(int(role)) if role.isdigit() else keys.owner(role))
+        # A rank's heartbeat (PTTL -2: none); the scheduler has none (its lease again keeps
+        # the stride). PTTL, not EXISTS: the operator's ACL user reads with PTTL already.
+        pipe.pttl(keys.heartbeat(int(role)) if role.isdigit() else keys.owner(role))
     replies = pipe.execute()
     out: dict[str, Snapshot] = {}
     for i, role in enumerate(roles):
@@ -60,7 +61,7 @@ def engine_roles(client: redis.Redis, keys: KeySpace, parts: list[str]) -> dict[
         out[role] = {
             "owner": {**holder.info, "epoch": holder.epoch} if holder else None,
             "owner_ttl_ms": ttl if holder else None,
-            "heartbeat": bool(beats) if role != SCHEDULER_ROLE else None,
+            "heartbeat": beats != -2 if role != SCHEDULER_ROLE else None,
             "waiting": _who(waiting) if waiting is not None else None,
         }
     return out

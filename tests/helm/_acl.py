@@ -16,6 +16,11 @@ SCRIPT_COMMANDS = {
     "pexpire",
     "exists",
     "time",  # submit.lua and report.lua stamp on the server's clock (rank_insights)
+    # claim.lua: each role's lease (GET, SET PX), its epoch counter (HINCRBY); report.lua
+    # and progress.lua read the rank's lease (GET) to fence a report
+    "get",
+    "set",
+    "hincrby",
 }
 #: Beyond the protocol's published lists, what the code calls (found by the end-to-end
 #: test in test_server_configs.py): the listener reads its start position with XREVRANGE,

@@ -41,6 +41,7 @@ EXAMPLES: dict[str, list[str]] = {
     "hset": ["HSET", f"{K}:fp", "pid", "x"],
     "hsetnx": ["HSETNX", f"{K}:lookup:1", "r0", "16"],
     "hexists": ["HEXISTS", f"{K}:lookup:1", "r0"],
+    "hincrby": ["HINCRBY", f"{K}:epochs", "0", "1"],
     "get": ["GET", f"{K}:hb:0"],
     "set": ["SET", f"{K}:hb:0", "{}", "PX", "3000"],
     "mget": ["MGET", f"{K}:hb:0", f"{K}:hb:1"],
