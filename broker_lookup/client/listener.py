@@ -190,10 +190,11 @@ class Listener(LoopThread):
         for lookup_id, entry in self._table.overdue(now):
             self._table.on_deadline(lookup_id, entry, now)
         lease = self.lease
-        # Every sweep while not held (just back from a stall longer than the lease: lookups
-        # answer 0 until this succeeds), before the heartbeats: ranks seen alive again
-        # then mean the lease was tried too.
-        if now >= self._next["lease"] or (lease is not None and not lease.held(now)):
+        # Every sweep while ours lapsed (back from a stall longer than the lease: lookups
+        # answer 0 until this succeeds; another holder is retried every interval), before
+        # the heartbeats: ranks seen alive again then mean the lease was tried too.
+        lapsed = lease is not None and lease.holder is None and not lease.held(now)
+        if now >= self._next["lease"] or lapsed:
             self._next["lease"] = now + self._config.heartbeat_interval_ms / 1000
             self.renew(client)
         if now >= self._next["hb"]:
