@@ -10,15 +10,23 @@ key expires (the largest PTTL; ``never`` if a key has none). Read-only.
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, TextIO
 
 import redis
 
 from broker_lookup.protocol.keys import FLEET_PATTERN, SCHEDULER_ROLE, KeySpace, engine_of
 from broker_lookup.protocol.ownership import describe, parse_holder
 
-__all__ = ["conflicts", "engine_roles", "fleet_snapshot", "render_fleet"]
+__all__ = [
+    "conflicts",
+    "engine_roles",
+    "fleet_snapshot",
+    "render_fleet",
+    "render_owners",
+    "run_fleet",
+]
 
 Snapshot = dict[str, Any]
 
@@ -157,3 +165,36 @@ def render_fleet(snap: Snapshot, url: str) -> str:
     lines += ["", f"CONFLICTS ({len(found)})"]
     lines += [f"  {line}" for line in found] or ["  none"]
     return "\n".join(lines)
+
+
+def render_owners(roles: dict[str, Snapshot], lines: list[str]) -> None:
+    """One engine's roles for ``inspect --engine-id``: the holder, and who waits."""
+    lines += ["", "OWNERS"]
+    for role, info in sorted(roles.items()):
+        owner = info["owner"]
+        held = (
+            f"epoch {owner.get('epoch')} {owner.get('host')}/{owner.get('pid')}" if owner else "-"
+        )
+        waiting = info["waiting"]
+        extra = f"  WAITING: {waiting.get('host')}/{waiting.get('pid')}" if waiting else ""
+        name = "scheduler" if role == SCHEDULER_ROLE else f"rank {role}"
+        lines.append(f"  {name:<11}{held}{extra}")
+
+
+def run_fleet(client: redis.Redis, url: str, as_json: bool, check: bool, out: TextIO) -> int:
+    """Print every engine on the server; with ``check``, 1 if any role has a conflict.
+
+    Raises:
+        redis.RedisError: Redis failed (the caller translates it).
+    """
+    snap = fleet_snapshot(client, int(time.time() * 1000))
+    found = [line for e in snap["engines"] for line in e["conflicts"]]
+    if as_json:
+        snap["check"] = {"ok": not found, "reasons": found}
+        snap["redis_url"] = url
+        print(json.dumps(snap, default=str), file=out, flush=True)
+    else:
+        print(render_fleet(snap, url), file=out)
+        if check:
+            print("", "CHECK " + ("OK" if not found else "FAILED"), sep="\n", file=out)
+    return 1 if check and found else 0

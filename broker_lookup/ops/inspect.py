@@ -24,10 +24,10 @@ import redis
 
 from broker_lookup.config import LookupConfig, redact_url
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
-from broker_lookup.ops.fleet import conflicts, engine_roles, fleet_snapshot, render_fleet
+from broker_lookup.ops.fleet import conflicts, engine_roles, render_owners, run_fleet
 from broker_lookup.ops.rank_latency import rank_latency, render_rank_latency
 from broker_lookup.protocol import lookup_hash
-from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace
+from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.transport.connection import make_factory
 
 __all__ = ["RECENT", "check", "rank_latency", "render", "run_inspect", "snapshot"]
@@ -226,17 +226,7 @@ def render(snap: Snapshot, url: str, reasons: list[str] | None) -> str:
             f"  {g.get('name')!s:<10}{g.get('consumers')!s:<11}{g.get('pending')!s:<9}"
             f"{g.get('lag')!s:<7}{g.get('last-delivered-id')}"
         )
-    lines += ["", "OWNERS"]
-    for role, info in sorted(snap.get("roles", {}).items()):
-        owner = info["owner"]
-        held = (
-            f"epoch {owner.get('epoch')} {owner.get('host')}/{owner.get('pid')}" if owner else "-"
-        )
-        waiting = info["waiting"]
-        extra = f"  WAITING: {waiting.get('host')}/{waiting.get('pid')}" if waiting else ""
-        lines.append(
-            f"  {'scheduler' if role == SCHEDULER_ROLE else 'rank ' + role:<11}{held}{extra}"
-        )
+    render_owners(snap.get("roles", {}), lines)
     lines += ["", "STREAMS  " + "  ".join(f"{k} {v}" for k, v in snap["streams"].items()), ""]
     render_rank_latency(snap.get("rank_latency"), lines)
     _render_lookups(snap, lines)
@@ -261,7 +251,8 @@ def _once(
 ) -> int:
     url = redact_url(config.redis_url)
     if keys is None:
-        return _fleet(client, url, opts, out)
+        with translate_redis_errors("inspecting every engine"):
+            return run_fleet(client, url, opts["as_json"], opts["check"], out)
     snap = snapshot(client, keys, opts["world_size"], opts["limit"], opts["recent"])
     if not snap["keys"]:
         print(f"no key of engine {keys.engine_id} on {url} ({keys.pattern})", file=sys.stderr)
@@ -274,22 +265,6 @@ def _once(
     else:
         print(render(snap, config.redis_url, reasons if opts["check"] else None), file=out)
     return 1 if opts["check"] and reasons else 0
-
-
-def _fleet(client: redis.Redis, url: str, opts: dict[str, Any], out: TextIO) -> int:
-    """Every engine on the server; with ``check``, 1 if any role has a conflict."""
-    with translate_redis_errors("inspecting every engine"):
-        snap = fleet_snapshot(client, int(time.time() * 1000))
-    found = [line for e in snap["engines"] for line in e["conflicts"]]
-    if opts["as_json"]:
-        snap["check"] = {"ok": not found, "reasons": found}
-        snap["redis_url"] = url
-        print(json.dumps(snap, default=str), file=out, flush=True)
-    else:
-        print(render_fleet(snap, url), file=out)
-        if opts["check"]:
-            print("", "CHECK " + ("OK" if not found else "FAILED"), sep="\n", file=out)
-    return 1 if opts["check"] and found else 0
 
 
 def run_inspect(
