@@ -48,6 +48,9 @@ class ExitCode(enum.IntEnum):
     FAILED = 1  #: the work failed: a loop died, a child failed, a target was missed
     USAGE = 2  #: bad arguments, environment or config
     UNREACHABLE = 3  #: Redis did not answer in time at startup
+    #: another live process holds this rank of this engine id (its lease): this one did
+    #: not get it within ``--claim-timeout`` (two processes started for one rank)
+    NOT_OWNER = 4
     INTERRUPTED = 130  #: Ctrl-C
 
 

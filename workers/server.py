@@ -25,10 +25,13 @@ from typing import Any
 
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.engine import LookupEngine
+from broker_lookup.errors import BrokerLookupError, translate_redis_errors
 from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
-from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.keys import KeySpace, rank_role
+from broker_lookup.protocol.scripts import ScriptSet
 from broker_lookup.transport.connection import ConnectionFactory, close_factory
+from broker_lookup.transport.lease import Lease
 from workers.pipeline.connections import rank_factories
 from workers.pipeline.dispatch import Dispatcher
 from workers.pipeline.lifecycle import Lifecycle
@@ -89,7 +92,14 @@ class RedisAsyncLookupServer:
             factory,
             ttl_ms=cfg.engine_ttl_ms,
         )
-        self._dispatcher = Dispatcher(engine, self.tracker, cfg, self.keys, self.rank, factory)
+        #: This process's lease on the rank: one owner per (engine, rank).
+        self.lease = Lease(
+            self.keys, rank_role(self.rank), f"rank {self.rank}", cfg.lease_ms, cfg.epochs_ttl_ms
+        )
+        self._factory = factory
+        self._dispatcher = Dispatcher(
+            engine, self.tracker, cfg, self.keys, self.rank, factory, lease=self.lease
+        )
         self._reporter = self._dispatcher.reporter
         self._sweeper = Sweeper(
             f"rank {self.rank} sweeper",
@@ -107,6 +117,7 @@ class RedisAsyncLookupServer:
             self._dispatcher,
             self._reporter,
             self.fingerprint,
+            lease=self.lease,
             world_size=metadata.world_size,
             redis_retries=connection_factory is not None,
             configured_engine_id=metadata.configured_engine_id,
@@ -143,12 +154,31 @@ class RedisAsyncLookupServer:
         ok = self._loop.stop(grace)
         ok = self._sweeper.stop(grace) and ok
         ok = self._reporter.stop(grace) and ok
+        self._release_lease()  # after the reports' flush: a released lease fences them
         self.fingerprint.close()
         self._dispatcher.release_all()
         for factory in self._own_factories:
             close_factory(factory)
         if not ok:
             logger.error("rank %d: server threads did not stop within %.1fs", self.rank, grace)
+
+    def _release_lease(self) -> None:
+        """Give the rank's lease (and heartbeat) up, so the next process takes over at once;
+        a failure is logged: the lease then expires by itself."""
+        try:
+            client = self._factory()
+            try:
+                with translate_redis_errors("releasing the rank's lease"):
+                    ScriptSet().call(client, self.lease.release_call(rank=True))
+            finally:
+                client.close()
+        except BrokerLookupError as exc:
+            logger.warning(
+                "rank %d: lease not released at shutdown (it expires after %d ms): %s",
+                self.rank,
+                self.config.lease_ms,
+                exc,
+            )
 
     # -- observability --------------------------------------------------------------
 
@@ -175,14 +205,16 @@ class RedisAsyncLookupServer:
                 loop.guard.count + self._reporter.guard.count + self._sweeper.guard.count
             ),
             "last_heartbeat": loop.heartbeat.last_beat,
-            "ready": loop.ready.is_set(),
+            "ready": self.ready,
+            "ownership": self.lease.state(),
             "alive": loop.alive() and self._sweeper.alive(),
         }
 
     @property
     def ready(self) -> bool:
-        """True once the group exists and the loop is reading."""
-        return self._loop.ready.is_set()
+        """True while this process holds the rank's lease, the group exists and the loop
+        is reading."""
+        return self._loop.ready.is_set() and self.lease.held()
 
     def __enter__(self) -> RedisAsyncLookupServer:
         return self

@@ -7,10 +7,12 @@ lookups past their deadline end as 0 and are cancelled even if nobody polls them
 (LMCache D11); ranks without a heartbeat fail their lookups at once (D8); lookups
 whose completion event was missed (a reconnect, a flushed stream) are reconciled
 from their hash, once Redis confirmed their submit (a lookup still queued behind a
-burst is never taken for vanished). Once per ``heartbeat_interval_ms`` it also
-refreshes the TTL of the engine's streams and fingerprint hash (see
-:mod:`broker_lookup.protocol.lifetime`), off the hot path: an idle engine whose scheduler
-lives keeps them.
+burst is never taken for vanished). Every heartbeat interval it also renews the
+scheduler's lease (one scheduler per engine): while another scheduler holds it, or
+once ours lapsed, ``lookup()`` answers 0 without submitting. Once per
+``heartbeat_interval_ms`` it also refreshes the TTL of the engine's streams and
+fingerprint hash (see :mod:`broker_lookup.protocol.lifetime`), off the hot path: an idle
+engine whose scheduler lives keeps them.
 
 Its commands go over the transport's :class:`~broker_lookup.transport.lean.LeanLink`
 (raw replies, no redis-py callbacks) except on Redis Cluster, where redis-py's client
@@ -33,6 +35,7 @@ from broker_lookup.config import LookupConfig
 from broker_lookup.errors import (
     REDIS_ERRORS,
     BrokerLookupError,
+    BrokerResponseError,
     MalformedMessage,
     raise_translated,
     translate_redis_errors,
@@ -41,8 +44,10 @@ from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.lifetime import refresh_commands
 from broker_lookup.protocol.messages import decode_done
+from broker_lookup.protocol.scripts import ScriptSet
 from broker_lookup.threads import LoopThread
 from broker_lookup.transport.lean import Command, LeanLink, Link, open_link, stream_entries
+from broker_lookup.transport.lease import Lease, run_claim
 
 __all__ = ["Listener"]
 
@@ -65,6 +70,7 @@ class Listener(LoopThread):
         breaker: Breaker,
         on_sweep: Callable[[redis.Redis], None] | None = None,
         insights: RankInsights | None = None,
+        lease: Lease | None = None,
     ) -> None:
         super().__init__("client listener", "listener")
         #: Called with the listener's connection on every sweep (the fingerprint's tick).
@@ -82,7 +88,7 @@ class Listener(LoopThread):
         self._checked = False
         self.errors = 0
         self.connected = False
-        self._next = {"hb": 0.0, "reconcile": 0.0, "evict": 0.0, "refresh": 0.0}
+        self._next = {"hb": 0.0, "lease": 0.0, "reconcile": 0.0, "evict": 0.0, "refresh": 0.0}
         #: The lean connection of the thread's hot reads (None: redis-py's client).
         self._link: LeanLink | None = None
         #: The thread's link for the refresh (lean, or redis-py's pipeline on a cluster).
@@ -92,12 +98,16 @@ class Listener(LoopThread):
         self._mget: Command = ("MGET", *self._heartbeat_keys)
         #: Per-rank latency and disagreement (``rank_insights``); None when it is off.
         self.insights = insights
+        #: The scheduler's lease, renewed here every heartbeat interval (None: none).
+        self.lease = lease
+        self._scripts = ScriptSet()
 
     def prime(self, client: redis.Redis) -> None:
         """Learn liveness and the stream position now, before :meth:`start`."""
         try:
             self._position(client)
             self.check_heartbeats(client)
+            self.renew(client)
         except BrokerLookupError as exc:
             logger.warning("broker unavailable at start (%s); lookups answer 0 until it is", exc)
 
@@ -187,6 +197,14 @@ class Listener(LoopThread):
         now = time.monotonic()
         for lookup_id, entry in self._table.overdue(now):
             self._table.on_deadline(lookup_id, entry, now)
+        lease = self.lease
+        # Every sweep while ours lapsed (back from a stall longer than the lease: lookups
+        # answer 0 until this succeeds; another holder is retried every interval), before
+        # the heartbeats: ranks seen alive again then mean the lease was tried too.
+        lapsed = lease is not None and lease.holder is None and not lease.held(now)
+        if now >= self._next["lease"] or lapsed:
+            self._next["lease"] = now + self._config.heartbeat_interval_ms / 1000
+            self.renew(client)
         if now >= self._next["hb"]:
             self._next["hb"] = now + self._config.heartbeat_interval_ms / 2000
             self.check_heartbeats(client)
@@ -239,6 +257,22 @@ class Listener(LoopThread):
         if newly:
             for lookup_id, entry in self._table.waiting_on(newly):
                 self._table.expire(lookup_id, entry, "dead_rank")
+
+    def renew(self, client: redis.Redis) -> None:
+        """Claim or renew the scheduler's lease (the lease logs and counts a conflict)."""
+        lease = self.lease
+        if lease is None:
+            return
+        for _ in range(2):  # again at once if ours came back later than the lease
+            now = time.monotonic()
+            lease.note_lapse(now)
+            with translate_redis_errors("claiming the scheduler's lease"):
+                reply = run_claim(self._scripts, client, self._link, lease.claim_call())
+                try:
+                    if lease.on_reply(reply, now) or lease.holder is not None:
+                        return
+                except ValueError as exc:
+                    raise BrokerResponseError(f"claiming the scheduler's lease: {exc}") from None
 
     def _reconcile(self, client: redis.Redis, now: float) -> None:
         due = self._table.due_for_reconcile(now, _RECONCILE_BATCH)

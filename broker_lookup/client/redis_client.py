@@ -27,13 +27,15 @@ from broker_lookup.client.listener import Listener
 from broker_lookup.client.sender import Sender
 from broker_lookup.client.table import Entry, LookupTable, Outcome
 from broker_lookup.config import LookupConfig, LookupMetadata, expected_ranks
+from broker_lookup.errors import BrokerLookupError, translate_redis_errors
 from broker_lookup.interface import LookupClientInterface
 from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
-from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace
 from broker_lookup.protocol.messages import LookupRequest
 from broker_lookup.protocol.scripts import ScriptSet
 from broker_lookup.transport.connection import ConnectionFactory, close_factory, make_factory
+from broker_lookup.transport.lease import Lease
 
 if TYPE_CHECKING:
     import torch
@@ -107,6 +109,12 @@ class RedisAsyncLookupClient(LookupClientInterface):
         self._sender = Sender(
             config, self.keys, self._table, writer, ScriptSet(), self._breaker, self.insights
         )
+        #: One scheduler per engine: this client submits only while it holds this lease
+        #: (claimed now, renewed by the listener; never on the hot path).
+        self.lease = Lease(
+            self.keys, SCHEDULER_ROLE, "the scheduler", config.lease_ms, config.epochs_ttl_ms
+        )
+        self._writer = writer
         #: Publishes our hashing fingerprint and lists processes that hash differently.
         self.fingerprint = Publisher(self.keys, "client", self.hasher, ttl_ms=config.engine_ttl_ms)
         self._listener = Listener(
@@ -118,6 +126,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             self._breaker,
             self.fingerprint.tick,
             self.insights,
+            self.lease,
         )
         self._closed = False
         self._sender.start(",".join(map(str, self.expected)))
@@ -217,6 +226,12 @@ class RedisAsyncLookupClient(LookupClientInterface):
         budget_ms = self._deadline_rule.budget_ms(tokens)
         event = threading.Event() if with_event else None
         entry = Entry(next(self._gens), now, now + budget_ms / 1000, tokens, self.expected, event)
+        if not self.lease.held(now):
+            # Another scheduler serves this engine id (the lease logged it, once), or ours
+            # lapsed: submitting would share its ranks and its done stream.
+            outcome: Outcome = "duplicate_scheduler" if self.lease.holder else "unavailable"
+            self._table.add(lookup_id, entry, finished=outcome)
+            return 0
         if self._listener.dead.intersection(self.expected):
             self._table.add(lookup_id, entry, finished="dead_rank")
             return 0
@@ -296,6 +311,8 @@ class RedisAsyncLookupClient(LookupClientInterface):
             "redis_errors": self._sender.errors + self._listener.errors,
             "unexpected_errors": self._sender.guard.count + self._listener.guard.count,
             "dead_ranks": sorted(self._listener.dead),
+            # One scheduler per engine: whether this one holds the lease, conflicts seen.
+            "ownership": self.lease.state(),
             "latency_counts": list(t.latency.counts),
             "latency_sum": t.latency.total,
             # Per-rank latency, last to report, disagreement (empty: rank_insights off).
@@ -321,11 +338,24 @@ class RedisAsyncLookupClient(LookupClientInterface):
             ok = self._listener.stop(max(0.0, deadline - time.monotonic())) and ok
             if not ok:
                 logger.error("lookup client threads did not stop within %.1fs", grace)
+            self._release_lease()
         except Exception:
             logger.exception("lookup client close failed; connections are closed anyway")
         finally:
             for factory in self._factories:
                 close_factory(factory)
+
+    def _release_lease(self) -> None:
+        """Give the scheduler's lease up (the next scheduler takes over at once); a
+        failure is logged: the lease then expires by itself."""
+        client = self._writer()
+        try:
+            with translate_redis_errors("releasing the scheduler's lease"):
+                ScriptSet().call(client, self.lease.release_call(rank=False))
+        except BrokerLookupError as exc:
+            logger.warning("scheduler's lease not released at close (it expires): %s", exc)
+        finally:
+            client.close()
 
     def __enter__(self) -> RedisAsyncLookupClient:
         return self

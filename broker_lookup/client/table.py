@@ -33,11 +33,13 @@ Outcome = Literal[
     "error",
     "unavailable",
     "rejected",
+    "duplicate_scheduler",
 ]
 #: ``partial``: answered at the deadline with the prefix every rank confirmed loaded
 #: (``partial_answers``); ``unavailable``: answered 0 at once because the circuit breaker
 #: was open (Redis failing or stalled); ``rejected``: a request the protocol cannot carry
-#: (see client.admit).
+#: (see client.admit); ``duplicate_scheduler``: answered 0 because another scheduler holds
+#: this engine id's lease.
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 
 

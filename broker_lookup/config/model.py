@@ -153,6 +153,10 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     block_ms: int = 200  #: XREAD/XREADGROUP BLOCK; well under socket_timeout_ms
     heartbeat_interval_ms: int = 500  #: how often a rank refreshes its heartbeat
     heartbeat_ttl_ms: int = 2000  #: a rank silent this long is dead
+    #: the lease of a rank's or a scheduler's role (one owner each): a holder renews it
+    #: every heartbeat_interval_ms; a second process takes over once it is this long
+    #: unrenewed. None: heartbeat_ttl_ms
+    owner_lease_ms: int | None = None
     stream_maxlen: int = 20000  #: approximate cap of the request stream
     done_maxlen: int = 20000  #: approximate cap of the completion stream
     dead_maxlen: int = 1000  #: approximate cap of the dead-letter stream
@@ -239,6 +243,14 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             self.heartbeat_ttl_ms,
             "must be at least twice heartbeat_interval_ms",
         )
+        lease = self.lease_ms
+        _require(
+            lease >= 2 * self.heartbeat_interval_ms,
+            "owner_lease_ms",
+            lease,
+            f"must be at least twice heartbeat_interval_ms={self.heartbeat_interval_ms} "
+            "(a holder renews it every interval)",
+        )
         _require(
             self.worker_pin_ttl_ms > self.lookup_timeout_ms,
             "worker_pin_ttl_ms",
@@ -308,6 +320,18 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             f"hash TTL ({self.key_ttl_ms} ms: the longest deadline plus key_grace_ms), and be "
             f"at most {ENGINE_TTL_MAX_MS} (1 h): no key of an engine may outlive it longer",
         )
+
+    @property
+    def lease_ms(self) -> int:
+        """The lease of one role: ``owner_lease_ms``, or ``heartbeat_ttl_ms`` by default."""
+        return self.owner_lease_ms if self.owner_lease_ms is not None else self.heartbeat_ttl_ms
+
+    @property
+    def epochs_ttl_ms(self) -> int:
+        """PEXPIRE of the engine's epoch counter, refreshed by every claim and renewal:
+        30 leases, at least a minute, so it outlives a holder's pauses but not its engine
+        for long (tokens stay unique without it: each carries its holder's nonce)."""
+        return max(60_000, 30 * self.lease_ms)
 
     @property
     def wait_ms(self) -> int:

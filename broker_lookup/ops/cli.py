@@ -74,7 +74,9 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _setup_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="Redis URL (default: BROKER_LOOKUP_REDIS_URL)")
-    p.add_argument("--engine-id", required=True, help="engine whose keys to show")
+    p.add_argument(
+        "--engine-id", help="engine whose keys to show (default: every engine on the server)"
+    )
     p.add_argument("--world-size", type=int, help="ranks expected (default: from the groups)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="repeat until Ctrl-C")
@@ -89,7 +91,9 @@ def _setup_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--check",
         action="store_true",
-        help="exit 1 unless every expected rank has a heartbeat and a consumer group",
+        help="exit 1 unless every expected rank has a heartbeat and a consumer group and no "
+        "role (scheduler, rank) has a second process waiting for it; without --engine-id, "
+        "exit 1 on any such conflict",
     )
 
 

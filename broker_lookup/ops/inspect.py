@@ -1,12 +1,15 @@
-"""``broker-lookup inspect``: what one engine's keys say right now.
+"""``broker-lookup inspect``: what one engine's keys say right now (every engine's, in
+short, without ``--engine-id``: see ``fleet``).
 
 In-flight lookups (state, age, per-rank hits, missing ranks with what each confirmed
 loaded so far, TTL; ``partial`` once answered at the deadline), rank liveness from
 the heartbeat keys, per-group lag and pending, stream lengths, the last dead letters
 and hashing fingerprints, and per rank, over the last ``recent`` completions (those
 ``rank_insights`` timed), p50/p99 of the submit-to-report latency on the server's clock
-and the share of lookups it reported last. ``--check`` turns it into a probe: exit 0
-iff every expected rank has a heartbeat and a consumer group. Read-only: it never writes a key.
+and the share of lookups it reported last, and who holds each role (scheduler, ranks)
+and who waits for it. ``--check`` turns it into a probe: exit 0 iff every expected rank
+has a heartbeat and a consumer group and no role has a second process waiting for it
+(for the fleet: no conflict anywhere). Read-only: it never writes a key.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import redis
 
 from broker_lookup.config import LookupConfig, redact_url
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
+from broker_lookup.ops.fleet import conflicts, engine_roles, render_owners, run_fleet
 from broker_lookup.ops.rank_latency import rank_latency, render_rank_latency
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
@@ -128,8 +132,13 @@ def snapshot(
         pipe.hgetall(keys.fingerprint)
         pipe.xrevrange(keys.done, count=max(1, recent))
         req, done, dead, letters, fps, completions = pipe.execute()
+        parts = [keys.part(k) for k in client.scan_iter(match=keys.pattern, count=500)]
+        roles = engine_roles(client, keys, parts)
         snap: Snapshot = {
             "engine_id": keys.engine_id,
+            "keys": len(parts),
+            "roles": roles,
+            "conflicts": conflicts(keys.engine_id, roles),
             "time_ms": now_ms,
             "lookups": _lookups(client, keys, now_ms, limit),
             "ranks": _ranks(client, keys, now_ms),
@@ -159,7 +168,7 @@ def check(snap: Snapshot, keys: KeySpace) -> list[str]:
             reasons.append(f"rank {rank}: no heartbeat ({keys.heartbeat(rank)} missing)")
         if keys.group(rank) not in groups:
             reasons.append(f"rank {rank}: consumer group {keys.group(rank)} missing")
-    return reasons
+    return reasons + list(snap.get("conflicts", []))
 
 
 def _fmt_s(value: float | None) -> str:
@@ -217,6 +226,7 @@ def render(snap: Snapshot, url: str, reasons: list[str] | None) -> str:
             f"  {g.get('name')!s:<10}{g.get('consumers')!s:<11}{g.get('pending')!s:<9}"
             f"{g.get('lag')!s:<7}{g.get('last-delivered-id')}"
         )
+    render_owners(snap.get("roles", {}), lines)
     lines += ["", "STREAMS  " + "  ".join(f"{k} {v}" for k, v in snap["streams"].items()), ""]
     render_rank_latency(snap.get("rank_latency"), lines)
     _render_lookups(snap, lines)
@@ -233,13 +243,24 @@ def render(snap: Snapshot, url: str, reasons: list[str] | None) -> str:
 
 
 def _once(
-    client: redis.Redis, keys: KeySpace, config: LookupConfig, opts: dict[str, Any], out: TextIO
+    client: redis.Redis,
+    keys: KeySpace | None,
+    config: LookupConfig,
+    opts: dict[str, Any],
+    out: TextIO,
 ) -> int:
+    url = redact_url(config.redis_url)
+    if keys is None:
+        with translate_redis_errors("inspecting every engine"):
+            return run_fleet(client, url, opts["as_json"], opts["check"], out)
     snap = snapshot(client, keys, opts["world_size"], opts["limit"], opts["recent"])
+    if not snap["keys"]:
+        print(f"no key of engine {keys.engine_id} on {url} ({keys.pattern})", file=sys.stderr)
+        return 1
     reasons = check(snap, keys)
     if opts["as_json"]:
         snap["check"] = {"ok": not reasons, "reasons": reasons}
-        snap["redis_url"] = redact_url(config.redis_url)
+        snap["redis_url"] = url
         print(json.dumps(snap, default=str), file=out, flush=True)
     else:
         print(render(snap, config.redis_url, reasons if opts["check"] else None), file=out)
@@ -248,7 +269,7 @@ def _once(
 
 def run_inspect(
     config: LookupConfig,
-    engine_id: str,
+    engine_id: str | None,
     *,
     world_size: int | None = None,
     as_json: bool = False,
@@ -261,12 +282,13 @@ def run_inspect(
 ) -> int:
     """Print one report, or one every ``watch_s`` seconds until Ctrl-C; return the exit code.
 
-    ``recent``: completion entries read for the per-rank latency (newest first).
+    ``engine_id`` None: every engine on the server. ``recent``: completion entries read
+    for the per-rank latency (newest first).
 
-    Exit codes: 0 ok, 1 ``check`` failed, 3 Redis unreachable.
+    Exit codes: 0 ok, 1 ``check`` failed or no key of ``engine_id``, 3 Redis unreachable.
     """
     stream = out or sys.stdout
-    keys = KeySpace(engine_id)
+    keys = KeySpace(engine_id) if engine_id is not None else None
     opts = {
         "world_size": world_size,
         "limit": limit,

@@ -44,7 +44,16 @@ CLIENT_METRICS: dict[str, tuple[str, str]] = {
     "broker_lookup_client_lookups_total": (
         "counter",
         "Finished lookups by outcome (hit, miss, timeout, cancelled, dead_rank, error, "
-        "unavailable, rejected).",
+        "unavailable, rejected, duplicate_scheduler).",
+    ),
+    "broker_lookup_client_owner": (
+        "gauge",
+        "1 while this scheduler holds its engine's lease (0: another scheduler of the same "
+        "engine id holds it, or ours lapsed: lookups answer 0).",
+    ),
+    "broker_lookup_client_owner_conflicts_total": (
+        "counter",
+        "Times this scheduler found another live scheduler holding its engine id.",
     ),
     "broker_lookup_client_rejected_total": (
         "counter",
@@ -132,6 +141,19 @@ WORKER_METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Progress reports (partial_answers) written, by progress.lua's answer.",
     ),
+    "broker_lookup_worker_owner": (
+        "gauge",
+        "1 while this process holds the rank's lease and serves it (0: another process "
+        "of the same engine id and rank holds it, or ours lapsed).",
+    ),
+    "broker_lookup_worker_owner_conflicts_total": (
+        "counter",
+        "Times this process found another live process serving its rank.",
+    ),
+    "broker_lookup_worker_owner_lost_total": (
+        "counter",
+        "Times this process lost its rank's lease to another process and stopped serving.",
+    ),
     "broker_lookup_worker_keeps_total": (
         "counter",
         "Keep entries of partial answers handled: kept, unknown (no such generation "
@@ -163,6 +185,7 @@ _REPORT_RESULTS = (
     "unknown_rank",
     "invalid",
     "settled",
+    "fenced",
     "error",
 )
 #: Answers of ``progress.lua`` counted as ``progress_total{result}``.
@@ -175,6 +198,7 @@ _PROGRESS_RESULTS = (
     "stale",
     "unknown_rank",
     "invalid",
+    "fenced",
     "error",
     "overflow",
 )
@@ -300,12 +324,17 @@ class ClientCollector(Collector):
             family = _counter(name)
             family.add_metric([], float(st.get(key, 0)))
             yield family
-        for name, key in (
-            ("broker_lookup_client_inflight", "inflight"),
-            ("broker_lookup_client_breaker_open", "breaker_open"),
+        own: Mapping[str, Any] = st.get("ownership") or {}
+        conflicts = _counter("broker_lookup_client_owner_conflicts_total")
+        conflicts.add_metric([], float(own.get("conflicts", 0)))
+        yield conflicts
+        for name, value in (
+            ("broker_lookup_client_inflight", st.get("inflight", 0)),
+            ("broker_lookup_client_breaker_open", st.get("breaker_open", 0)),
+            ("broker_lookup_client_owner", own.get("owner", 0)),
         ):
             gauge = _gauge(name)
-            gauge.add_metric([], float(st.get(key, 0)))
+            gauge.add_metric([], float(value))
             yield gauge
         yield from _rank_families(st.get("rank_insights") or {})
 
@@ -371,7 +400,11 @@ class ServerCollector(Collector):
         consumer: Mapping[str, Any],
     ) -> Iterator[Metric]:
         beat = float(st.get("last_heartbeat") or 0.0)
+        own: Mapping[str, Any] = st.get("ownership") or {}
         values: dict[str, float] = {
+            "broker_lookup_worker_owner": float(own.get("owner", 0)),
+            "broker_lookup_worker_owner_conflicts_total": own.get("conflicts", 0),
+            "broker_lookup_worker_owner_lost_total": own.get("lost", 0),
             "broker_lookup_worker_requests_total": counts.get("requests", 0),
             "broker_lookup_worker_expired_total": counts.get("expired", 0),
             "broker_lookup_worker_aborts_total": counts.get("aborts", 0),

@@ -14,6 +14,11 @@ key                         type     content
 ``bl:{E}:hb:<r>``           string   rank heartbeat (JSON), PX TTL
 ``bl:{E}:dead``             stream   dead-lettered entries with the reason
 ``bl:{E}:fp``               hash     hashing fingerprint per process
+``bl:{E}:owner:<role>``     string   the lease of one role (``<r>`` a rank, ``sched`` the
+                                     scheduler): ``<token> <identity JSON>``, PX lease
+``bl:{E}:epochs``           hash     per role, the last epoch handed out (fencing tokens)
+``bl:{E}:contender:<role>`` string   a process waiting for that role's lease (identity JSON),
+                                     PX lease: a conflict, for ``inspect``
 ==========================  =======  ====================================================
 
 The streams and ``fp`` live as long as the engine (:attr:`KeySpace.lasting`, see
@@ -30,10 +35,14 @@ from broker_lookup.protocol import lookup_hash
 
 __all__ = [
     "DIGEST_MARK",
+    "FLEET_PATTERN",
     "INSTANCE_MARK",
     "PREFIX",
+    "SCHEDULER_ROLE",
     "KeySpace",
+    "engine_of",
     "instance_engine_id",
+    "rank_role",
     "validate_engine_id",
 ]
 
@@ -51,6 +60,28 @@ INSTANCE_MARK = "."
 _NOT_IN_ENGINE_ID = re.compile(r"[^A-Za-z0-9_.:\-]")
 #: Longest instance id kept (vLLM's is 5 hex digits, ``_dp<k>`` added under data parallel).
 _INSTANCE_MAX = 32
+#: The role of an engine's scheduler (its lookup client) in the ownership keys.
+SCHEDULER_ROLE = "sched"
+
+
+def rank_role(rank: int) -> str:
+    """The role of one rank in the ownership keys."""
+    return str(rank)
+
+
+#: SCAN pattern matching every key of every engine on a server.
+FLEET_PATTERN = PREFIX + ":{*"
+
+
+def engine_of(key: str | bytes) -> str | None:
+    """The engine id in ``key``'s hash tag (``bl:{<engine>}:...``); None for another key."""
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    head = PREFIX + ":{"
+    end = text.find("}:", len(head))
+    if not text.startswith(head) or end < 0:
+        return None
+    engine = text[len(head) : end]
+    return engine if _ENGINE_ID_RE.fullmatch(engine) else None
 
 
 def validate_engine_id(engine_id: str, name: str = "engine_id") -> str:
@@ -99,7 +130,16 @@ class KeySpace:
     'bl:{vllm-0}:lookup:req-1'
     """
 
-    __slots__ = ("_base", "dead", "done", "engine_id", "fingerprint", "lasting", "requests")
+    __slots__ = (
+        "_base",
+        "dead",
+        "done",
+        "engine_id",
+        "epochs",
+        "fingerprint",
+        "lasting",
+        "requests",
+    )
 
     def __init__(self, engine_id: str) -> None:
         self.engine_id = validate_engine_id(engine_id)
@@ -111,6 +151,8 @@ class KeySpace:
         #: The keys that live as long as the engine: every live process refreshes their
         #: TTL (``engine_ttl_ms``), so they expire once the last one is gone.
         self.lasting = (self.requests, self.done, self.dead, self.fingerprint)
+        #: Per role, the last fencing epoch handed out by ``claim.lua``.
+        self.epochs = self._base + "epochs"
 
     def lookup(self, lookup_id: str) -> str:
         """Hash holding the state of one lookup, for any ``str`` id.
@@ -144,6 +186,29 @@ class KeySpace:
     def heartbeat_pattern(self) -> str:
         """SCAN pattern matching every heartbeat key of this engine."""
         return self._base + "hb:*"
+
+    def owner(self, role: str) -> str:
+        """String key holding the lease of ``role`` (:func:`rank_role` or SCHEDULER_ROLE)."""
+        return f"{self._base}owner:{role}"
+
+    @property
+    def owner_pattern(self) -> str:
+        """SCAN pattern matching every lease of this engine."""
+        return self._base + "owner:*"
+
+    def contender(self, role: str) -> str:
+        """String key a process waiting for ``role``'s lease keeps refreshed: a conflict."""
+        return f"{self._base}contender:{role}"
+
+    @property
+    def contender_pattern(self) -> str:
+        """SCAN pattern matching every contender key of this engine."""
+        return self._base + "contender:*"
+
+    def part(self, key: str | bytes) -> str:
+        """What follows this engine's prefix in ``key`` (``owner:0``, ``hb:1``, ``done``)."""
+        text = key.decode(errors="replace") if isinstance(key, bytes) else key
+        return text[len(self._base) :] if text.startswith(self._base) else text
 
     @property
     def pattern(self) -> str:

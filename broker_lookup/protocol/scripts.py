@@ -21,10 +21,12 @@ from redis.exceptions import NoScriptError, ResponseError
 from broker_lookup.errors import translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, Keep, LookupRequest, request_fields
+from broker_lookup.protocol.ownership import Identity
 from broker_lookup.transport.lean import Command, Link
 
 __all__ = [
     "CANCEL",
+    "CLAIM",
     "DEADLINE",
     "KEEP",
     "PROGRESS",
@@ -34,10 +36,12 @@ __all__ = [
     "ScriptSet",
     "cancel_args",
     "cancel_call",
+    "claim_call",
     "deadline_call",
     "is_noscript",
     "keep_call",
     "progress_call",
+    "release_call",
     "report_answer",
     "report_args",
     "report_call",
@@ -51,8 +55,11 @@ CANCEL = "cancel"
 PROGRESS = "progress"
 DEADLINE = "deadline"
 KEEP = "keep"
+CLAIM = "claim"
 
 Arg = str | bytes | int
+#: A rank's fencing: its lease key and the token it holds (``report.lua``'s KEYS[3], ARGV[7]).
+Fence = tuple[str, str]
 #: Queues extra commands on a pipeline ahead of the scripts; returns how many.
 Before = Callable[[Any], int]
 
@@ -174,10 +181,50 @@ def keep_call(keys: KeySpace, keep: Keep, *, maxlen: int, engine_ttl_ms: int) ->
     return Call(KEEP, (keys.lookup(keep.lookup_id), keys.requests), args)
 
 
-def progress_call(keys: KeySpace, lookup_id: str, *, rank: int, gen: int, tokens: int) -> Call:
+def progress_call(
+    keys: KeySpace,
+    lookup_id: str,
+    *,
+    rank: int,
+    gen: int,
+    tokens: int,
+    fence: Fence | None = None,
+) -> Call:
     """The ``progress.lua`` call recording that ``rank`` holds ``tokens`` of the prefix of
-    (``lookup_id``, ``gen``) loaded and pinned so far."""
-    return Call(PROGRESS, (keys.lookup(lookup_id),), [rank, gen, tokens])
+    (``lookup_id``, ``gen``) loaded and pinned so far; with ``fence``, only while the
+    rank's lease holds its token (else ``fenced``)."""
+    if fence is None:
+        return Call(PROGRESS, (keys.lookup(lookup_id),), [rank, gen, tokens])
+    return Call(PROGRESS, (keys.lookup(lookup_id), fence[0]), [rank, gen, tokens, fence[1]])
+
+
+def claim_call(
+    keys: KeySpace,
+    role: str,
+    identity: Identity,
+    *,
+    lease_ms: int,
+    epochs_ttl_ms: int,
+    heartbeat: tuple[str, int] | None = None,
+) -> Call:
+    """The ``claim.lua`` call claiming or renewing ``role``'s lease for ``identity``.
+
+    ``heartbeat`` (a rank's: body, TTL ms) is written with the claim, by the holder only.
+    """
+    base = ("claim", role, identity.encode(), identity.nonce, lease_ms, epochs_ttl_ms)
+    keys_ = (keys.owner(role), keys.epochs, keys.contender(role))
+    if heartbeat is None:
+        return Call(CLAIM, keys_, base)
+    return Call(CLAIM, (*keys_, keys.heartbeat(int(role))), (*base, *heartbeat))
+
+
+def release_call(keys: KeySpace, role: str, identity: Identity, *, rank: bool) -> Call:
+    """The ``claim.lua`` call releasing ``role``'s lease if ``identity`` holds it (a clean
+    stop: the next process takes over at once); a rank's heartbeat goes with it."""
+    keys_: tuple[str, ...] = (keys.owner(role), keys.epochs, keys.contender(role))
+    if rank:
+        keys_ = (*keys_, keys.heartbeat(int(role)))
+    return Call(CLAIM, keys_, ("release", role, identity.encode(), identity.nonce, 0, 0))
 
 
 def _pairs(fields: dict[str, Arg]) -> list[Arg]:
@@ -198,9 +245,11 @@ def report_args(
     lookup_id: str,
     done_ttl_ms: int,
     engine_ttl_ms: int,
+    token: str | None = None,
 ) -> list[Arg]:
-    """ARGV of ``report.lua``, in the order its header documents."""
-    return [rank, gen, hits, done_maxlen, lookup_id, done_ttl_ms, engine_ttl_ms]
+    """ARGV of ``report.lua``, in the order its header documents (``token``: fenced)."""
+    args: list[Arg] = [rank, gen, hits, done_maxlen, lookup_id, done_ttl_ms, engine_ttl_ms]
+    return args if token is None else [*args, token]
 
 
 def report_call(
@@ -213,11 +262,14 @@ def report_call(
     done_maxlen: int,
     done_ttl_ms: int,
     engine_ttl_ms: int,
+    fence: Fence | None = None,
 ) -> Call:
     """The ``report.lua`` call recording ``rank``'s ``hits`` for (``lookup_id``, ``gen``).
 
     ``done_maxlen`` is the done stream's approximate cap and ``engine_ttl_ms`` its TTL,
-    ``done_ttl_ms`` the hash's PEXPIRE once the last expected rank completed it.
+    ``done_ttl_ms`` the hash's PEXPIRE once the last expected rank completed it. With
+    ``fence`` (the rank's lease key and token) nothing is recorded unless the lease holds
+    that token (``fenced``).
     """
     args = report_args(
         rank=rank,
@@ -227,8 +279,11 @@ def report_call(
         lookup_id=lookup_id,
         done_ttl_ms=done_ttl_ms,
         engine_ttl_ms=engine_ttl_ms,
+        token=None if fence is None else fence[1],
     )
-    return Call(REPORT, (keys.lookup(lookup_id), keys.done), args)
+    if fence is None:
+        return Call(REPORT, (keys.lookup(lookup_id), keys.done), args)
+    return Call(REPORT, (keys.lookup(lookup_id), keys.done, fence[0]), args)
 
 
 def report_answer(answer: str) -> tuple[str, int | None]:
@@ -251,7 +306,7 @@ def is_noscript(result: object) -> bool:
 class ScriptSet:
     """The protocol's scripts, loaded from ``broker_lookup/protocol/lua/*.lua``."""
 
-    NAMES = (SUBMIT, REPORT, CANCEL, PROGRESS, DEADLINE, KEEP)
+    NAMES = (SUBMIT, REPORT, CANCEL, PROGRESS, DEADLINE, KEEP, CLAIM)
 
     def __init__(self) -> None:
         base = resources.files("broker_lookup.protocol") / "lua"

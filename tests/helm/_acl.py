@@ -15,6 +15,11 @@ SCRIPT_COMMANDS = {
     "del",
     "pexpire",  # the lookup hash's TTL, and each stream's after its XADD
     "time",  # submit.lua and report.lua stamp on the server's clock (rank_insights)
+    # claim.lua: each role's lease (GET, SET PX), its epoch counter (HINCRBY); report.lua
+    # and progress.lua read the rank's lease (GET) to fence a report
+    "get",
+    "set",
+    "hincrby",
 }
 #: The owner leases' script (claim.lua) on the owner and epoch keys.
 OWNERSHIP = {"get", "set", "hincrby", "pexpire", "del"}

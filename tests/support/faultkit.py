@@ -92,7 +92,9 @@ class StartRank(Protocol):
     """The ``rank_procs`` fixture: start one ``python -m workers`` rank, killed after the test.
 
     ``prompts`` is the runner's ``--preload`` list; ``overrides`` are config fields, sent
-    as ``BROKER_LOOKUP_*`` variables on top of :data:`FAST`.
+    as ``BROKER_LOOKUP_*`` variables on top of :data:`FAST`; ``options`` are more flags of
+    ``python -m workers`` (``{"claim-timeout": 5}``). Two processes for one rank of one
+    engine get their own preload file, disk directory and log.
     """
 
     def __call__(
@@ -103,6 +105,7 @@ class StartRank(Protocol):
         rank: int,
         prompts: list[dict[str, Any]],
         load_delay_ms: float = 0.0,
+        options: dict[str, Any] | None = None,
         **overrides: Any,
     ) -> RankProcess: ...
 
@@ -117,6 +120,17 @@ class MakeLookupClient(Protocol):
         world_size: int = 1,
         cls: type[RedisAsyncLookupClient] = ...,
     ) -> RedisAsyncLookupClient: ...
+
+
+def second_scheduler(client: RedisAsyncLookupClient) -> RedisAsyncLookupClient:
+    """Let ``client`` submit although another client holds its engine id's scheduler lease.
+
+    Only for tests that need two deadlines on the same ranks: one engine id has one
+    scheduler, and a second one answers 0 without submitting (its conflict is still logged
+    and counted).
+    """
+    client.lease.held = lambda now=None: True  # type: ignore[method-assign]
+    return client
 
 
 def alive(client: RedisAsyncLookupClient, timeout: float = 60.0) -> None:

@@ -29,6 +29,7 @@ from broker_lookup.tools.faultproxy.proxy import FaultProxy
 def rank_procs(tmp_path: Path) -> Iterator[StartRank]:
     """Start rank processes: ``start(url, engine_id, world_size, rank, prompts, **config)``."""
     made: list[RankProcess] = []
+    started: list[tuple[str, int]] = []
 
     def start(
         url: str,
@@ -37,25 +38,31 @@ def rank_procs(tmp_path: Path) -> Iterator[StartRank]:
         rank: int,
         prompts: list[dict[str, Any]],
         load_delay_ms: float = 0.0,
+        options: dict[str, Any] | None = None,
         **overrides: Any,
     ) -> RankProcess:
-        preload = tmp_path / f"preload-{engine_id}-{rank}.json"
+        # A second process for one rank (an ownership test) gets files of its own.
+        seen = started.count((engine_id, rank))
+        started.append((engine_id, rank))
+        tag = f"{engine_id}-{rank}" + (f"-{seen}" if seen else "")
+        preload = tmp_path / f"preload-{tag}.json"
         preload.write_text(json.dumps({"prompts": prompts}))
         values = {**FAST, **overrides, "redis_url": url}
         extra = {env_name(k): str(v) for k, v in values.items()}
-        options = {
+        flags = {
             "engine-id": engine_id,
             "world-size": world_size,
             "rank": rank,
             "metrics-port": 0,
             "preload": preload,
             "load-delay-ms": load_delay_ms,
-            "disk-dir": tmp_path / f"disk-{engine_id}-{rank}",
+            "disk-dir": tmp_path / f"disk-{tag}",
             "connect-timeout": 30,
             "log-level": "INFO",
+            **(options or {}),
         }
-        argv = [sys.executable, "-m", "workers", *long_options(options)]
-        log = tmp_path / f"rank-{engine_id}-{rank}.log"
+        argv = [sys.executable, "-m", "workers", *long_options(flags)]
+        log = tmp_path / f"rank-{tag}.log"
         made.append(RankProcess(argv, child_env(os.environ, extra), log))
         return made[-1]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import redis
-from faultkit import CHUNK, config, prompt
+from faultkit import CHUNK, config, prompt, second_scheduler
 from helpers import RealServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
@@ -87,7 +87,8 @@ class Run:
         ]
         meta = LookupMetadata(engine_id=engine_id, world_size=2)
         self.client = RedisAsyncLookupClient(cfg, meta)
-        self.fast = RedisAsyncLookupClient(fast, meta)  # for the lookups that time out
+        # For the lookups that time out: a second deadline on the same ranks.
+        self.fast = second_scheduler(RedisAsyncLookupClient(fast, meta))
         for i, tokens in PROMPTS.items():
             hashes, offsets = self.client.hasher.hashes_and_offsets(tokens)
             for rank, engine in enumerate(self.engines):

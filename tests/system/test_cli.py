@@ -189,6 +189,9 @@ def test_inspect_watch_repeats_until_ctrl_c(
     real_server: RealServer, engine_id: str, tmp_path: Path
 ) -> None:
     out_path = tmp_path / "watch.out"
+    conn = redis.Redis.from_url(real_server.url)
+    conn.set(KeySpace(engine_id).heartbeat(0), "{}", px=60_000)  # the engine exists
+    conn.close()
     argv = ["inspect", "--redis-url", real_server.url, "--engine-id", engine_id, "--watch", "0.2"]
     with open(out_path, "wb") as out:
         proc = spawn(_cli(*argv), child_env(os.environ), out)
@@ -226,7 +229,7 @@ def test_worker_subcommand_is_python_m_workers() -> None:
 
 def test_cli_usage_errors_exit_2() -> None:
     assert _run("nope").returncode == 2
-    assert _run("inspect").returncode == 2  # --engine-id is required
+    assert _run("inspect", "--engine-id", "no{braces}").returncode == 2
     assert _run("demo", "--ranks", "0").returncode == 2
 
 
@@ -247,3 +250,45 @@ def test_inspect_shows_the_callers_id_of_a_digest_key(
         client.close()
     (item,) = json.loads(as_json.stdout)["lookups"]["shown"]
     assert item["id"] == hostile
+
+
+def test_inspect_of_an_engine_id_that_matches_nothing_exits_1(
+    real_server: RealServer, engine_id: str
+) -> None:
+    proc = _run("inspect", "--redis-url", real_server.url, "--engine-id", engine_id)
+    assert proc.returncode == 1
+    assert f"no key of engine {engine_id} on redis://" in proc.stderr
+
+
+def test_inspect_of_the_fleet_lists_engines_and_check_fails_on_a_conflict(
+    real_server: RealServer,
+    engine_id: str,
+    live_engine: dict[int, subprocess.Popen[bytes]],
+    tmp_path: Path,
+) -> None:
+    fleet = ["inspect", "--redis-url", real_server.url]
+    proc = _run(*fleet, "--json")
+    assert proc.returncode == 0, proc.stderr
+    (mine,) = [e for e in json.loads(proc.stdout)["engines"] if e["engine_id"] == engine_id]
+    assert mine["live"] and sorted(mine["ranks"]) == ["0", "1"]
+    assert {mine["ranks"][str(r)]["owner"]["pid"] for r in (0, 1)} == {
+        p.pid for p in live_engine.values()
+    }
+    # A second rank-1 process of the same engine: it waits, and the fleet check fails.
+    env = child_env(os.environ, {**FAST, "BROKER_LOOKUP_REDIS_URL": real_server.url})
+    argv = ["--engine-id", engine_id, "--world-size", "2", "--rank", "1", "--metrics-port", "0"]
+    with open(tmp_path / "dup.log", "wb") as out:
+        dup = spawn(python_module("workers", argv), env, out)
+    try:
+        conn = redis.Redis.from_url(real_server.url)
+        wait_until(lambda: conn.exists(KeySpace(engine_id).contender("1")), timeout=STARTUP_S)
+        conn.close()
+        failed = _run(*fleet, "--check")
+        assert failed.returncode == 1, failed.stdout
+        line = next(x for x in failed.stdout.splitlines() if f"engine {engine_id} rank 1" in x)
+        assert f"pid {live_engine[1].pid}" in line and f"pid {dup.pid}" in line
+        assert "CHECK FAILED" in failed.stdout
+        one = _run(*fleet, "--engine-id", engine_id, "--check", "--world-size", "2")
+        assert one.returncode == 1 and f"pid {dup.pid}" in one.stdout
+    finally:
+        terminate([dup], 15.0)

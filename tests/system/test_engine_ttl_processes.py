@@ -8,6 +8,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 HOT = prompt(1000)  # in memory on every rank: a full hit
 #: Short enough to wait through; the FAST lookup hashes (deadline plus 500 ms) fit under it.
-SHORT = {"engine_ttl_ms": 3000, "key_grace_ms": 500}
+SHORT: dict[str, Any] = {"engine_ttl_ms": 3000, "key_grace_ms": 500}
 TTL_S = SHORT["engine_ttl_ms"] / 1000
 CLIENT_SCRIPT = Path(__file__).resolve().parents[1] / "support" / "client_process.py"
 

@@ -13,7 +13,17 @@ from typing import Any
 
 import pytest
 import redis
-from faultkit import CHUNK, MakeLookupClient, StartRank, alive, answer, beat, config, prompt
+from faultkit import (
+    CHUNK,
+    MakeLookupClient,
+    StartRank,
+    alive,
+    answer,
+    beat,
+    config,
+    prompt,
+    second_scheduler,
+)
 from helpers import RealServer, stream_fields, wait_until
 
 from broker_lookup.protocol.keys import KeySpace
@@ -42,13 +52,20 @@ def test_kill9_mid_prefetch_then_restart_replays_pending(
     conn = redis.Redis.from_url(real_server.url)
     # A long heartbeat TTL: the crashed rank still counts as alive until it is back, so
     # lookups sent meanwhile wait for it instead of failing fast as dead-rank lookups.
-    slow_hb = {"heartbeat_interval_ms": 100, "heartbeat_ttl_ms": 20000}
+    # The lease stays short: the restarted rank takes over as soon as the crashed one's ended.
+    slow_hb: dict[str, Any] = {
+        "heartbeat_interval_ms": 100,
+        "heartbeat_ttl_ms": 20000,
+        "owner_lease_ms": 1500,
+    }
     ranks = [
         rank_procs(real_server.url, engine_id, 2, r, PROMPTS, load_delay_ms=250, **slow_hb)
         for r in range(2)
     ]
     short = clients(config(real_server.url, lookup_timeout_ms=2500, **slow_hb), engine_id, 2)
-    long = clients(config(real_server.url, lookup_timeout_ms=30000, **slow_hb), engine_id, 2)
+    long = second_scheduler(
+        clients(config(real_server.url, lookup_timeout_ms=30000, **slow_hb), engine_id, 2)
+    )
     alive(short)
     alive(long)
     assert short.lookup(SLOW, "slow") is None

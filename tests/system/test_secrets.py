@@ -19,6 +19,7 @@ from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.errors import BrokerLookupError, ConfigError, translate_redis_errors
 from broker_lookup.ops.cli import main as cli_main
 from broker_lookup.processes import child_env
+from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
 from broker_lookup.transport.connection import make_factory
 
@@ -122,6 +123,9 @@ def test_inspect_output_hides_passwords(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("BROKER_LOOKUP_REDIS_PASSWORD", raising=False)
+    conn = make_factory(LookupConfig(redis_url=_url(locked, RIGHT)), "test")()
+    conn.set(KeySpace(engine_id).heartbeat(0), "{}", px=60_000)  # the engine exists
+    conn.close()
     code, out = _inspect(capsys, "--redis-url", _url(locked, RIGHT), "--engine-id", engine_id)
     assert code == 0 and engine_id in out, out
     _clean(out)

@@ -55,6 +55,7 @@ class FakeClient:
             "latency_counts": [1, 0, 2] + [0] * (len(LATENCY_BUCKETS) - 3) + [4],
             "latency_sum": 12.5,
             "rank_insights": RANK_INSIGHTS,
+            "ownership": {"owner": False, "epoch": None, "conflicts": 2, "lost": 0, "claims": 0},
             **stats,
         }
 
@@ -79,6 +80,7 @@ class FakeServer:
                 "report_dropped": 1,
                 "report_stale": 2,
                 "report_skipped_aborted": 6,
+                "report_fenced": 7,
             },
             "running": 2,
             "waiting": 1,
@@ -86,6 +88,7 @@ class FakeServer:
             "consumer": {"pending": 11, "lag": 12, "dead_letters": 3, "redis_errors": 4},
             "reporter_errors": 1,
             "last_heartbeat": last_heartbeat,
+            "ownership": {"owner": True, "epoch": 3, "conflicts": 1, "lost": 2, "claims": 3},
             **extra,
         }
 
@@ -142,8 +145,12 @@ def test_client_values_and_outcome_label() -> None:
         "error": 0,
         "unavailable": 0,
         "rejected": 0,
+        "duplicate_scheduler": 0,
     }
     assert set(OUTCOMES) <= set(outcome)
+    # Another scheduler holds this engine id: not the owner, one conflict each episode.
+    assert samples[("broker_lookup_client_owner", ())] == 0
+    assert samples[("broker_lookup_client_owner_conflicts_total", ())] == 2
     assert samples[("broker_lookup_client_hit_tokens_total", ())] == 4096
     assert samples[("broker_lookup_client_inflight", ())] == 5
     assert samples[("broker_lookup_client_redis_errors_total", ())] == 7
@@ -197,6 +204,10 @@ def test_worker_series_carry_the_rank_and_read_stats() -> None:
     assert value("broker_lookup_worker_heartbeat_age_seconds") == pytest.approx(10.0)
     assert value("broker_lookup_worker_reports_total", result="complete") == 4
     assert value("broker_lookup_worker_reports_total", result="recorded") == 5
+    assert value("broker_lookup_worker_reports_total", result="fenced") == 7
+    assert value("broker_lookup_worker_owner") == 1
+    assert value("broker_lookup_worker_owner_conflicts_total") == 1
+    assert value("broker_lookup_worker_owner_lost_total") == 2
     assert value("broker_lookup_worker_reports_dropped_total", reason="late") == 1
     assert value("broker_lookup_worker_reports_dropped_total", reason="stale") == 2
     assert value("broker_lookup_worker_reports_dropped_total", reason="aborted") == 6

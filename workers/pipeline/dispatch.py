@@ -34,6 +34,7 @@ from broker_lookup.ops.ratelimit import RateLimitedLog
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, Keep, LookupRequest, Request
 from broker_lookup.protocol.scripts import report_answer
+from broker_lookup.transport.lease import Lease
 from workers.pipeline.lifecycle import Job, Lifecycle, Step
 from workers.pipeline.reporter import Report, Reporter
 
@@ -56,6 +57,7 @@ class Dispatcher:
         rank: this rank.
         factory: connections for the reporter's own thread.
         clock: the monotonic clock (a test's own, to step time by hand).
+        lease: the rank's lease, whose token fences every report (None: unfenced).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class Dispatcher:
         rank: int,
         factory: Callable[[], redis.Redis],
         clock: Callable[[], float] = time.monotonic,
+        lease: Lease | None = None,
     ) -> None:
         self._clock = clock
         self._engine = engine
@@ -77,7 +80,7 @@ class Dispatcher:
         #: Progress is only worth a Redis write where the deadline may answer with it.
         self._progress_on = config.partial_answers
         #: Sends the reports (its thread is started and stopped by the server).
-        self.reporter = Reporter(config, keys, rank, factory, self.settle)
+        self.reporter = Reporter(config, keys, rank, factory, self.settle, lease)
         self._lock = threading.Lock()  # counts and the engine histogram: every thread
         self._counts: dict[str, int] = {}
         #: Engine time from start to report, per LATENCY_BUCKETS bucket (+ overflow).

@@ -2,10 +2,12 @@
 
 ``bl:{E}:hb:<r>`` is a JSON string with a PX TTL, rewritten every
 ``heartbeat_interval_ms`` by the read loop itself, so a rank whose loop is stuck or
-dead stops beating and its lookups fail fast (DESIGN rule 7). It is deleted at
-shutdown, so clients see the rank gone at once instead of after the TTL.
+dead stops beating and its lookups fail fast (DESIGN rule 7). ``claim.lua`` writes it
+with the renewal of the rank's lease, and only for the lease's holder, so a second
+process started for the rank never passes for it. It is deleted with the lease's
+release at shutdown, so clients see the rank gone at once instead of after the TTL.
 
-The same write refreshes the TTL of the engine's streams and fingerprint hash
+Each beat also refreshes the TTL of the engine's streams and fingerprint hash
 (``engine_ttl_ms``, see :mod:`broker_lookup.protocol.lifetime`): while a rank lives they
 never expire, however idle the engine; once its last process is gone they do.
 """
@@ -13,7 +15,6 @@ never expire, however idle the engine; once its last process is gone they do.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import time
@@ -22,18 +23,16 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from broker_lookup.config import LookupConfig
-from broker_lookup.errors import BrokerLookupError, translate_redis_errors
+from broker_lookup.errors import translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.lifetime import refresh_commands
 from broker_lookup.transport.lean import Link
 
 __all__ = ["Heartbeat"]
 
-logger = logging.getLogger(__name__)
-
 
 class Heartbeat:
-    """Writes one rank's heartbeat when due; owns no thread or connection."""
+    """Makes one rank's heartbeat when due; owns no thread or connection."""
 
     def __init__(
         self,
@@ -42,7 +41,6 @@ class Heartbeat:
         rank: int,
         configured_engine_id: str | None = None,
     ) -> None:
-        self._key = keys.heartbeat(rank)
         self._rank = rank
         self._refresh = refresh_commands(keys, config.engine_ttl_ms)
         #: The engine id the operator configured, where the key namespace was derived
@@ -56,12 +54,12 @@ class Heartbeat:
         self.last_beat = 0.0
 
     def due(self, now: float) -> bool:
-        """Whether a heartbeat is due at monotonic ``now`` (:meth:`beat` schedules the next)."""
+        """Whether a heartbeat is due at monotonic ``now`` (:meth:`body` schedules the next)."""
         return now >= self._next
 
-    def beat(self, link: Link, info: dict[str, Any]) -> None:
-        """Write the heartbeat: who this rank is, plus ``info`` (its map sizes, counters);
-        refresh the engine's lasting keys in the same round trip."""
+    def body(self, info: dict[str, Any]) -> tuple[str, int]:
+        """The heartbeat ``claim.lua`` writes: who this rank is, plus ``info`` (its map
+        sizes, counters), and its TTL in ms. Schedules the next one."""
         self._next = time.monotonic() + self._interval_s
         body: dict[str, Any] = {
             "rank": self._rank,
@@ -73,18 +71,16 @@ class Heartbeat:
         }
         if self._configured is not None:
             body["configured_engine_id"] = self._configured
-        beat = ("SET", self._key, json.dumps(body), "PX", self._ttl_ms)
-        with translate_redis_errors("writing the heartbeat"):
-            for reply in link.call([beat, *self._refresh]):
-                if isinstance(reply, ResponseError):
-                    raise reply
+        return json.dumps(body), self._ttl_ms
+
+    def written(self) -> None:
+        """The heartbeat of the last :meth:`body` was written."""
         self.last_beat = time.time()
 
-    def clear(self, link: Link) -> None:
-        """Delete the heartbeat (shutdown); a failure is logged, not raised."""
-        try:
-            with translate_redis_errors("deleting the heartbeat"):
-                link.settle_read()
-                link.call([("DEL", self._key)])
-        except BrokerLookupError as exc:
-            logger.warning("rank %d: heartbeat not deleted at shutdown: %s", self._rank, exc)
+    def refresh(self, link: Link) -> None:
+        """Refresh the engine's lasting keys (streams, fingerprint): once per beat, by any
+        live process of the engine, holder of the lease or not."""
+        with translate_redis_errors("refreshing the engine's keys"):
+            for reply in link.call(self._refresh):
+                if isinstance(reply, ResponseError):
+                    raise reply

@@ -10,6 +10,12 @@ turn starts by taking that read's reply. A turn whose heartbeat is due sends no 
 with its acks: it keeps the group and the heartbeat first. Reports the engine makes
 later, on its own threads, go through the reporter's thread instead.
 
+One owner per rank: the loop reads the group only while it holds the rank's lease.
+Its first turn claims it; the heartbeat is its renewal (one ``claim.lua`` call writes
+both). While another process holds the rank, or once this one's lease lapsed by its
+own clock (a pause, a partition), the loop does not read: it retries the claim every
+heartbeat interval and takes over only once the other lease expired.
+
 Errors: a missing group (NOGROUP) is re-created at once; any other Redis error is
 counted and backed off; after either, the own pending entries are read again, so
 nothing read stays unserved (a lost reply to the acks or to the read drops the
@@ -26,14 +32,24 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
 from redis.retry import Retry
 
 from broker_lookup.config import LookupConfig
-from broker_lookup.errors import REDIS_ERRORS, BrokerLookupError, NoGroup, raise_translated
+from broker_lookup.errors import (
+    REDIS_ERRORS,
+    BrokerLookupError,
+    BrokerResponseError,
+    NoGroup,
+    raise_translated,
+    translate_redis_errors,
+)
 from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.scripts import ScriptSet
 from broker_lookup.threads import LoopThread
 from broker_lookup.transport.lean import Link, open_link
+from broker_lookup.transport.lease import Lease, run_claim
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.dispatch import Dispatcher
 from workers.pipeline.heartbeat import Heartbeat
@@ -60,6 +76,7 @@ class RankLoop(LoopThread):
         reporter: sends the reports made while a batch is served, with its XACK.
         fingerprint: this rank's hashing fingerprint, published and checked each turn.
         world_size: ranks beyond it in an entry's ``expected`` make it invalid.
+        lease: the rank's lease: claimed, renewed with the heartbeat, checked every turn.
         redis_retries: keep redis-py's own retries on the loop's connection.
         configured_engine_id: shown in the heartbeat where the engine id was derived from
             it (``LookupMetadata.configured_engine_id``).
@@ -75,6 +92,7 @@ class RankLoop(LoopThread):
         reporter: Reporter,
         fingerprint: Publisher,
         *,
+        lease: Lease,
         world_size: int | None = None,
         redis_retries: bool = True,
         configured_engine_id: str | None = None,
@@ -89,9 +107,13 @@ class RankLoop(LoopThread):
         self.clock = ServerClock()
         self.reader = Reader(config, keys, rank, self.clock, world_size)
         self.heartbeat = Heartbeat(config, keys, rank, configured_engine_id)
+        self.lease = lease
+        self._scripts = ScriptSet()
+        self._claim_context = f"claiming the lease of rank {rank} ({keys.owner(lease.role)})"
         #: Set while the group exists and the loop is reading.
         self.ready = threading.Event()
         self._next_group_info = 0.0
+        self._retry_s = config.heartbeat_interval_ms / 1000
         self._serving = f"serving {keys.requests} as {keys.group(rank)}"
 
     def _run(self) -> None:
@@ -108,17 +130,20 @@ class RankLoop(LoopThread):
             while not self._stop.is_set() or link.reading:
                 self._turn(link, client)
         finally:
-            self.heartbeat.clear(link)
+            # The heartbeat goes with the lease's release (the server's, once the
+            # reports are flushed: a released lease fences them).
             link.close()
             client.close()
 
     def _turn(self, link: Link, client: redis.Redis) -> None:
         try:
             if not link.reading:
+                if not self._owned(link, client):
+                    return
                 if not self.ready.is_set():  # first turn, or after an error: the group may be gone
                     self.reader.ensure_group(link)
                     self.ready.set()
-                self._keep_alive(link)
+                self._group_info(link)
                 link.call([], self.reader.read_command())
             try:
                 # The reply's lists die here, before the batch is served: alive through
@@ -143,24 +168,53 @@ class RankLoop(LoopThread):
     def _serve(self, link: Link, client: redis.Redis, batch: Batch) -> None:
         """Hand each entry to the dispatcher; then its reports, acks and next read, one write.
 
-        The next read rides along unless the heartbeat is due (it goes first, next
-        turn) or the loop stops; its reply is taken at the start of the next turn.
+        The next read rides along unless the heartbeat is due (it and the lease's
+        renewal go first, next turn), the lease lapsed or the loop stops; its reply is
+        taken at the start of the next turn.
         """
         if not batch.ack_ids:
             return
         reports = self._dispatcher.serve(batch.messages)
-        piggyback = not (self._stop.is_set() or self.heartbeat.due(time.monotonic()))
+        now = time.monotonic()
+        # Not while the lease needs its renewal first (due, or lapsed by our clock).
+        piggyback = not (self._stop.is_set() or self.heartbeat.due(now)) and self.lease.held(now)
         read = self.reader.read_command() if piggyback else None
         self._reporter.send_with_ack(link, client, Served(reports, batch.ack_ids, batch.dead), read)
 
-    def _keep_alive(self, link: Link) -> None:
-        """The heartbeat when due, with a fresh sample of the server's clock and group info."""
+    def _owned(self, link: Link, client: redis.Redis) -> bool:
+        """Whether this process may read the rank's group now: it holds the lease, renewed
+        (with the heartbeat) when due. If not, the loop waits one heartbeat interval."""
         now = time.monotonic()
-        if not self.heartbeat.due(now):
-            return
+        lease = self.lease
+        if lease.held(now) and not self.heartbeat.due(now):
+            return True
+        lease.note_lapse(now)
         if self.clock.due(now):
             self.clock.sample(link)
-        self.heartbeat.beat(link, self._beat_info())
+        with translate_redis_errors(self._claim_context):
+            reply = run_claim(
+                self._scripts,
+                client,
+                link,
+                lease.claim_call(self.heartbeat.body(self._beat_info())),
+            )
+            if isinstance(reply, ResponseError):
+                raise reply
+        try:
+            held = lease.on_reply(reply, now)
+        except ValueError as exc:
+            raise BrokerResponseError(f"{self._claim_context}: {exc}") from None
+        self.heartbeat.refresh(link)
+        if lease.holder is None:  # ours (a slow reply leaves it lapsed: claimed again next)
+            self.heartbeat.written()
+            return held
+        self.ready.clear()
+        self._stop.wait(self._retry_s)
+        return False
+
+    def _group_info(self, link: Link) -> None:
+        """The group's pending count and lag, every GROUP_INFO_EVERY_S."""
+        now = time.monotonic()
         if now >= self._next_group_info:
             self._next_group_info = now + GROUP_INFO_EVERY_S
             self.reader.group_info(link)

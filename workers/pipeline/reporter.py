@@ -36,6 +36,7 @@ from broker_lookup.protocol.scripts import (
 )
 from broker_lookup.transport.batcher import Batcher
 from broker_lookup.transport.lean import Command, Link
+from broker_lookup.transport.lease import Lease
 
 __all__ = ["Report", "Reporter", "Served", "Settle"]
 
@@ -105,6 +106,7 @@ class Reporter(Batcher[Report]):
         rank: int,
         factory: Callable[[], redis.Redis],
         settle: Settle,
+        lease: Lease | None = None,
     ) -> None:
         super().__init__(
             f"rank {rank} reporter",
@@ -120,6 +122,8 @@ class Reporter(Batcher[Report]):
         self._stream = keys.requests
         self._group = keys.group(rank)
         self._settle = settle
+        #: The rank's lease: every report carries its fence (None: unfenced, for tests).
+        self._lease = lease
         self._lock = threading.Lock()
         self._riding: list[Report] | None = None  # open while the read loop serves a batch
         self._window = _Window(self)
@@ -223,9 +227,16 @@ class Reporter(Batcher[Report]):
     # -- the script -------------------------------------------------------------------
 
     def _call(self, report: Report) -> Call:
+        # The fence of the moment the report is sent: a token this process holds now.
+        fence = self._lease.fence if self._lease is not None else None
         if report.progress:
             return progress_call(
-                self._keys, report.lookup_id, rank=self._rank, gen=report.gen, tokens=report.hits
+                self._keys,
+                report.lookup_id,
+                rank=self._rank,
+                gen=report.gen,
+                tokens=report.hits,
+                fence=fence,
             )
         return report_call(
             self._keys,
@@ -236,6 +247,7 @@ class Reporter(Batcher[Report]):
             done_maxlen=self._config.done_maxlen,
             done_ttl_ms=self._config.key_grace_ms or 1,
             engine_ttl_ms=self._config.engine_ttl_ms,
+            fence=fence,
         )
 
     def _answer(self, result: object) -> str:

@@ -61,6 +61,16 @@ class RankSpec:
     disk_chunks: int
     load_delay_ms: float
     preload: str | None
+    #: seconds this process may go without the rank's lease before it exits NOT_OWNER
+    #: (None: twice the lease plus 10 s; 0: wait forever)
+    claim_timeout_s: float | None = None
+
+    @property
+    def claim_wait_s(self) -> float:
+        """The bound on waiting for the rank's lease (0.0: none)."""
+        if self.claim_timeout_s is not None:
+            return self.claim_timeout_s
+        return 2 * self.config.lease_ms / 1000 + 10.0
 
 
 def preload(engine: ReferenceEngine, config: LookupConfig, rank: int, path: str) -> int:
@@ -184,6 +194,8 @@ class RankRunner:
         registry.register(ServerCollector(server))
 
         def ready() -> str | None:
+            if not server.lease.held():
+                return server.lease.not_serving_reason()
             if not server.ready:
                 return "consumer group not ready (the rank is not reading yet)"
             return pinger.ping(1.0)
@@ -199,10 +211,21 @@ class RankRunner:
         return http
 
     def _watch(self, server: RedisAsyncLookupServer) -> int:
+        wait_s = self.spec.claim_wait_s
         while not self._stop.wait(1.0):
             if not server.stats()["alive"]:
                 logger.error("rank %d: the read loop died; exiting", server.rank)
                 return ExitCode.FAILED
+            if wait_s and server.lease.contended_for() > wait_s:
+                logger.error(
+                    "rank %d: another process held its lease for %.0fs (--claim-timeout): %s; "
+                    "exiting with code %d",
+                    server.rank,
+                    wait_s,
+                    server.lease.not_serving_reason(),
+                    ExitCode.NOT_OWNER,
+                )
+                return ExitCode.NOT_OWNER
         return ExitCode.OK
 
     def _shutdown(

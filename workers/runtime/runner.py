@@ -9,7 +9,8 @@ One rank per process is the production shape (a StatefulSet pod per rank)::
 supervises them; child ``r`` serves metrics on ``--metrics-port + r``. Flags fall
 back to environment variables (the Helm chart sets those); the password comes only
 from ``BROKER_LOOKUP_REDIS_PASSWORD``. Exit codes: 0 stopped cleanly, 1 a rank
-failed, 2 bad arguments or config, 3 Redis unreachable at startup.
+failed, 2 bad arguments or config, 3 Redis unreachable at startup, 4 another live
+process serves the rank (this one did not get its lease within ``--claim-timeout``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-chunks", type=int, default=16384, help="disk tier capacity")
     p.add_argument("--load-delay-ms", type=float, default=0.0, help="simulated disk read latency")
     p.add_argument("--preload", help="JSON file of prompts to store at startup")
+    p.add_argument(
+        "--claim-timeout",
+        type=float,
+        help="seconds a rank may wait for its lease while another process serves it before "
+        "it exits with code 4 (default: twice the lease plus 10; 0: wait forever)",
+    )
     p.add_argument("--log-level", type=str.upper, choices=_LEVELS, help=f"(env {env['log_level']})")
     return p
 
@@ -152,6 +159,8 @@ class Plan:
             args += ["--disk-dir", os.path.join(b.disk_dir, f"rank-{rank}")]
         if b.preload:
             args += ["--preload", b.preload]
+        if b.claim_timeout_s is not None:
+            args += ["--claim-timeout", str(b.claim_timeout_s)]
         if self.config_path:
             args += ["--config", self.config_path]
         return args
@@ -193,6 +202,7 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
         disk_chunks=args.disk_chunks,
         load_delay_ms=args.load_delay_ms,
         preload=args.preload,
+        claim_timeout_s=args.claim_timeout,
     )
     level = _value(args, env, "log_level") or "INFO"
     return Plan(ranks, spec, config_path, level.upper())
@@ -223,7 +233,8 @@ def main(
     environ: Mapping[str, str] | None = None,
     stop: threading.Event | None = None,
 ) -> int:
-    """Entry point; returns the exit code (0 ok, 1 failed, 2 usage, 3 Redis unreachable)."""
+    """Entry point; returns the exit code (0 ok, 1 failed, 2 usage, 3 Redis unreachable,
+    4 not the owner of the rank)."""
     env = os.environ if environ is None else environ
     try:
         args = build_parser().parse_args(argv)

@@ -1,12 +1,20 @@
 -- progress.lua: record the prefix one rank confirmed loaded and pinned so far.
--- KEYS[1] lookup hash
--- ARGV: rank, gen, tokens. Built by progress_call (protocol/scripts.py); the hash's
--- fields are named in protocol/lookup_hash.py.
+-- KEYS[1] lookup hash   KEYS[2] (optional) the rank's lease key
+-- ARGV: rank, gen, tokens, then with KEYS[2] the rank's fencing token. Built by
+-- progress_call (protocol/scripts.py); the hash's fields are named in protocol/lookup_hash.py.
 -- Returns: recorded | behind (not above what the rank confirmed before) | reported
 --          (the rank's final report is in) | settled (answered already) | dropped
---          (no key) | stale (another generation) | unknown_rank | invalid
+--          (no key) | stale (another generation) | unknown_rank | invalid | fenced
 -- Monotone and idempotent: a re-sent or reordered progress report never lowers the
 -- value; it never creates the key, so nothing is resurrected.
+-- Fenced as report.lua: with KEYS[2] (the rank's lease key) and ARGV[4] (its token),
+-- nothing is recorded unless the lease holds that token.
+if KEYS[2] then
+  local lease = redis.call('GET', KEYS[2])
+  if not lease or string.sub(lease, 1, #ARGV[4] + 1) ~= ARGV[4] .. ' ' then
+    return 'fenced'
+  end
+end
 local st = redis.call('HMGET', KEYS[1], 'state', 'gen', 'expected', 'tokens')
 if not st[1] then return 'dropped' end
 if st[2] ~= ARGV[2] then return 'stale' end

@@ -1,7 +1,8 @@
 -- report.lua: record one rank's hit count; the last expected rank completes the lookup.
 -- KEYS[1] lookup hash   KEYS[2] done stream
 -- The hash's fields are named in protocol/lookup_hash.py.
--- ARGV: rank, gen, hits, done maxlen, lookup id, ttl ms once done, done stream ttl ms
+-- ARGV: rank, gen, hits, done maxlen, lookup id, ttl ms once done, done stream ttl ms,
+--       and the rank's lease token when fenced (below)
 -- With a submitted_us stamp (submit.lua, rank_insights on) it also records l<rank>, the
 -- µs from the submit to this report on the server's clock, and the done entry carries
 -- ranks (the expected list), hits and lat (per rank in that order; lat empty where a
@@ -17,6 +18,18 @@
 -- rank runs this once per lookup: a report that does not complete the lookup makes
 -- three (HMGET, TIME, HSET), the completing one seven. The script runs atomically, so
 -- reading this rank's field in the first HMGET is as good as an HSETNX.
+-- Fencing (one owner per rank): with KEYS[3] (the rank's lease key, owner:<r>) and
+-- ARGV[8] (the token the rank holds), nothing is recorded unless the lease holds that
+-- token, so an old owner that was paused or cut off while another took over changes
+-- nothing: returns 'fenced'. One GET more per report. The rank always passes both
+-- (report_call's fence); without them the script is unfenced, as the tests of the
+-- other rules call it.
+if KEYS[3] then
+  local lease = redis.call('GET', KEYS[3])
+  if not lease or string.sub(lease, 1, #ARGV[8] + 1) ~= ARGV[8] .. ' ' then
+    return 'fenced'
+  end
+end
 local own = 'r' .. ARGV[1]
 local st = redis.call('HMGET', KEYS[1], 'state', 'gen', 'expected', 'tokens', 'submitted_us',
                       own)
