@@ -311,13 +311,14 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
 
     def _check_engine_ttl(self) -> None:
         ttl = self.engine_ttl_ms
-        floor = max(self.heartbeat_ttl_ms, self.key_ttl_ms)
+        floor = max(self.heartbeat_ttl_ms, self.lease_ms, self.key_ttl_ms)
         _require(
             floor < ttl <= ENGINE_TTL_MAX_MS,
             "engine_ttl_ms",
             ttl,
-            f"must exceed heartbeat_ttl_ms={self.heartbeat_ttl_ms} and the longest lookup "
-            f"hash TTL ({self.key_ttl_ms} ms: the longest deadline plus key_grace_ms), and be "
+            f"must exceed heartbeat_ttl_ms={self.heartbeat_ttl_ms}, the owner lease "
+            f"({self.lease_ms} ms) and the longest lookup hash TTL ({self.key_ttl_ms} ms: the "
+            "longest deadline plus key_grace_ms), and be "
             f"at most {ENGINE_TTL_MAX_MS} (1 h): no key of an engine may outlive it longer",
         )
 
@@ -329,9 +330,10 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     @property
     def epochs_ttl_ms(self) -> int:
         """PEXPIRE of the engine's epoch counter, refreshed by every claim and renewal:
-        30 leases, at least a minute, so it outlives a holder's pauses but not its engine
-        for long (tokens stay unique without it: each carries its holder's nonce)."""
-        return max(60_000, 30 * self.lease_ms)
+        30 leases, at least a minute, so it outlives a holder's pauses, but never longer
+        than ``engine_ttl_ms``, so it does not outlive its engine (tokens stay unique
+        without it: each carries its holder's nonce)."""
+        return min(self.engine_ttl_ms, max(60_000, 30 * self.lease_ms))
 
     @property
     def wait_ms(self) -> int:
