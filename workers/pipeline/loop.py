@@ -30,6 +30,7 @@ from redis.retry import Retry
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import REDIS_ERRORS, BrokerLookupError, NoGroup, raise_translated
+from broker_lookup.lmcache_version import running_lmcache_version
 from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.threads import LoopThread
@@ -170,4 +171,5 @@ class RankLoop(LoopThread):
             "requests": self._dispatcher.counts().get("requests", 0),
             "replayed": stats["replayed"],  # deliveries read again: lost ones among them
             "redis_errors": stats["redis_errors"],
+            "lmcache": running_lmcache_version(),  # None: a rank without LMCache
         }
