@@ -4,7 +4,7 @@ Every test here needs a tested LMCache (0.5.6 in the project's virtualenv, 0.5.7
 CI leg's own; ``../shared/tools/install-lmcache-cpu``, ``LMCACHE_VERSION`` picks one). The
 modules come from the installed version's layout (``lmcache_layout``), so one test runs on
 either. Without a tested LMCache they skip locally and fail under ``CI``, which must run
-them.
+them; ``BROKER_LOOKUP_TEST_LMCACHE=<version>`` fails them on any other version.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ def _tested_lmcache() -> tuple[Layout, str]:
     except importlib.metadata.PackageNotFoundError:
         reason = "lmcache is not installed"
     else:
+        wanted = os.environ.get("BROKER_LOOKUP_TEST_LMCACHE")
+        if wanted and version != wanted:  # a CI leg for one release must run that release
+            pytest.fail(f"lmcache {version} is installed; this run is for {wanted}")
         if layout is not None and version in layout.versions:
             return layout, version
         reason = (
