@@ -27,7 +27,6 @@ from typing import Any
 
 from broker_lookup.integrations.lmcache_layout import (
     TESTED_VERSIONS,
-    Layout,
     expected,
     find_layout,
 )
