@@ -36,6 +36,7 @@ from broker_lookup.integrations import lmcache_guard, lmcache_layout
 from broker_lookup.integrations.import_hook import hook_fired, when_imported
 from broker_lookup.integrations.lmcache_adapter import LMCacheEngineAdapter
 from broker_lookup.interface import LookupClientInterface
+from broker_lookup.lmcache_version import running_lmcache_version
 
 __all__ = [
     "ENV_SWITCH",
@@ -324,10 +325,11 @@ def _install_on_import(module: ModuleType) -> None:
         install()
     except ImportError as exc:
         lmcache_guard.alarm(
-            "broker-lookup: %s=1 but the patch is not installed in pid %d (LMCache uses its "
-            "own lookup): %s was imported, and %s",
-            ENV_SWITCH,
+            "broker-lookup: LMCache %s (pid %d): %s=1 but the patch is not installed (LMCache "
+            "uses its own lookup): %s was imported, and %s",
+            running_lmcache_version(),
             os.getpid(),
+            ENV_SWITCH,
             module.__name__,
             exc,
         )
