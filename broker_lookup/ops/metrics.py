@@ -5,7 +5,9 @@ added to the scheduler's hot path); :class:`ClientCollector` and
 :class:`ServerCollector` read their ``stats()`` at scrape time. No metric carries
 a per-lookup label: client series have at most ``outcome`` (or ``rank``, for the
 ``rank_*`` series of ``rank_insights``: one per expected rank), worker series carry
-``rank`` (plus ``result``/``reason``/``state`` where the help says so).
+``rank`` (plus ``result``/``reason``/``state`` where the help says so). Both collectors
+also export :data:`PROCESS_METRICS` (which LMCache the process runs), so register one of
+them per registry.
 
 >>> registry = CollectorRegistry()                  # doctest: +SKIP
 >>> registry.register(ClientCollector(client))      # doctest: +SKIP
@@ -29,11 +31,13 @@ from prometheus_client.registry import Collector
 
 from broker_lookup.client.insights import SPREAD_BUCKETS
 from broker_lookup.client.table import OUTCOMES
+from broker_lookup.lmcache_version import running_lmcache_version
 from broker_lookup.ops.histogram import Histogram
 
 __all__ = [
     "CLIENT_METRICS",
     "METRIC_NAMES",
+    "PROCESS_METRICS",
     "WORKER_METRICS",
     "ClientCollector",
     "ServerCollector",
@@ -162,6 +166,15 @@ WORKER_METRICS: dict[str, tuple[str, str]] = {
 }
 
 
+#: Metrics of the process, exported by both collectors: name -> (type, help).
+PROCESS_METRICS: dict[str, tuple[str, str]] = {
+    "broker_lookup_lmcache_info": (
+        "gauge",
+        "1, labelled with the version of LMCache this process has imported (none: not imported).",
+    ),
+}
+
+
 def _exposed(name: str, kind: str) -> set[str]:
     if kind == "histogram":
         return {name + "_bucket", name + "_sum", name + "_count"}
@@ -171,7 +184,7 @@ def _exposed(name: str, kind: str) -> set[str]:
 #: Every series name a scrape can contain (histograms expand to _bucket/_sum/_count).
 METRIC_NAMES: frozenset[str] = frozenset(
     n
-    for name, (kind, _) in {**CLIENT_METRICS, **WORKER_METRICS}.items()
+    for name, (kind, _) in {**CLIENT_METRICS, **WORKER_METRICS, **PROCESS_METRICS}.items()
     for n in _exposed(name, kind)
 )
 
@@ -228,7 +241,7 @@ class _ServerLike(_HasStats, Protocol):
 
 
 def _help(name: str) -> str:
-    return {**CLIENT_METRICS, **WORKER_METRICS}[name][1]
+    return {**CLIENT_METRICS, **WORKER_METRICS, **PROCESS_METRICS}[name][1]
 
 
 def _counter(name: str, labels: Sequence[str] = ()) -> CounterMetricFamily:
@@ -243,6 +256,13 @@ def _histogram(name: str, hist: Histogram, labels: Mapping[str, str]) -> Histogr
     """The family of one in-memory histogram, with Prometheus's bucket labels."""
     family = HistogramMetricFamily(name, _help(name), labels=list(labels))
     _add_histogram(family, hist, list(labels.values()))
+    return family
+
+
+def _lmcache_info() -> GaugeMetricFamily:
+    """``broker_lookup_lmcache_info{version}``: which LMCache this process runs."""
+    family = _gauge("broker_lookup_lmcache_info", ["version"])
+    family.add_metric([running_lmcache_version() or "none"], 1.0)
     return family
 
 
@@ -337,6 +357,7 @@ class ClientCollector(Collector):
             gauge.add_metric([], float(value))
             yield gauge
         yield from _rank_families(st.get("rank_insights") or {})
+        yield _lmcache_info()
 
 
 class ServerCollector(Collector):
@@ -391,6 +412,7 @@ class ServerCollector(Collector):
             {s: st.get(s, 0) for s in _LOOKUP_STATES},
             gauge=True,
         )
+        yield _lmcache_info()
 
     def _simple(
         self,

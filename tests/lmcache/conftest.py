@@ -1,12 +1,15 @@
 """Fixtures of the LMCache integration tests: LMCache's classes, a patched factory, an engine.
 
-Every test here needs ``lmcache==0.5.6`` (``../shared/tools/install-lmcache-cpu``). Without
-it they skip locally and fail under ``CI``, which must run them.
+Every test here needs a tested LMCache (0.5.6 in the project's virtualenv, 0.5.7rc2 in the
+CI leg's own; ``../shared/tools/install-lmcache-cpu``, ``LMCACHE_VERSION`` picks one). The
+modules come from the installed version's layout (``lmcache_layout``), so one test runs on
+either. Without a tested LMCache they skip locally and fail under ``CI``, which must run
+them; ``BROKER_LOOKUP_TEST_LMCACHE=<version>`` fails them on any other version.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
+import importlib
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -15,57 +18,82 @@ from typing import Any
 
 import pytest
 
-LMCACHE_VERSION = "0.5.6"
+from broker_lookup.integrations.lmcache_layout import (
+    TESTED_VERSIONS,
+    Layout,
+    expected,
+    find_layout,
+)
+
+
+def _tested_lmcache() -> tuple[Layout, str]:
+    """The installed LMCache's layout and version, or skip (fail under ``CI``)."""
+    import importlib.metadata
+
+    layout = find_layout()
+    try:
+        version = importlib.metadata.version("lmcache")
+    except importlib.metadata.PackageNotFoundError:
+        reason = "lmcache is not installed"
+    else:
+        wanted = os.environ.get("BROKER_LOOKUP_TEST_LMCACHE")
+        if wanted and version != wanted:  # a CI leg for one release must run that release
+            pytest.fail(f"lmcache {version} is installed; this run is for {wanted}")
+        if layout is not None and version in layout.versions:
+            return layout, version
+        reason = (
+            f"lmcache {version} is installed, with its lookup factory "
+            f"{'at ' + str(layout) if layout else 'at none of ' + expected()}; "
+            f"these tests are for LMCache {', '.join(TESTED_VERSIONS)}"
+        )
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI must run the LMCache integration tests)", pytrace=False)
+    pytest.skip(f"{reason}; install one with ../shared/tools/install-lmcache-cpu")
 
 
 @pytest.fixture(scope="session")
 def lmc() -> SimpleNamespace:
     """LMCache's config, metadata, engine builder and lookup classes, or skip (fail in CI)."""
-    try:
-        import torch
-        from lmcache.v1.cache_engine import LMCacheEngineBuilder
-        from lmcache.v1.config import LMCacheEngineConfig
-        from lmcache.v1.event_manager import EventStatus, EventType
-        from lmcache.v1.lookup_client import abstract_client
-        from lmcache.v1.lookup_client import lmcache_async_lookup_client as async_mod
-        from lmcache.v1.lookup_client import lmcache_lookup_client as sync_mod
-        from lmcache.v1.lookup_client.factory import LookupClientFactory
-        from lmcache.v1.metadata import LMCacheMetadata
+    layout, version = _tested_lmcache()
 
-        version = importlib.metadata.version("lmcache")
-    except ImportError as exc:
-        reason = f"lmcache {LMCACHE_VERSION} is not importable: {exc}"
-    else:
-        if version == LMCACHE_VERSION:
-            return SimpleNamespace(
-                torch=torch,
-                Config=LMCacheEngineConfig,
-                Metadata=LMCacheMetadata,
-                Builder=LMCacheEngineBuilder,
-                Factory=LookupClientFactory,
-                Manager=_manager_class(),
-                Interface=abstract_client.LookupClientInterface,
-                AsyncClient=async_mod.LMCacheAsyncLookupClient,
-                AsyncServer=async_mod.LMCacheAsyncLookupServer,
-                SyncClient=sync_mod.LMCacheLookupClient,
-                SyncServer=sync_mod.LMCacheLookupServer,
-                EventType=EventType,
-                EventStatus=EventStatus,
-            )
-        reason = f"lmcache {version} is installed; these tests are for {LMCACHE_VERSION}"
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason} (CI must run the LMCache integration tests)", pytrace=False)
-    pytest.skip(f"{reason}; install it with ../shared/tools/install-lmcache-cpu")
+    def mod(relative: str) -> Any:
+        return importlib.import_module(layout.module(relative))
+
+    import torch
+    from lmcache.v1.config import LMCacheEngineConfig  # the same module in every layout
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    events = mod("v1.event_manager")
+    engine = mod("v1.cache_engine")
+    async_mod = mod("v1.lookup_client.lmcache_async_lookup_client")
+    sync_mod = mod("v1.lookup_client.lmcache_lookup_client")
+    return SimpleNamespace(
+        layout=layout,
+        version=version,
+        torch=torch,
+        Config=LMCacheEngineConfig,
+        Metadata=LMCacheMetadata,
+        Engine=engine.LMCacheEngine,
+        Builder=engine.LMCacheEngineBuilder,
+        Factory=mod("v1.lookup_client.factory").LookupClientFactory,
+        Manager=_manager_class(layout),
+        Interface=mod("v1.lookup_client.abstract_client").LookupClientInterface,
+        AsyncClient=async_mod.LMCacheAsyncLookupClient,
+        AsyncServer=async_mod.LMCacheAsyncLookupServer,
+        SyncClient=sync_mod.LMCacheLookupClient,
+        SyncServer=sync_mod.LMCacheLookupServer,
+        EventType=events.EventType,
+        EventStatus=events.EventStatus,
+    )
 
 
-def _manager_class() -> type | None:
+def _manager_class(layout: Layout) -> type | None:
     """LMCache's ``LMCacheManager``, or None: its module imports fastapi, which the CPU
     install (install-lmcache-cpu) does not provide."""
     try:
-        from lmcache.v1.manager import LMCacheManager
+        manager: type = importlib.import_module(layout.module("v1.manager")).LMCacheManager
     except ImportError:
         return None
-    manager: type = LMCacheManager
     return manager
 
 

@@ -8,6 +8,7 @@ chunks stored in its local CPU backend. The broker runs on fakeredis and on a re
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -197,6 +198,17 @@ def test_async_lookup_answered_by_a_real_engine(lmc: SimpleNamespace, deploy: An
         message="prefetch released by cleanup_memory_objs",
     )
     assert client.fingerprint.mismatches == [] and server.fingerprint.run() == []
+
+
+def test_rank_heartbeat_says_which_lmcache_it_runs(
+    lmc: SimpleNamespace, deploy: Any, backend: Backend
+) -> None:
+    server = deploy(enable_async_loading=True).worker.lookup_server
+    redis = backend.factory(decode_responses=True)
+    key = server.keys.heartbeat(server.rank)
+    assert wait_until(lambda: redis.get(key) is not None, message="the rank's first heartbeat")
+    beat = redis.get(key)
+    assert isinstance(beat, str) and json.loads(beat)["lmcache"] == lmc.version
 
 
 def test_sync_mode_looks_up_and_pins_like_lmcache_sync_server(deploy: Any) -> None:

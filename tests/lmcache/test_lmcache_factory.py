@@ -22,6 +22,7 @@ from broker_lookup import (
 )
 from broker_lookup.integrations import lmcache as integration
 from broker_lookup.integrations.lmcache_adapter import LMCacheEngineAdapter
+from broker_lookup.integrations.lmcache_layout import FACTORY
 from workers import RedisAsyncLookupServer
 
 pytestmark = pytest.mark.lmcache
@@ -165,7 +166,7 @@ def test_other_async_configs_go_to_lmcache_own_functions(
     calls: list[tuple[str, tuple[Any, ...]]] = []
     saved = dict(installed._originals)
     for name, original in saved.items():
-        assert original.__module__ == "lmcache.v1.lookup_client.factory"
+        assert original.__module__ == lmc.layout.module(FACTORY)
 
         def record(*args: Any, _name: str = name) -> str:
             calls.append((_name, args))

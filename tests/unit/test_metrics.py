@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -14,12 +16,14 @@ from broker_lookup.ops.histogram import LATENCY_BUCKETS
 from broker_lookup.ops.metrics import (
     CLIENT_METRICS,
     METRIC_NAMES,
+    PROCESS_METRICS,
     WORKER_METRICS,
     ClientCollector,
     ServerCollector,
 )
 
-CLIENT_NAMES = {n for n in METRIC_NAMES if n.startswith("broker_lookup_client_")}
+PROCESS_NAMES = set(PROCESS_METRICS)  # gauges only: exposed under their own names
+CLIENT_NAMES = {n for n in METRIC_NAMES if n.startswith("broker_lookup_client_")} | PROCESS_NAMES
 #: ``stats()["rank_insights"]`` of a two-rank client (see tests/unit/test_rank_insights_model.py).
 RANK_INSIGHTS: dict[str, Any] = {
     "recorded": 3,
@@ -37,7 +41,7 @@ RANK_INSIGHTS: dict[str, Any] = {
     "spread_sum": 16.0,
     "spread_warnings": 0,
 }
-WORKER_NAMES = {n for n in METRIC_NAMES if n.startswith("broker_lookup_worker_")}
+WORKER_NAMES = {n for n in METRIC_NAMES if n.startswith("broker_lookup_worker_")} | PROCESS_NAMES
 
 
 class FakeClient:
@@ -182,7 +186,7 @@ def test_client_histogram_is_cumulative_with_overflow_in_inf() -> None:
 def test_no_per_lookup_labels() -> None:
     client = _scrape(ClientCollector(FakeClient()))
     worker = _scrape(ServerCollector(FakeServer(), clock=lambda: 1000.0))
-    allowed = {"outcome", "rank", "result", "reason", "state", "le"}
+    allowed = {"outcome", "rank", "result", "reason", "state", "le", "version"}
     for _, labels in [*client, *worker]:
         assert {k for k, _ in labels} <= allowed
 
@@ -190,7 +194,8 @@ def test_no_per_lookup_labels() -> None:
 def test_worker_series_carry_the_rank_and_read_stats() -> None:
     samples = _scrape(ServerCollector(FakeServer(rank=3), clock=lambda: 1000.0))
     for (name, labels), _ in samples.items():
-        assert dict(labels)["rank"] == "3", name
+        if name not in PROCESS_NAMES:
+            assert dict(labels)["rank"] == "3", name
 
     def value(name: str, **labels: str) -> float:
         return samples[(name, tuple(sorted({"rank": "3", **labels}.items())))]
@@ -244,3 +249,19 @@ def test_stats_are_read_at_scrape_time_only() -> None:
     generate_latest(registry)
     generate_latest(registry)
     assert client.calls == 2
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: ClientCollector(FakeClient()), lambda: ServerCollector(FakeServer())]
+)
+def test_both_collectors_say_which_lmcache_the_process_runs(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delitem(sys.modules, "lmcache", raising=False)
+    info = {k: v for k, v in _scrape(make()).items() if k[0] == "broker_lookup_lmcache_info"}
+    assert info == {("broker_lookup_lmcache_info", (("version", "none"),)): 1.0}
+    fake = ModuleType("lmcache")
+    fake.__version__ = "0.5.7rc2"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "lmcache", fake)
+    info = {k: v for k, v in _scrape(make()).items() if k[0] == "broker_lookup_lmcache_info"}
+    assert info == {("broker_lookup_lmcache_info", (("version", "0.5.7rc2"),)): 1.0}

@@ -44,6 +44,7 @@ from broker_lookup.errors import (
     raise_translated,
     translate_redis_errors,
 )
+from broker_lookup.lmcache_version import running_lmcache_version
 from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import ScriptSet
@@ -227,4 +228,5 @@ class RankLoop(LoopThread):
             "requests": self._dispatcher.counts().get("requests", 0),
             "replayed": stats["replayed"],  # deliveries read again: lost ones among them
             "redis_errors": stats["redis_errors"],
+            "lmcache": running_lmcache_version(),  # None: a rank without LMCache
         }
