@@ -3,7 +3,7 @@
 ::
 
     BrokerLookupError                 root: catch this to catch everything we raise
-    ├── ConfigError (ValueError)      a bad config value; names field, env var, value
+    ├── ConfigError (ValueError)      a bad config value; names field, value, its origin
     ├── InvalidRequest (ValueError)   a lookup the caller asked for breaks a documented limit
     ├── MalformedMessage              a wire entry could not be decoded; keeps ``.payload``
     ├── BrokerUnavailable             Redis unreachable or timed out (translated here)
@@ -48,7 +48,18 @@ class BrokerLookupError(Exception):
 
 
 class ConfigError(BrokerLookupError, ValueError):
-    """A configuration value is invalid; the message names the field and the value."""
+    """A configuration value is invalid; the message names the field, the value and where
+    it came from (a flag, a file, an environment variable)."""
+
+    def __init__(
+        self, message: str, *, field: str | None = None, shown: str = "", problem: str = ""
+    ) -> None:
+        super().__init__(message)
+        #: The field at fault, if one is, with its value as shown (secrets redacted) and
+        #: what is wrong with it: a loader that knows where the value came from says so.
+        self.field = field
+        self.shown = shown
+        self.problem = problem
 
 
 class InvalidRequest(BrokerLookupError, ValueError):

@@ -19,8 +19,12 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from broker_lookup.processes import ExitCode, child_env, python_module
+
+if TYPE_CHECKING:
+    from broker_lookup.config import LookupConfig
 
 __all__ = ["COMMANDS", "Subcommand", "build_parser", "main"]
 
@@ -37,6 +41,19 @@ class Subcommand:
     setup: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
     passthrough: bool = False
+
+
+def _config(args: argparse.Namespace) -> LookupConfig:
+    """The config of a subcommand: file and ``BROKER_LOOKUP_*`` variables, then its flags
+    (an error names the flag, the file or the variable its bad value came from).
+
+    Raises:
+        ConfigError: A bad value or an unknown ``BROKER_LOOKUP_*`` variable.
+    """
+    from broker_lookup.config import LookupConfig
+
+    url = getattr(args, "redis_url", None)
+    return LookupConfig.load(environ=os.environ, flags={"redis_url": url} if url else None)
 
 
 # -- demo ---------------------------------------------------------------------------
@@ -94,14 +111,12 @@ def _setup_inspect(p: argparse.ArgumentParser) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from broker_lookup.config import LookupConfig, env_name
     from broker_lookup.errors import ConfigError
     from broker_lookup.ops.inspect import run_inspect
 
-    overrides = {env_name("redis_url"): args.redis_url} if args.redis_url else {}
     try:
         return run_inspect(
-            LookupConfig.load(environ={**os.environ, **overrides}),
+            _config(args),
             args.engine_id,
             world_size=args.world_size,
             as_json=args.json,
