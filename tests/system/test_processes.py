@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -315,3 +316,21 @@ def test_unreachable_redis_at_startup_exits_3(engine_id: str) -> None:
     )
     assert proc.returncode == 3, proc.stderr
     assert "Redis unreachable" in proc.stderr
+
+
+def test_help_answers_without_loading_torch() -> None:
+    # torch takes seconds to import: --help, and a usage error, must not wait for it.
+    code = (
+        "import sys; from workers.runtime.runner import main; "
+        "rc = main(sys.argv[1:]); print('torch' in sys.modules); sys.exit(rc)"
+    )
+    for args, rc in ((["--help"], 0), (["--world-size", "x"], 2)):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            env=child_env(os.environ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == rc, proc.stderr
+        assert proc.stdout.splitlines()[-1] == "False", proc.stdout

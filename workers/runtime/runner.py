@@ -9,7 +9,8 @@ One rank per process is the production shape (a StatefulSet pod per rank)::
 supervises them; child ``r`` serves metrics on ``--metrics-port + r``. Flags fall
 back to environment variables (the Helm chart sets those); the password comes only
 from ``BROKER_LOOKUP_REDIS_PASSWORD``. Exit codes: 0 stopped cleanly, 1 a rank
-failed, 2 bad arguments or config, 3 Redis unreachable at startup.
+failed, 2 bad arguments or config (a password Redis refuses included: it is
+reported at once, not retried), 3 Redis unreachable at startup.
 """
 
 from __future__ import annotations
