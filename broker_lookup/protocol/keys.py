@@ -25,7 +25,14 @@ import re
 from broker_lookup.errors import ConfigError
 from broker_lookup.protocol import lookup_hash
 
-__all__ = ["DIGEST_MARK", "PREFIX", "KeySpace", "validate_engine_id"]
+__all__ = [
+    "DIGEST_MARK",
+    "EVERY_REQUEST_STREAM",
+    "PREFIX",
+    "KeySpace",
+    "engine_of_request_stream",
+    "validate_engine_id",
+]
 
 #: First segment of every key, so an ACL can grant ``~bl:*``.
 PREFIX = "bl"
@@ -35,6 +42,20 @@ _ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 _PLAIN_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 #: First character of a digest-keyed id's key part: never in a plain id, so never a collision.
 DIGEST_MARK = "~"
+
+
+#: SCAN pattern of every engine's request stream: one key per engine on the server.
+EVERY_REQUEST_STREAM = PREFIX + ":{*}:requests"
+
+
+def engine_of_request_stream(key: str | bytes) -> str | None:
+    """The engine id of a key :data:`EVERY_REQUEST_STREAM` matched (None: not one)."""
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    head, tail = PREFIX + ":{", "}:requests"
+    if not (text.startswith(head) and text.endswith(tail)):
+        return None
+    engine_id = text[len(head) : -len(tail)]
+    return engine_id if _ENGINE_ID_RE.match(engine_id) else None
 
 
 def validate_engine_id(engine_id: str) -> str:
