@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import re
+import selectors
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TextIO
 
 from broker_lookup.errors import BrokerUnavailable
@@ -77,13 +76,12 @@ def _printer(stream: TextIO) -> Callable[[str], None]:
 
 
 class Detached:
-    """A ``broker-lookup server`` running in the background: its pid, URL and log."""
+    """A ``broker-lookup server`` running in the background: its pid and URL."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str) -> None:
         self.proc = proc
         self.pid = proc.pid
         self.url = url
-        self.log = log
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM it and wait (then SIGKILL); its exit code."""
@@ -99,29 +97,36 @@ def start_detached(environ: Mapping[str, str], timeout_s: float = 60.0) -> Detac
     """Start ``broker-lookup server --port 0`` in its own session (it outlives us) and
     wait for its URL.
 
+    Its output comes to us through a pipe until it announces the URL; after we close it,
+    it writes nothing more anywhere (no log file is left behind).
+
     Raises:
-        BrokerUnavailable: It exited or did not announce its URL in time (with its log).
+        BrokerUnavailable: It exited or did not announce its URL in time (with its output).
     """
-    log = Path(tempfile.mkdtemp(prefix="broker-lookup-server-")) / "server.log"
     argv = python_module("broker_lookup.ops.cli", ["server", "--port", "0"])
-    with open(log, "wb") as sink:
-        # Its own session and no parent-death signal: it must outlive the demo.
-        proc = subprocess.Popen(
-            argv,
-            env=child_env(environ),
-            stdin=subprocess.DEVNULL,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    # Its own session and no parent-death signal: it must outlive the demo.
+    proc = subprocess.Popen(
+        argv,
+        env=child_env(environ),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None  # stdout=PIPE
+    text = b""
     deadline = time.monotonic() + timeout_s
-    while True:
-        found = _READY.search(log.read_text(errors="replace"))
-        if found:
-            return Detached(proc, found.group(1), log)
-        if proc.poll() is not None or time.monotonic() > deadline:
-            if proc.poll() is None:
-                Detached(proc, "", log).stop()
-            tail = log.read_text(errors="replace")[-2000:]
-            raise BrokerUnavailable(f"broker-lookup server did not start; its output:\n{tail}")
-        time.sleep(0.05)  # polling a child's log file; nothing to wait on instead
+    with proc.stdout, selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0:
+            if selector.select(left):
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                if not chunk:  # it exited
+                    break
+                text += chunk
+                found = _READY.search(text.decode(errors="replace"))
+                if found:
+                    return Detached(proc, found.group(1))
+    Detached(proc, "").stop()
+    shown = text.decode(errors="replace")[-2000:]
+    raise BrokerUnavailable(f"broker-lookup server did not start; its output:\n{shown}")
