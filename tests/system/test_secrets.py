@@ -166,5 +166,5 @@ def test_rank_process_output_hides_passwords(
     ]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr[-2000:]  # the password refused: a config error
-    assert "Redis unreachable" in done.stderr
+    assert "Redis refused the credentials" in done.stderr
     _clean(done.stdout + done.stderr)
