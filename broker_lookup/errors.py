@@ -3,10 +3,11 @@
 ::
 
     BrokerLookupError                 root: catch this to catch everything we raise
-    ├── ConfigError (ValueError)      a bad config value; names field, env var, value
+    ├── ConfigError (ValueError)      a bad config value; names field, value, its origin
     ├── InvalidRequest (ValueError)   a lookup the caller asked for breaks a documented limit
     ├── MalformedMessage              a wire entry could not be decoded; keeps ``.payload``
     ├── BrokerUnavailable             Redis unreachable or timed out (translated here)
+    │   └── AuthFailed                Redis refused our credentials: a config error, not retried
     ├── BrokerResponseError           Redis answered with an error we do not handle
     │   └── NoGroup                   a consumer group is gone (NOGROUP): re-create it
     ├── UnknownScheme (ValueError)    an external lookup URI names a scheme nobody registered
@@ -28,7 +29,9 @@ from typing import NoReturn
 import redis.exceptions as rexc
 
 __all__ = [
+    "AUTH_HINT",
     "REDIS_ERRORS",
+    "AuthFailed",
     "BrokerLookupError",
     "BrokerResponseError",
     "BrokerUnavailable",
@@ -48,7 +51,18 @@ class BrokerLookupError(Exception):
 
 
 class ConfigError(BrokerLookupError, ValueError):
-    """A configuration value is invalid; the message names the field and the value."""
+    """A configuration value is invalid; the message names the field, the value and where
+    it came from (a flag, a file, an environment variable)."""
+
+    def __init__(
+        self, message: str, *, field: str | None = None, shown: str = "", problem: str = ""
+    ) -> None:
+        super().__init__(message)
+        #: The field at fault, if one is, with its value as shown (secrets redacted) and
+        #: what is wrong with it: a loader that knows where the value came from says so.
+        self.field = field
+        self.shown = shown
+        self.problem = problem
 
 
 class InvalidRequest(BrokerLookupError, ValueError):
@@ -66,6 +80,19 @@ class MalformedMessage(BrokerLookupError):
 
 class BrokerUnavailable(BrokerLookupError):
     """The Redis server could not be reached, or a call timed out."""
+
+
+class AuthFailed(BrokerUnavailable):
+    """Redis refused the password or user (WRONGPASS, NOAUTH): waiting will not help."""
+
+
+#: How to give the credentials, appended to every :class:`AuthFailed` message. The names
+#: are ``config.env_name("redis_password")`` and ``("redis_username")`` (config is a layer
+#: above this module; a test keeps them equal).
+AUTH_HINT = (
+    "set BROKER_LOOKUP_REDIS_PASSWORD (and BROKER_LOOKUP_REDIS_USERNAME for an ACL user), "
+    "or give them in the URL: redis://[USER]:PASSWORD@HOST:PORT/0"
+)
 
 
 class BrokerResponseError(BrokerLookupError):
@@ -119,6 +146,8 @@ REDIS_ERRORS = (rexc.RedisError, rexc.RedisClusterException)
 def translated(exc: BaseException, what: str) -> BrokerLookupError | None:
     """Our exception for redis-py's ``exc`` raised while doing ``what``; None for any
     other exception (it propagates as it is). Raise the result ``from exc``."""
+    if isinstance(exc, rexc.AuthenticationError):  # a ConnectionError: test it first
+        return AuthFailed(f"Redis refused the credentials while {what} ({exc}): {AUTH_HINT}")
     if isinstance(exc, (rexc.ConnectionError, rexc.TimeoutError)):
         return BrokerUnavailable(f"Redis unavailable while {what}: {exc}")
     if isinstance(exc, (rexc.RedisClusterException, rexc.ClusterError)):

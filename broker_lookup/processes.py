@@ -46,7 +46,7 @@ class ExitCode(enum.IntEnum):
 
     OK = 0  #: done, or stopped by a signal, cleanly
     FAILED = 1  #: the work failed: a loop died, a child failed, a target was missed
-    USAGE = 2  #: bad arguments, environment or config
+    USAGE = 2  #: bad arguments, environment or config (a password Redis refuses, too)
     UNREACHABLE = 3  #: Redis did not answer in time at startup
     #: another live process holds this rank of this engine id (its lease): this one did
     #: not get it within ``--claim-timeout`` (two processes started for one rank)

@@ -34,6 +34,7 @@ from broker_lookup.client.table import LookupTable, Outcome
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import (
     REDIS_ERRORS,
+    AuthFailed,
     BrokerLookupError,
     BrokerResponseError,
     MalformedMessage,
@@ -84,8 +85,10 @@ class Listener(LoopThread):
         self._last_id: bytes | str = b"0-0"
         #: Ranks of ``expected`` without a heartbeat; read by lookup() without a lock.
         self.dead: frozenset[int] = frozenset(expected)
-        #: False until the first successful heartbeat read: ranks dead then are logged too.
-        self._checked = False
+        #: False until the first successful heartbeat read (ranks dead then are logged
+        #: too): until then :attr:`dead` is a guess, and lookups are ``unavailable``, not
+        #: ``dead_rank`` (Redis unreachable or refusing our password says nothing of ranks).
+        self.checked = False
         self.errors = 0
         self.connected = False
         self._next = {"hb": 0.0, "lease": 0.0, "reconcile": 0.0, "evict": 0.0, "refresh": 0.0}
@@ -108,6 +111,8 @@ class Listener(LoopThread):
             self._position(client)
             self.check_heartbeats(client)
             self.renew(client)
+        except AuthFailed as exc:
+            logger.error("%s; lookups answer 0 until Redis accepts us", exc)
         except BrokerLookupError as exc:
             logger.warning("broker unavailable at start (%s); lookups answer 0 until it is", exc)
 
@@ -241,8 +246,8 @@ class Listener(LoopThread):
                 values = _raise_error(link.call([self._mget])[0])
         dead = frozenset(r for r, v in zip(self._expected, values, strict=True) if v is None)
         # The first read reports every dead rank, so one that never started is logged.
-        newly = dead - self.dead if self._checked else dead
-        self._checked = True
+        newly = dead - self.dead if self.checked else dead
+        self.checked = True
         for rank in sorted(newly):
             logger.error(
                 "rank %d of engine %s has no heartbeat (%s): its lookups answer 0 "

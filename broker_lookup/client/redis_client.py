@@ -226,6 +226,11 @@ class RedisAsyncLookupClient(LookupClientInterface):
         budget_ms = self._deadline_rule.budget_ms(tokens)
         event = threading.Event() if with_event else None
         entry = Entry(next(self._gens), now, now + budget_ms / 1000, tokens, self.expected, event)
+        # Unavailable before dead_rank: while Redis fails, or before its first heartbeat
+        # read, "dead" ranks are only a guess, and the fix is Redis's, not the ranks'.
+        if self._breaker.is_open(now) or not self._listener.checked:
+            self._table.add(lookup_id, entry, finished="unavailable")
+            return 0
         if not self.lease.held(now):
             # Another scheduler serves this engine id (the lease logged it, once), or ours
             # lapsed: submitting would share its ranks and its done stream.
@@ -234,9 +239,6 @@ class RedisAsyncLookupClient(LookupClientInterface):
             return 0
         if self._listener.dead.intersection(self.expected):
             self._table.add(lookup_id, entry, finished="dead_rank")
-            return 0
-        if self._breaker.is_open(now):
-            self._table.add(lookup_id, entry, finished="unavailable")
             return 0
         if not self._table.add(lookup_id, entry):
             self._guard.rejected("table_full", lookup_id, f"max_pending={self.config.max_pending}")
@@ -313,6 +315,8 @@ class RedisAsyncLookupClient(LookupClientInterface):
             "dead_ranks": sorted(self._listener.dead),
             # One scheduler per engine: whether this one holds the lease, conflicts seen.
             "ownership": self.lease.state(),
+            # False until the first heartbeat read: dead_ranks is then a guess.
+            "liveness_known": self._listener.checked,
             "latency_counts": list(t.latency.counts),
             "latency_sum": t.latency.total,
             # Per-rank latency, last to report, disagreement (empty: rank_insights off).

@@ -3,10 +3,10 @@
 Field names follow LMCache's ``LMCacheEngineConfig`` where LMCache has them, so a
 deployment can move its settings over unchanged. Every value is checked when the
 object is built; a bad one raises :class:`~broker_lookup.errors.ConfigError`
-naming the field, its environment variable and the value (secrets redacted). Where
-values come from (environment variables, YAML/TOML files) is
-:mod:`broker_lookup.config.sources`; the ``from_*`` constructors here only validate
-what it read.
+naming the field, the value (secrets redacted) and where it came from: the flag, the
+file or the environment variable (built directly, its variable). Where values come
+from is :mod:`broker_lookup.config.sources`; the ``from_*`` constructors and
+:meth:`LookupConfig.load` here only validate what it read.
 """
 
 from __future__ import annotations
@@ -22,10 +22,15 @@ import msgspec
 from broker_lookup.config.sources import (
     config_file,
     env_name,
+    env_origin,
     env_settings,
     environment,
+    file_origin,
+    flag_origin,
+    nearest,
     parse_env,
     read_file,
+    unknown_variables,
 )
 from broker_lookup.errors import ConfigError
 from broker_lookup.protocol.keys import validate_engine_id
@@ -96,9 +101,8 @@ class _Validated(msgspec.Struct, frozen=True, kw_only=True):
             try:
                 msgspec.convert(value, info.type, strict=True)
             except msgspec.ValidationError as exc:
-                raise ConfigError(
-                    f"{info.name}={_shown(info.name, value)} (env {env_name(info.name)}) "
-                    f"has the wrong type: {exc}"
+                raise _bad(
+                    info.name, _shown(info.name, value), f"has the wrong type: {exc}"
                 ) from None
         self._check()
 
@@ -116,9 +120,23 @@ def _shown(field: str, value: object) -> str:
 
 def _require(ok: bool, field: str, value: object, rule: str) -> None:
     if not ok:
-        raise ConfigError(
-            f"{field}={_shown(field, value)} (env {env_name(field)}) is invalid: {rule}"
-        )
+        raise _bad(field, _shown(field, value), f"is invalid: {rule}")
+
+
+def _url_example(url: str) -> str:
+    """``: e.g. redis://HOST:PORT/0`` for a URL given without its scheme."""
+    if "://" in url or not url:
+        return ""
+    return f" (e.g. {redact_url('redis://' + url.rstrip('/'))}/0)"
+
+
+def _bad(field: str, shown: str, problem: str, origin: str | None = None) -> ConfigError:
+    """The error of ``field``'s value: ``origin`` is where it came from; unknown (the
+    object was built directly), the variable that would set it."""
+    where = origin or env_origin(field)
+    return ConfigError(
+        f"{field}={shown} ({where}) {problem}", field=field, shown=shown, problem=problem
+    )
 
 
 class LookupConfig(_Validated, frozen=True, kw_only=True):
@@ -228,7 +246,7 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             self.redis_url.startswith(_URL_SCHEMES),
             "redis_url",
             self.redis_url,
-            "must start with one of " + ", ".join(_URL_SCHEMES),
+            "must start with one of " + ", ".join(_URL_SCHEMES) + _url_example(self.redis_url),
         )
         _require(
             self.block_ms + 1000 <= self.socket_timeout_ms,
@@ -385,58 +403,114 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "mapping") -> LookupConfig:
         """Build from plain values (a parsed file), lax about str/int forms; unknown keys fail."""
-        unknown = sorted(set(values) - set(cls.__struct_fields__))
-        if unknown:
-            raise ConfigError(f"unknown config field(s) in {source}: {', '.join(unknown)}")
-        try:
-            return msgspec.convert(dict(values), cls, strict=False)
-        except msgspec.ValidationError as exc:
-            raise ConfigError(_explain(exc, values, source)) from None
+        _refuse_unknown(values, source)
+        return _build(cls, dict(values), dict.fromkeys(values, source))
 
     @classmethod
     def from_env(
         cls, environ: Mapping[str, str] | None = None, *, base: LookupConfig | None = None
     ) -> LookupConfig:
-        """``base`` (or the defaults) overridden by every ``BROKER_LOOKUP_<FIELD>`` set."""
-        fields = msgspec.structs.fields(cls)
-        types = {info.name: info.type for info in fields}
+        """``base`` (or the defaults) overridden by every ``BROKER_LOOKUP_<FIELD>`` set.
+
+        Raises:
+            ConfigError: A bad value, or a ``BROKER_LOOKUP_*`` variable that is neither a
+                field's nor one of ``sources.OTHER_VARIABLES`` (a misspelling).
+        """
         values = msgspec.structs.asdict(base) if base is not None else {}
-        given = env_settings(fields, environ)
-        for name, raw in given.items():
-            values[name] = parse_env(name, raw, types[name])
-        try:
-            return msgspec.convert(values, cls, strict=False)
-        except msgspec.ValidationError as exc:
-            raise ConfigError(_explain(exc, given, "environment")) from None
+        origins: dict[str, str] = {}
+        _read_env(values, origins, environ)
+        return _build(cls, values, origins)
 
     @classmethod
     def from_file(cls, path: str | Path) -> LookupConfig:
         """Load a YAML (``.yaml``/``.yml``) or TOML (``.toml``) file of config fields."""
         p = Path(path)
-        return cls.from_mapping(read_file(p), source=str(p))
+        return cls.from_mapping(read_file(p), source=file_origin(p))
 
     @classmethod
     def load(
-        cls, path: str | Path | None = None, environ: Mapping[str, str] | None = None
+        cls,
+        path: str | Path | None = None,
+        environ: Mapping[str, str] | None = None,
+        *,
+        flags: Mapping[str, str] | None = None,
     ) -> LookupConfig:
-        """File (if given, or ``BROKER_LOOKUP_CONFIG_FILE``) then environment overrides."""
+        """The defaults, overridden by the file (``path``, or ``BROKER_LOOKUP_CONFIG_FILE``),
+        then by the ``BROKER_LOOKUP_*`` variables, then by ``flags`` (field -> the text a
+        command-line flag gave). Validated once, so an error names where its value came from.
+        """
         env = environment(environ)
         path = path or config_file(env)
-        base = cls.from_file(path) if path else None
-        return cls.from_env(env, base=base)
+        values: dict[str, Any] = {}
+        origins: dict[str, str] = {}
+        if path:
+            p = Path(path)
+            given = read_file(p)
+            _refuse_unknown(given, file_origin(p))
+            values.update(given)
+            origins.update(dict.fromkeys(given, file_origin(p)))
+        _read_env(values, origins, env)
+        types = {info.name: info.type for info in msgspec.structs.fields(cls)}
+        for field, raw in (flags or {}).items():
+            origins[field] = flag_origin(field)
+            values[field] = parse_env(field, raw, types[field], origins[field])
+        return _build(cls, values, origins)
 
 
-def _explain(exc: msgspec.ValidationError, given: Mapping[str, object], source: str) -> str:
-    """``exc`` rephrased to name the field, its env var and the (redacted) value given."""
+def _refuse_unknown(values: Mapping[str, Any], source: str) -> None:
+    fields = LookupConfig.__struct_fields__
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        named = ", ".join(name + nearest(name, fields) for name in unknown)
+        raise ConfigError(f"unknown config field(s) in {source}: {named}")
+
+
+def _read_env(
+    values: dict[str, Any], origins: dict[str, str], environ: Mapping[str, str] | None
+) -> None:
+    """Put every ``BROKER_LOOKUP_<FIELD>`` set into ``values``; refuse a misspelt one."""
+    fields = msgspec.structs.fields(LookupConfig)
+    unknown = unknown_variables((info.name for info in fields), environ)
+    if unknown:
+        raise ConfigError(
+            f"unknown environment variable(s): {', '.join(unknown)}; a setting is "
+            f"BROKER_LOOKUP_<FIELD> for a field of LookupConfig"
+        )
+    types = {info.name: info.type for info in fields}
+    for name, raw in env_settings(fields, environ).items():
+        origins[name] = env_origin(name)
+        values[name] = parse_env(name, raw, types[name], origins[name])
+
+
+def _build(
+    cls: type[LookupConfig], values: dict[str, Any], origins: Mapping[str, str]
+) -> LookupConfig:
+    """``cls`` from ``values`` (lax about str/int forms); an error names the origin of the
+    value at fault (``origins``: field -> where it came from)."""
+    try:
+        return msgspec.convert(values, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        raise _located(exc, values, origins) from None
+
+
+def _located(
+    exc: msgspec.ValidationError, values: Mapping[str, Any], origins: Mapping[str, str]
+) -> ConfigError:
+    """``exc`` as a ConfigError naming the field, the (redacted) value and its origin."""
+    cause = exc.__cause__
+    if isinstance(cause, ConfigError):  # raised by a check (msgspec wraps it)
+        if cause.field is None:
+            return cause
+        where = origins.get(cause.field, "the default")
+        return _bad(cause.field, cause.shown, cause.problem, where)
     text = str(exc)
     found = _AT_FIELD.search(text)
-    if found is None or found.group(1) not in given:  # e.g. a _check message: names all three
-        return f"invalid config in {source}: {text}"
+    if found is None or found.group(1) not in values:
+        return ConfigError(f"invalid config: {text}")
     field = found.group(1)
     why = _AT_FIELD.sub("", text)
-    return f"invalid config in {source}: {field}={_shown(field, given[field])} " + (
-        f"(env {env_name(field)}) has the wrong type: {why}"
-    )
+    shown = _shown(field, values[field])
+    return _bad(field, shown, f"has the wrong type: {why}", origins.get(field, "the default"))
 
 
 class LookupMetadata(_Validated, frozen=True, kw_only=True):

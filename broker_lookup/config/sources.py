@@ -9,7 +9,9 @@ valid config is lives in :mod:`broker_lookup.config.model`.
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import tomllib
 import typing
 from collections.abc import Iterable, Mapping
@@ -24,13 +26,19 @@ from broker_lookup.errors import ConfigError
 __all__ = [
     "CONFIG_FILE_ENV",
     "ENV_PREFIX",
+    "OTHER_VARIABLES",
     "config_file",
     "env_name",
+    "env_origin",
     "env_settings",
     "environment",
+    "file_origin",
+    "flag_origin",
+    "nearest",
     "parse_env",
     "parse_file",
     "read_file",
+    "unknown_variables",
 ]
 
 #: Environment variables are ``BROKER_LOOKUP_<FIELD>``.
@@ -39,9 +47,70 @@ ENV_PREFIX = "BROKER_LOOKUP_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG_FILE"
 
 
+#: Every ``BROKER_LOOKUP_*`` variable that is not a config field, and what reads it. Any
+#: other ``BROKER_LOOKUP_*`` variable is refused as a misspelling (a new variable is
+#: added here; a test checks that every name the repository uses is a field or listed).
+OTHER_VARIABLES: dict[str, str] = {
+    CONFIG_FILE_ENV: "a YAML/TOML file of config fields, read before the variables",
+    ENV_PREFIX + "ENGINE_ID": "python -m workers --engine-id",
+    ENV_PREFIX + "WORLD_SIZE": "python -m workers --world-size",
+    ENV_PREFIX + "RANK": "python -m workers --rank",
+    ENV_PREFIX + "METRICS_PORT": "python -m workers --metrics-port",
+    ENV_PREFIX + "LOG_LEVEL": "python -m workers --log-level",
+    ENV_PREFIX + "LMCACHE": "1: the LMCache plugin takes over LMCache's lookup in vLLM",
+    ENV_PREFIX + "PURE_HASHING": "1: chunk hashing in Python, not the C extension",
+    ENV_PREFIX + "TEST_REDIS_URL": "tests: run the real-server tests against this server",
+    ENV_PREFIX + "TEST_SERVER_BINARY": "tests: the server binary embedded servers run",
+    ENV_PREFIX + "TEST_VLLM": "tests: the vLLM tests must run (CI)",
+    ENV_PREFIX + "HELM": "tests: the helm binary",
+}
+
+# Kubernetes "service links" put <SERVICE>_SERVICE_HOST, <SERVICE>_PORT=tcp://... and the like
+# in every pod of a namespace: a service named broker-lookup-redis shares our prefix. They
+# are never settings of ours, so they are not refused.
+_SERVICE_LINK_NAME = re.compile(r"_SERVICE_(HOST|PORT)(_\w+)?$|_PORT_\d+_(TCP|UDP|SCTP)(_\w+)?$")
+_SERVICE_LINK_VALUE = re.compile(r"^(tcp|udp|sctp)://")
+
+
 def env_name(field: str) -> str:
     """Environment variable that sets ``field``."""
     return ENV_PREFIX + field.upper()
+
+
+def env_origin(field: str) -> str:
+    """Where a value read from ``field``'s variable came from, as an error names it."""
+    return f"env {env_name(field)}"
+
+
+def flag_origin(field: str) -> str:
+    """Where a value given as the command-line flag of ``field`` came from."""
+    return "flag --" + field.replace("_", "-")
+
+
+def file_origin(path: str | os.PathLike[str]) -> str:
+    """Where a value read from the config file ``path`` came from."""
+    return f"file {path}"
+
+
+def nearest(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean X?)`` for the closest of ``known`` to a misspelt ``name``, else ``""``."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def unknown_variables(fields: Iterable[str], environ: Mapping[str, str] | None = None) -> list[str]:
+    """Each ``BROKER_LOOKUP_*`` variable set that is neither a field's nor in
+    :data:`OTHER_VARIABLES`, with the nearest valid name: a misspelling, refused."""
+    env = environment(environ)
+    valid = [env_name(f) for f in fields] + list(OTHER_VARIABLES)
+    found = []
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or name in valid:
+            continue
+        if _SERVICE_LINK_NAME.search(name) or _SERVICE_LINK_VALUE.match(env[name]):
+            continue
+        found.append(name + nearest(name, valid))
+    return found
 
 
 def environment(environ: Mapping[str, str] | None = None) -> Mapping[str, str]:
@@ -67,8 +136,9 @@ def config_file(environ: Mapping[str, str] | None = None) -> str | None:
     return environment(environ).get(CONFIG_FILE_ENV) or None
 
 
-def parse_env(field: str, raw: str, kind: object) -> object:
-    """A raw env value as the field's type expects it."""
+def parse_env(field: str, raw: str, kind: object, origin: str | None = None) -> object:
+    """A raw text value (a variable's, a flag's) as the field's type expects it; an error
+    names ``origin`` (default: the field's variable)."""
     # none/null/empty only for Optional fields, yes/no only for bools: a str stays a str.
     text = raw.strip()
     if type(None) in typing.get_args(kind) and text.lower() in ("", "none", "null"):
@@ -77,8 +147,9 @@ def parse_env(field: str, raw: str, kind: object) -> object:
         try:
             return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
         except ValueError:
+            where = origin or env_origin(field)
             raise ConfigError(
-                f"{env_name(field)}={raw!r} is invalid: expected comma-separated ranks like 0,1"
+                f"{field}={raw!r} ({where}) is invalid: expected comma-separated ranks like 0,1"
             ) from None
     if kind is bool and text.lower() in ("true", "yes", "on"):
         return True

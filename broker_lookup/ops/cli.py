@@ -19,8 +19,12 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from broker_lookup.processes import ExitCode, child_env, python_module
+
+if TYPE_CHECKING:
+    from broker_lookup.config import LookupConfig
 
 __all__ = ["COMMANDS", "Subcommand", "build_parser", "main"]
 
@@ -39,6 +43,19 @@ class Subcommand:
     passthrough: bool = False
 
 
+def _config(args: argparse.Namespace) -> LookupConfig:
+    """The config of a subcommand: file and ``BROKER_LOOKUP_*`` variables, then its flags
+    (an error names the flag, the file or the variable its bad value came from).
+
+    Raises:
+        ConfigError: A bad value or an unknown ``BROKER_LOOKUP_*`` variable.
+    """
+    from broker_lookup.config import LookupConfig
+
+    url = getattr(args, "redis_url", None)
+    return LookupConfig.load(environ=os.environ, flags={"redis_url": url} if url else None)
+
+
 # -- demo ---------------------------------------------------------------------------
 
 
@@ -52,13 +69,30 @@ def _setup_demo(p: argparse.ArgumentParser) -> None:
         default=180.0,
         help="seconds to wait for the ranks to start (default 180)",
     )
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave the embedded server running after the demo (and print how to stop it)",
+    )
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    from broker_lookup.errors import ConfigError
     from broker_lookup.tools.demo import run_demo
 
     if args.ranks < 1 or args.chunk_size < 1:
         print("broker-lookup demo: --ranks and --chunk-size must be >= 1", file=sys.stderr)
+        return ExitCode.USAGE
+    if args.keep and args.redis_url:
+        print(
+            "broker-lookup demo: --keep keeps the embedded server: not with --redis-url",
+            file=sys.stderr,
+        )
+        return ExitCode.USAGE
+    try:
+        _config(args)  # the ranks read the same variables: refuse a bad one here, named
+    except ConfigError as exc:
+        print(f"broker-lookup demo: {exc}", file=sys.stderr)
         return ExitCode.USAGE
     return run_demo(
         redis_url=args.redis_url,
@@ -66,7 +100,32 @@ def _run_demo(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         environ=os.environ,
         startup_timeout_s=args.startup_timeout,
+        keep=args.keep,
     )
+
+
+# -- server -------------------------------------------------------------------------
+
+
+def _setup_server(p: argparse.ArgumentParser) -> None:
+    from broker_lookup.tools.serve import DEFAULT_PORT
+
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"TCP port (default {DEFAULT_PORT}, the default redis_url's; 0: a free one)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    from broker_lookup.tools.serve import run_server
+
+    if not 0 <= args.port <= 65535:
+        print(f"broker-lookup server: --port {args.port} is not a port", file=sys.stderr)
+        return ExitCode.USAGE
+    return run_server(args.port, args.host)
 
 
 # -- inspect ------------------------------------------------------------------------
@@ -98,14 +157,12 @@ def _setup_inspect(p: argparse.ArgumentParser) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from broker_lookup.config import LookupConfig, env_name
     from broker_lookup.errors import ConfigError
     from broker_lookup.ops.inspect import run_inspect
 
-    overrides = {env_name("redis_url"): args.redis_url} if args.redis_url else {}
     try:
         return run_inspect(
-            LookupConfig.load(environ={**os.environ, **overrides}),
+            _config(args),
             args.engine_id,
             world_size=args.world_size,
             as_json=args.json,
@@ -117,6 +174,26 @@ def _run_inspect(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"broker-lookup inspect: {exc}", file=sys.stderr)
         return ExitCode.USAGE
+
+
+# -- doctor -------------------------------------------------------------------------
+
+
+def _setup_doctor(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", help="Redis URL (default: BROKER_LOOKUP_REDIS_URL)")
+    p.add_argument("--engine-id", help="check this engine only (default: every engine)")
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from broker_lookup.errors import ConfigError
+    from broker_lookup.ops.doctor import run_doctor
+
+    try:
+        config = _config(args)
+    except ConfigError as exc:
+        print(f"broker-lookup doctor: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    return run_doctor(config, args.engine_id)
 
 
 # -- worker -------------------------------------------------------------------------
@@ -219,10 +296,20 @@ COMMANDS: dict[str, Subcommand] = {
         _setup_demo,
         _run_demo,
     ),
+    "server": Subcommand(
+        "run a local embedded server (Valkey, nothing saved) in the foreground until Ctrl-C",
+        _setup_server,
+        _run_server,
+    ),
     "inspect": Subcommand(
         "show in-flight lookups, rank liveness, group lag/pending and dead letters",
         _setup_inspect,
         _run_inspect,
+    ),
+    "doctor": Subcommand(
+        "check a setup on one screen: server, password, memory policy, ranks, hashing, hits",
+        _setup_doctor,
+        _run_doctor,
     ),
     "worker": Subcommand(
         "run worker ranks (same as python -m workers)", _setup_worker, _run_worker, True

@@ -28,7 +28,15 @@ import redis
 from broker_lookup.errors import translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
 
-__all__ = ["PUBLISH_EVERY_S", "STALE_MS", "Publisher", "check", "member", "publish"]
+__all__ = [
+    "PUBLISH_EVERY_S",
+    "STALE_MS",
+    "Publisher",
+    "check",
+    "live_members",
+    "member",
+    "publish",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +117,26 @@ def check(client: redis.Redis, keys: KeySpace, own: Fingerprint) -> list[str]:
         with translate_redis_errors("dropping stale hash fingerprints"):
             client.hdel(keys.fingerprint, *stale)
     return sorted(bad)
+
+
+def live_members(client: redis.Redis, keys: KeySpace) -> dict[str, dict[str, Any] | None]:
+    """Every process's fingerprint (``ts_ms`` dropped; None: undecodable), stale ones left
+    out: what ``broker-lookup doctor`` compares. Reads only.
+
+    Raises:
+        BrokerUnavailable: Redis could not be reached.
+        BrokerResponseError: Redis refused a command.
+    """
+    with translate_redis_errors("reading hash fingerprints"):
+        members: dict[Any, Any] = client.hgetall(keys.fingerprint)
+    cutoff = int(time.time() * 1000) - STALE_MS
+    found: dict[str, dict[str, Any] | None] = {}
+    for raw_name, raw_value in members.items():
+        theirs = _decode(raw_value)
+        ts = theirs.pop("ts_ms", None) if theirs is not None else None
+        if not (isinstance(ts, int) and ts < cutoff):
+            found[_text(raw_name)] = theirs
+    return found
 
 
 def _report(keys: KeySpace, name: str, theirs: dict[str, Any] | None, ours: Fingerprint) -> None:

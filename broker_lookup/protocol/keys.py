@@ -35,6 +35,7 @@ from broker_lookup.protocol import lookup_hash
 
 __all__ = [
     "DIGEST_MARK",
+    "EVERY_REQUEST_STREAM",
     "FLEET_PATTERN",
     "INSTANCE_MARK",
     "PREFIX",
@@ -71,6 +72,9 @@ def rank_role(rank: int) -> str:
 
 #: SCAN pattern matching every key of every engine on a server.
 FLEET_PATTERN = PREFIX + ":{*"
+#: SCAN pattern of every engine's request stream: one key per engine on the server
+#: (:func:`engine_of` reads the engine id back).
+EVERY_REQUEST_STREAM = PREFIX + ":{*}:requests"
 
 
 def engine_of(key: str | bytes) -> str | None:

@@ -4,13 +4,16 @@ It starts an embedded Valkey (unless given ``--redis-url``), N real ``python -m 
 processes that preload prompts, then looks up like vLLM's scheduler (``lookup`` then
 polling ``lookup_cache``): a FULL hit (cached on every rank), a PARTIAL hit (rank 0 has
 all of it, the others half: the answer is the minimum), a ZERO hit and one CANCEL.
-It prints what Redis holds for each and the ``redis-cli`` commands to look yourself,
-then stops everything in order: client, ranks (SIGTERM), server.
+It prints what Redis holds for each and the commands to look yourself (``broker-lookup
+inspect``, and ``redis-cli`` where it is installed), then stops everything in order:
+client, ranks (SIGTERM), server. With ``keep``, the embedded server is a
+``broker-lookup server`` of its own that keeps running, so those commands work after it.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -31,6 +34,7 @@ from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
 from broker_lookup.tools.local_ranks import LocalRanks, write_preload
+from broker_lookup.tools.serve import start_detached
 from broker_lookup.transport.connection import make_factory, redis_cli_args
 
 __all__ = ["run_demo"]
@@ -226,13 +230,28 @@ class Demo:
         self.say(f"{'':<9}{'OK' if ok else 'WRONG'}")
         return ok
 
-    def commands(self) -> None:
-        """The redis-cli commands to inspect what the demo left, with the real host/port."""
-        parts = urlsplit(self.url)
-        cli = "redis-cli " + redis_cli_args(self.url)  # also cluster and sentinel URLs
+    def commands(self, server_stays: bool) -> None:
+        """The commands to inspect what the demo left (the server's real host and port):
+        ``broker-lookup inspect``, and ``redis-cli`` where it is installed."""
         k = self.keys
-        self.say("\nInspect it with (an embedded server stops with the demo: pass --redis-url):")
-        if parts.password:
+        if not server_stays:
+            self.say(
+                "\nThe embedded server stops with the demo. To look at what it leaves, run\n"
+                "  broker-lookup demo --keep          (keeps the embedded server running)\n"
+                "or pass --redis-url of a server of your own."
+            )
+            return
+        ttl_s = (self.config.lookup_timeout_ms + self.config.key_grace_ms) // 1000
+        self.say(f"\nInspect it with (each lookup hash expires about {ttl_s} s after its lookup):")
+        self.say(
+            f"  {_own_command()} inspect --redis-url {redact_url(self.url)} "
+            f"--engine-id {k.engine_id} --world-size {self.n}"
+        )
+        if shutil.which("redis-cli") is None:
+            self.say("  (redis-cli is not installed: with it, these hints list its commands too)")
+            return
+        cli = "redis-cli " + redis_cli_args(self.url)  # also cluster and sentinel URLs
+        if urlsplit(self.url).password:
             self.say("  export REDISCLI_AUTH=<password>   # never on the command line")
         for line in (
             f"--scan --pattern '{k.lookup_pattern}'",
@@ -247,10 +266,6 @@ class Demo:
             f"GET '{k.heartbeat(0)}'",
         ):
             self.say(f"  {cli} {line}")
-        self.say(
-            f"  broker-lookup inspect --redis-url {redact_url(self.url)} "
-            f"--engine-id {k.engine_id} --world-size {self.n}"
-        )
 
     def stop_ranks(self) -> bool:
         """SIGTERM every rank, wait (bounded), report their exit codes."""
@@ -266,14 +281,21 @@ class Demo:
         self.redis.close()
 
 
-def _lookups(demo: Demo, timeout_s: float) -> bool:
+def _own_command() -> str:
+    """How to run ``broker-lookup`` here: the console script when it is on PATH."""
+    if shutil.which("broker-lookup"):
+        return "broker-lookup"
+    return f"{sys.executable} -m broker_lookup.ops.cli"
+
+
+def _lookups(demo: Demo, timeout_s: float, server_stays: bool) -> bool:
     demo.start_ranks()
     if not demo.wait_ready(timeout_s):
         return False
     demo.say()
     results = [demo.lookup(case) for case in demo.cases]
     results.append(demo.cancel())
-    demo.commands()
+    demo.commands(server_stays)
     return all(results)
 
 
@@ -284,11 +306,20 @@ def run_demo(
     environ: Mapping[str, str],
     startup_timeout_s: float = 180.0,
     out: TextIO | None = None,
+    keep: bool = False,
 ) -> int:
-    """Run the demo; 0 if every lookup gave the expected answer and everything stopped cleanly."""
+    """Run the demo; 0 if every lookup gave the expected answer and everything stopped cleanly.
+
+    ``keep``: the embedded server (only it) keeps running after the demo, for its hints.
+    """
+    kept = None
     with ExitStack() as stack:
         where = "given"
-        if redis_url is None:
+        if redis_url is None and keep:
+            kept = start_detached(environ)
+            redis_url = kept.url
+            where = f"embedded, kept running: pid {kept.pid}"
+        elif redis_url is None:
             server = stack.enter_context(EmbeddedServer(startup_timeout_s=30.0))
             redis_url = server.url
             where = f"embedded, pid {server.pid}"
@@ -298,12 +329,15 @@ def run_demo(
         demo.say(f"redis: {redact_url(redis_url)} ({where})  engine: {demo.keys.engine_id}")
         stopped = True
         try:
-            ok = _lookups(demo, startup_timeout_s)
+            ok = _lookups(demo, startup_timeout_s, server_stays=where == "given" or keep)
         except (redis.RedisError, OSError) as exc:
             demo.say(f"demo failed: {exc}")
             ok = False
         finally:
             demo.close_client()
             stopped = demo.stop_ranks()
+        if kept is not None:
+            demo.say(f"\nThe embedded server keeps running (pid {kept.pid}): {kept.url}")
+            demo.say(f"Stop it with: kill {kept.pid}")
         demo.say(f"\ndemo {'OK' if ok and stopped else 'FAILED'}")
         return ExitCode.OK if ok and stopped else ExitCode.FAILED

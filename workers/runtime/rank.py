@@ -11,21 +11,23 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.errors import BrokerLookupError, translate_redis_errors
+from broker_lookup.config import LookupConfig, LookupMetadata, redact_url
+from broker_lookup.errors import AuthFailed, BrokerLookupError, translate_redis_errors
 from broker_lookup.ops.metrics import ServerCollector
 from broker_lookup.processes import ExitCode
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.transport.connection import make_factory
-from workers.reference.engine import ReferenceEngine
 from workers.runtime.health import HealthServer, Pinger
 from workers.server import RedisAsyncLookupServer
+
+if TYPE_CHECKING:  # imported when a rank starts: it loads torch, seconds that --help skips
+    from workers.reference.engine import ReferenceEngine
 
 __all__ = ["RankSpec", "UsageError"]
 
@@ -87,6 +89,7 @@ def preload(engine: ReferenceEngine, config: LookupConfig, rank: int, path: str)
         data = msgspec.json.decode(Path(path).read_bytes(), type=_PreloadFile)
     except (OSError, msgspec.DecodeError) as exc:
         raise UsageError(f"--preload {path}: {exc}") from None
+    logger.info("preloading %d prompts from %s", len(data.prompts), path)
     hasher = ChunkedTokenHasher(config)
     stored = 0
     for i, prompt in enumerate(data.prompts):
@@ -105,15 +108,21 @@ def preload(engine: ReferenceEngine, config: LookupConfig, rank: int, path: str)
 
 
 def wait_for_redis(config: LookupConfig, timeout_s: float, stop: threading.Event) -> str | None:
-    """PING until Redis answers; None once it does, else the last error after ``timeout_s``."""
+    """PING until Redis answers; None once it does, else the last error after ``timeout_s``.
+
+    Raises:
+        AuthFailed: Redis refused the credentials: at once, since waiting will not help.
+    """
     factory = make_factory(config, "bl-worker-startup")
     deadline = time.monotonic() + timeout_s
     while True:
         client = factory()
         try:
-            with translate_redis_errors("waiting for Redis at startup"):
+            with translate_redis_errors("connecting at startup"):
                 client.ping()
             return None
+        except AuthFailed:
+            raise
         except (BrokerLookupError, redis.RedisError) as exc:
             error = str(exc)
         finally:
@@ -135,7 +144,18 @@ class RankRunner:
     def run(self) -> int:
         """Start everything, serve until stopped, shut down in order."""
         spec = self.spec
-        error = wait_for_redis(spec.config, spec.connect_timeout_s, self._stop)
+        logger.info(
+            "rank %d of engine %s: connecting to %s (up to %.0fs, --connect-timeout)",
+            spec.metadata.worker_id,
+            spec.metadata.engine_id,
+            redact_url(spec.config.redis_url),
+            spec.connect_timeout_s,
+        )
+        try:
+            error = wait_for_redis(spec.config, spec.connect_timeout_s, self._stop)
+        except AuthFailed as exc:
+            logger.error("%s", exc)
+            return ExitCode.USAGE
         if error is not None:
             if self._stop.is_set():
                 return ExitCode.OK
@@ -149,6 +169,7 @@ class RankRunner:
         try:
             if spec.preload:
                 preload(engine, spec.config, spec.metadata.worker_id, spec.preload)
+            logger.info("starting the lookup server (consumer group, heartbeat)")
             server = RedisAsyncLookupServer(engine, spec.metadata, spec.config)
         except BaseException:
             engine.close()
@@ -157,6 +178,13 @@ class RankRunner:
 
     def _engine(self) -> ReferenceEngine:
         spec = self.spec
+        logger.info(
+            "Redis answered; loading the reference engine (torch; memory %d chunks, disk %s)",
+            spec.memory_chunks,
+            f"{spec.disk_chunks} chunks in {spec.disk_dir}" if spec.disk_dir else "off",
+        )
+        from workers.reference.engine import ReferenceEngine
+
         try:
             return ReferenceEngine(
                 memory_capacity_chunks=spec.memory_chunks,

@@ -9,7 +9,8 @@ One rank per process is the production shape (a StatefulSet pod per rank)::
 supervises them; child ``r`` serves metrics on ``--metrics-port + r``. Flags fall
 back to environment variables (the Helm chart sets those); the password comes only
 from ``BROKER_LOOKUP_REDIS_PASSWORD``. Exit codes: 0 stopped cleanly, 1 a rank
-failed, 2 bad arguments or config, 3 Redis unreachable at startup, 4 another live
+failed, 2 bad arguments or config (a password Redis refuses included: it is
+reported at once, not retried), 3 Redis unreachable at startup, 4 another live
 process serves the rank (this one did not get its lease within ``--claim-timeout``).
 """
 
@@ -90,6 +91,13 @@ def _flag(dest: str) -> str:
     return f"--{dest.replace('_', '-')} (env {ENV_FALLBACKS[dest]})"
 
 
+def _origin(args: argparse.Namespace, dest: str) -> str:
+    """Where the value of ``dest`` came from: its flag, or else its variable."""
+    if getattr(args, dest) is not None:
+        return "--" + dest.replace("_", "-")
+    return f"env {ENV_FALLBACKS[dest]}"
+
+
 def _int(args: argparse.Namespace, env: Mapping[str, str], dest: str, lo: int, hi: int) -> int:
     raw = _value(args, env, dest)
     if raw is None:
@@ -97,9 +105,9 @@ def _int(args: argparse.Namespace, env: Mapping[str, str], dest: str, lo: int, h
     try:
         value = int(raw)
     except ValueError:
-        raise UsageError(f"{_flag(dest)}={raw!r} is not an integer") from None
+        raise UsageError(f"{_origin(args, dest)}={raw!r} is not an integer") from None
     if not lo <= value <= hi:
-        raise UsageError(f"{_flag(dest)}={value} must be in [{lo}, {hi}]")
+        raise UsageError(f"{_origin(args, dest)}={value} must be in [{lo}, {hi}]")
     return value
 
 
@@ -109,7 +117,7 @@ def _ranks(args: argparse.Namespace, env: Mapping[str, str], world_size: int) ->
     elif args.rank:
         raw, where = ",".join(args.rank), "--rank"
     else:
-        raw, where = env.get(ENV_FALLBACKS["rank"], ""), _flag("rank")
+        raw, where = env.get(ENV_FALLBACKS["rank"], ""), f"env {ENV_FALLBACKS['rank']}"
     if not raw.strip():
         raise UsageError("no rank to run: pass --rank R, --ranks all, or set BROKER_LOOKUP_RANK")
     if raw.strip() == "all":
@@ -185,11 +193,10 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
     ranks = _ranks(args, env, world_size)
     port = _int(args, env, "metrics_port", 0, 65535) if _value(args, env, "metrics_port") else 9400
     if port and port + ranks[-1] > 65535:
-        raise UsageError(f"{_flag('metrics_port')}={port}: port + rank exceeds 65535")
-    url = _value(args, env, "redis_url")
-    overrides = {env_name("redis_url"): url} if url else {}
+        raise UsageError(f"{_origin(args, 'metrics_port')}={port}: port + rank exceeds 65535")
     config_path = _value(args, env, "config")
-    config = LookupConfig.load(config_path, {**env, **overrides})
+    flags = {"redis_url": args.redis_url} if args.redis_url else None
+    config = LookupConfig.load(config_path, env, flags=flags)
     meta = LookupMetadata(engine_id=engine_id, world_size=world_size, worker_id=ranks[0])
     spec = RankSpec(
         config=config,
