@@ -62,6 +62,7 @@ OTHER_VARIABLES: dict[str, str] = {
     ENV_PREFIX + "TEST_REDIS_URL": "tests: run the real-server tests against this server",
     ENV_PREFIX + "TEST_SERVER_BINARY": "tests: the server binary embedded servers run",
     ENV_PREFIX + "TEST_VLLM": "tests: the vLLM tests must run (CI)",
+    ENV_PREFIX + "TEST_LMCACHE": "tests: the LMCache tests must run on this LMCache version (CI)",
     ENV_PREFIX + "HELM": "tests: the helm binary",
 }
 
