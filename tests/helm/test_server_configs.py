@@ -96,6 +96,7 @@ FORBIDDEN = [
 PASSWORDS = {
     "scheduler": "changeme-scheduler-password",
     "worker": "changeme-worker-password",
+    "vllm": "changeme-vllm-password",
     "operator": "changeme-operator-password",
     "admin": "changeme-admin-password",
 }
