@@ -214,14 +214,14 @@ def test_worker_runs_as_rendered(render: RenderFn, tmp_path: Path, rank: int) ->
             f"auth.password={PASSWORD}",
             f"engine.id={ENGINE}",
             "engine.worldSize=2",
-            f"worker.metricsPort={metrics_port}",
+            f"referenceWorkers.metricsPort={metrics_port}",
         )
         worker = resolve(rendered, rendered.worker_sts(), "worker", rank, tmp_path / "worker")
         assert worker.env["BROKER_LOOKUP_RANK"] == str(rank)
         assert worker.env["BROKER_LOOKUP_REDIS_PASSWORD"] == PASSWORD
         assert Path(worker.argv[worker.argv.index("--config") + 1]).is_file()
 
-        log = tmp_path / "worker.log"
+        log = tmp_path / "referenceWorkers.log"
         proc = _start(worker, log)
         try:
             heartbeat = KeySpace(ENGINE).heartbeat(rank)
@@ -273,7 +273,7 @@ def test_helm_test_hook_passes_when_every_rank_runs(render: RenderFn, tmp_path: 
             "auth.enabled=false",
             f"engine.id={ENGINE}",
             "engine.worldSize=2",
-            f"worker.metricsPort={free_port()}",
+            f"referenceWorkers.metricsPort={free_port()}",
         )
         sts = rendered.worker_sts()
         procs: list[subprocess.Popen[bytes]] = []

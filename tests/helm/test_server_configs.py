@@ -359,7 +359,7 @@ def test_protocol_runs_under_least_privilege_users(
         "BROKER_LOOKUP_RANK": "0",
         "BROKER_LOOKUP_METRICS_PORT": str(metrics_port),
     }
-    log = tmp_path / "worker.log"
+    log = tmp_path / "referenceWorkers.log"
     with log.open("wb") as out:
         worker = subprocess.Popen(
             [sys.executable, "-m", "workers"], env=worker_env, stdout=out, stderr=subprocess.STDOUT
