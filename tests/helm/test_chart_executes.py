@@ -209,8 +209,10 @@ def test_worker_runs_as_rendered(render: RenderFn, tmp_path: Path, rank: int) ->
         conn = redis.Redis(host="127.0.0.1", port=server.port, password=PASSWORD)
         metrics_port = free_port()
         rendered = render(
+            "referenceWorkers.enabled=true",
             "redis.enabled=false",
             f"externalRedis.url=redis://127.0.0.1:{server.port}/0",
+            "auth.acl.enabled=false",  # the server has one password (its default user)
             f"auth.password={PASSWORD}",
             f"engine.id={ENGINE}",
             "engine.worldSize=2",
@@ -221,7 +223,7 @@ def test_worker_runs_as_rendered(render: RenderFn, tmp_path: Path, rank: int) ->
         assert worker.env["BROKER_LOOKUP_REDIS_PASSWORD"] == PASSWORD
         assert Path(worker.argv[worker.argv.index("--config") + 1]).is_file()
 
-        log = tmp_path / "referenceWorkers.log"
+        log = tmp_path / "worker.log"
         proc = _start(worker, log)
         try:
             heartbeat = KeySpace(ENGINE).heartbeat(rank)
@@ -268,6 +270,7 @@ def test_helm_test_hook_passes_when_every_rank_runs(render: RenderFn, tmp_path: 
     with EmbeddedServer() as server:
         conn = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=5)
         rendered = render(
+            "referenceWorkers.enabled=true",
             "redis.enabled=false",
             f"externalRedis.url=redis://127.0.0.1:{server.port}/0",
             "auth.enabled=false",

@@ -787,7 +787,8 @@ def test_notes(helm: str) -> None:
 
     fleet = notes("engine.id=e1")
     for text in (
-        """--kv-transfer-config '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both","engine_id":"e1"}'""",
+        '--kv-transfer-config \'{"kv_connector":"LMCacheConnectorV1",'
+        '"kv_role":"kv_both","engine_id":"e1"}\'',
         '- name: BROKER_LOOKUP_LMCACHE\n      value: "1"',
         '- name: PYTHONHASHSEED\n      value: "0"',
         f'- name: BROKER_LOOKUP_REDIS_URL\n      value: "redis://{FULL}-redis:6379/0"',
