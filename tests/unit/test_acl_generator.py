@@ -36,6 +36,7 @@ def test_a_user_is_scoped_to_its_engine_and_its_vllm_instances() -> None:
 
 def test_roles_and_their_limits() -> None:
     assert ROLES == ("scheduler", "worker", "vllm", "operator", "admin")
+
     # A vLLM pod hosts the scheduler's client and the rank servers under one credential.
     def grants(role: str) -> set[str]:
         return {w for w in acl_line(role, "e").split() if w.startswith(("+", "~"))}
