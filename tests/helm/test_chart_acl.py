@@ -75,6 +75,7 @@ def _placeholders(rendered: Rendered) -> dict[str, str]:
 
 
 def container_of(workload: Manifest, name: str) -> Manifest:
+    found: Manifest
     (found,) = [
         c for c in workload["spec"]["template"]["spec"]["initContainers"] if c["name"] == name
     ]
