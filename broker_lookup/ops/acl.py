@@ -90,8 +90,12 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     # Stops a runaway script (one that has not written yet); touches no key.
     "admin": (*_CONNECTION, "script|kill", "info"),
 }
+#: A vLLM pod: its EngineCore hosts the scheduler's client and its workers the rank
+#: servers, and every process reads one LMCache config and one environment, so they
+#: share one credential with both roles' commands.
+COMMANDS["vllm"] = tuple(dict.fromkeys((*COMMANDS["scheduler"], *COMMANDS["worker"])))
 #: The roles, in the order the shipped file lists them.
-ROLES = tuple(COMMANDS)
+ROLES = ("scheduler", "worker", "vllm", "operator", "admin")
 #: First line of every file: connections that do not log in can do nothing.
 DEFAULT_USER = "user default off resetkeys resetchannels -@all"
 
@@ -125,7 +129,7 @@ def acl_line(
     """
     if role not in COMMANDS:
         raise ConfigError(f"role={role!r} is unknown: use one of {', '.join(ROLES)}")
-    if engine_id is None and role in ("scheduler", "worker"):
+    if engine_id is None and role in ("scheduler", "worker", "vllm"):
         raise ConfigError(f"role={role!r} needs an engine id: it writes that engine's keys")
     name = user or role
     if not name.isprintable() or any(c.isspace() for c in name) or name.startswith((">", "#")):

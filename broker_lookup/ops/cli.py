@@ -247,11 +247,14 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _setup_acl(p: argparse.ArgumentParser) -> None:
+    from broker_lookup.ops.acl import ROLES
+
     p.add_argument("--engine-id", help="scope the users to this engine (and its vLLM instances)")
     p.add_argument(
         "--role",
-        choices=("scheduler", "worker", "operator", "admin"),
-        help="print this role's user only (default: a whole file, every role)",
+        choices=ROLES,
+        help="print this role's user only (default: a whole file, every role); vllm: a vLLM "
+        "pod, whose processes host the scheduler's client and the rank servers",
     )
     p.add_argument("--user", help="the user's name, with --role (default: the role's name)")
     secret = p.add_mutually_exclusive_group()

@@ -43,6 +43,8 @@ HANDSHAKE_NOT_GRANTED = "client|setinfo"
 EXPECTED_COMMANDS = {
     "scheduler": SCRIPT_COMMANDS | OWNERSHIP | CONNECTION | SCHEDULER_EXTRA,
     "worker": SCRIPT_COMMANDS | OWNERSHIP | CONNECTION | WORKER_EXTRA,
+    # A vLLM pod's processes host both and share one credential.
+    "vllm": SCRIPT_COMMANDS | OWNERSHIP | CONNECTION | SCHEDULER_EXTRA | WORKER_EXTRA,
     # Read-only: broker-lookup inspect and the redis-cli commands of docs/deploy.md.
     "operator": CONNECTION
     | set("scan type get mget pttl ttl hget hgetall xlen xrange xrevrange xpending info".split())

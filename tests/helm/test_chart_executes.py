@@ -209,12 +209,14 @@ def test_worker_runs_as_rendered(render: RenderFn, tmp_path: Path, rank: int) ->
         conn = redis.Redis(host="127.0.0.1", port=server.port, password=PASSWORD)
         metrics_port = free_port()
         rendered = render(
+            "referenceWorkers.enabled=true",
             "redis.enabled=false",
             f"externalRedis.url=redis://127.0.0.1:{server.port}/0",
+            "auth.acl.enabled=false",  # the server has one password (its default user)
             f"auth.password={PASSWORD}",
             f"engine.id={ENGINE}",
             "engine.worldSize=2",
-            f"worker.metricsPort={metrics_port}",
+            f"referenceWorkers.metricsPort={metrics_port}",
         )
         worker = resolve(rendered, rendered.worker_sts(), "worker", rank, tmp_path / "worker")
         assert worker.env["BROKER_LOOKUP_RANK"] == str(rank)
@@ -268,12 +270,13 @@ def test_helm_test_hook_passes_when_every_rank_runs(render: RenderFn, tmp_path: 
     with EmbeddedServer() as server:
         conn = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=5)
         rendered = render(
+            "referenceWorkers.enabled=true",
             "redis.enabled=false",
             f"externalRedis.url=redis://127.0.0.1:{server.port}/0",
             "auth.enabled=false",
             f"engine.id={ENGINE}",
             "engine.worldSize=2",
-            f"worker.metricsPort={free_port()}",
+            f"referenceWorkers.metricsPort={free_port()}",
         )
         sts = rendered.worker_sts()
         procs: list[subprocess.Popen[bytes]] = []

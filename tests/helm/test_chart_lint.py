@@ -37,15 +37,26 @@ def test_lint_strict_every_feature_on_via_set(helm: str) -> None:
         "--set",
         "engine.worldSize=2,pdb.enabled=true,networkPolicy.enabled=true,"
         "metricsService.enabled=true,serviceMonitor.enabled=true,serviceMonitor.force=true,"
-        "redis.persistence.enabled=true,serviceAccount.create=true",
+        "redis.persistence.enabled=true,serviceAccount.create=true,referenceWorkers.enabled=true,"
+        "prometheusRule.enabled=true,prometheusRule.force=true,grafanaDashboard.enabled=true,"
+        "auth.acl.extraEngines={e2,e3}",
     )
 
 
 def test_ci_values_cover_all_features() -> None:
     values = yaml.safe_load((CHART / "ci" / "all-features-values.yaml").read_text())
-    for key in ("pdb", "networkPolicy", "metricsService", "serviceMonitor"):
+    for key in (
+        "pdb",
+        "networkPolicy",
+        "metricsService",
+        "serviceMonitor",
+        "referenceWorkers",
+        "prometheusRule",
+        "grafanaDashboard",
+    ):
         assert values[key]["enabled"] is True, key
     assert values["redis"]["persistence"]["enabled"] is True
+    assert values["auth"]["acl"]["extraEngines"]
 
 
 @pytest.mark.parametrize(
@@ -53,11 +64,11 @@ def test_ci_values_cover_all_features() -> None:
     [
         ("iamge.tag=1", "iamge"),
         ("engine.worldsize=2", "worldsize"),
-        ("worker.config.chunk_sise=128", "chunk_sise"),
-        ("worker.securityContext.readOnlyRootFileSystem=true", "readOnlyRootFileSystem"),
+        ("referenceWorkers.config.chunk_sise=128", "chunk_sise"),
+        ("referenceWorkers.securityContext.readOnlyRootFileSystem=true", "readOnlyRootFileSystem"),
         ("redis.persistence.enabeld=true", "enabeld"),
         ("serviceMonitor.intervall=10s", "intervall"),
-        ("networkPolicy.schedulerPodSelector.matchLabel.app=x", "matchLabel"),
+        ("networkPolicy.clientPodSelector.matchLabel.app=x", "matchLabel"),
     ],
 )
 def test_schema_rejects_unknown_key(render_fails: RenderFailFn, setting: str, named: str) -> None:
@@ -71,12 +82,14 @@ def test_schema_rejects_unknown_key(render_fails: RenderFailFn, setting: str, na
     [
         "engine.id={bad}",
         "engine.worldSize=0",
-        "worker.metricsPort=0",
+        "referenceWorkers.metricsPort=0",
         "redis.maxmemoryPolicy=allkeys-lru",
         "image.pullPolicy=Sometimes",
         "image.digest=latest",
         "externalRedis.url=http://redis:6379",
-        "worker.config.lookup_timeout_ms=-1",
+        "referenceWorkers.config.lookup_timeout_ms=-1",
+        "auth.acl.extraEngines={bad:id}",
+        "exporter.port=0",
     ],
 )
 def test_schema_rejects_bad_value(render_fails: RenderFailFn, setting: str) -> None:
@@ -92,8 +105,8 @@ K8S_TYPES = {
     "podSecurityContext",
     "resources",
     "affinity",
-    "schedulerPodSelector",
-    "schedulerNamespaceSelector",
+    "clientPodSelector",
+    "clientNamespaceSelector",
     "metricsNamespaceSelector",
 }
 

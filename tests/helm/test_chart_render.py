@@ -30,29 +30,39 @@ CI = CHART / "ci"
 K8S_VERSIONS = ["1.28.0", kubernetes_validate.latest_version()]
 #: Custom resources: kubernetes-validate carries only built-in API schemas, so these
 #: are checked structurally in test_service_monitor_* instead.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+}
+#: The reference-engine workers, off by default (a vLLM fleet's pods host their ranks).
+REF = "referenceWorkers.enabled=true"
+#: One password for the default user, as before ACL users (an existing server's Secret).
+NOACL = "auth.acl.enabled=false"
 
 SCENARIOS: dict[str, dict[str, Any]] = {
-    "default": {},
+    "default": {},  # a vLLM fleet's: Redis with ACL users, the exporter, NetworkPolicy
+    "reference-workers": {"sets": [REF]},
+    "no-acl": {"sets": ["auth.acl.enabled=false", REF]},
     "all-features": {"values_files": [CI / "all-features-values.yaml"]},
     "external-redis": {"values_files": [CI / "external-redis-values.yaml"]},
-    "auth-disabled": {"sets": ["auth.enabled=false"]},
+    "auth-disabled": {"sets": ["auth.enabled=false", REF]},
     "persistence": {"sets": ["redis.persistence.enabled=true"]},
     "existing-secret": {"sets": ["auth.existingSecret=my-redis"]},
     "pdb-min-available": {
-        "sets": ["pdb.enabled=true", "engine.worldSize=3", "pdb.minAvailable=2"],
+        "sets": [REF, "pdb.enabled=true", "engine.worldSize=3", "pdb.minAvailable=2"],
         "extra": ["--set-json", "pdb.maxUnavailable=null"],
     },
-    "network-policy": {"sets": ["networkPolicy.enabled=true"]},
+    "network-policy": {"sets": ["networkPolicy.enabled=true", REF]},
     "service-monitor-capability": {
         "sets": ["serviceMonitor.enabled=true"],
         "extra": ["--api-versions", "monitoring.coreos.com/v1"],
     },
     "no-probes-no-tests": {
         "sets": [
-            "worker.startupProbe.enabled=false",
-            "worker.livenessProbe.enabled=false",
-            "worker.readinessProbe.enabled=false",
+            REF,
+            "referenceWorkers.startupProbe.enabled=false",
+            "referenceWorkers.livenessProbe.enabled=false",
+            "referenceWorkers.readinessProbe.enabled=false",
             "tests.enabled=false",
         ]
     },
@@ -182,7 +192,7 @@ def test_common_labels(render: RenderFn) -> None:
 
 @pytest.mark.parametrize("world_size", [1, 2, 8])
 def test_replicas_equal_world_size(render: RenderFn, world_size: int) -> None:
-    rendered = render(f"engine.worldSize={world_size}")
+    rendered = render(REF, f"engine.worldSize={world_size}")
     sts = rendered.worker_sts()
     assert sts["spec"]["replicas"] == world_size
     assert sts["spec"]["podManagementPolicy"] == "Parallel"
@@ -194,7 +204,7 @@ def test_replicas_equal_world_size(render: RenderFn, world_size: int) -> None:
 
 
 def test_rank_comes_from_pod_index_label(render: RenderFn) -> None:
-    env = env_map(render().worker_container())
+    env = env_map(render(REF).worker_container())
     assert env["BROKER_LOOKUP_RANK"] == {
         "fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}
     }
@@ -210,7 +220,7 @@ def test_chart_requires_kubernetes_with_pod_index(helm: str) -> None:
 
 
 def test_worker_command_env_and_config(render: RenderFn) -> None:
-    rendered = render("engine.id=llama-tp2", "engine.worldSize=2")
+    rendered = render(REF, "engine.id=llama-tp2", "engine.worldSize=2")
     worker = rendered.worker_container()
     assert worker["command"] == ["python", "-m", "workers"]
     assert worker["args"][:2] == ["--config", "/etc/broker-lookup/config.yaml"]
@@ -218,8 +228,10 @@ def test_worker_command_env_and_config(render: RenderFn) -> None:
     assert env["BROKER_LOOKUP_ENGINE_ID"] == "llama-tp2"
     assert env["BROKER_LOOKUP_REDIS_URL"] == f"redis://{FULL}-redis:6379/0"
     assert env["BROKER_LOOKUP_METRICS_PORT"] == "9400"
+    # The engine's worker user, its password from the Secret's key of its name.
+    assert env["BROKER_LOOKUP_REDIS_USERNAME"] == "worker-llama-tp2"
     assert env["BROKER_LOOKUP_REDIS_PASSWORD"] == {
-        "secretKeyRef": {"name": f"{FULL}-redis-auth", "key": "redis-password"}
+        "secretKeyRef": {"name": f"{FULL}-redis-auth", "key": "worker-llama-tp2"}
     }
     # The password never appears in args, the URL or a plain env value.
     assert not any("PASSWORD" in a for a in worker["args"])
@@ -233,9 +245,10 @@ def test_worker_command_env_and_config(render: RenderFn) -> None:
 
 def test_worker_config_file(render: RenderFn) -> None:
     rendered = render(
-        "worker.config.chunk_size=128",
-        "worker.config.heartbeat_interval_ms=500",
-        "worker.extraConfig.enable_chunk_statistics=true",
+        REF,
+        "referenceWorkers.config.chunk_size=128",
+        "referenceWorkers.config.heartbeat_interval_ms=500",
+        "referenceWorkers.extraConfig.enable_chunk_statistics=true",
     )
     config = yaml.safe_load(rendered.get("ConfigMap", "-worker")["data"]["config.yaml"])
     assert config == {
@@ -249,13 +262,15 @@ def test_worker_config_file(render: RenderFn) -> None:
 
 
 def test_worker_config_default_leaves_nulls_out(render: RenderFn) -> None:
-    config = yaml.safe_load(render().get("ConfigMap", "-worker")["data"]["config.yaml"])
+    config = yaml.safe_load(render(REF).get("ConfigMap", "-worker")["data"]["config.yaml"])
     assert "heartbeat_interval_ms" not in config and "stream_maxlen" not in config
     assert config["chunk_size"] == 256 and config["save_unfull_chunk"] is False
 
 
 def test_extra_config_cannot_shadow_config(render_fails: RenderFailFn) -> None:
-    assert "worker.config.chunk_size" in render_fails("worker.extraConfig.chunk_size=64")
+    assert "referenceWorkers.config.chunk_size" in render_fails(
+        REF, "referenceWorkers.extraConfig.chunk_size=64"
+    )
 
 
 def test_config_change_rolls_pods(render: RenderFn) -> None:
@@ -265,12 +280,14 @@ def test_config_change_rolls_pods(render: RenderFn) -> None:
         ]
         return value
 
-    assert checksum(render()) == checksum(render())
-    assert checksum(render()) != checksum(render("worker.config.lookup_timeout_ms=1500"))
+    assert checksum(render(REF)) == checksum(render(REF))
+    assert checksum(render(REF)) != checksum(
+        render(REF, "referenceWorkers.config.lookup_timeout_ms=1500")
+    )
 
 
 def test_probes(render: RenderFn) -> None:
-    worker = render().worker_container()
+    worker = render(REF).worker_container()
     assert worker["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert worker["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert worker["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
@@ -282,10 +299,10 @@ def test_probes_can_be_disabled(render: RenderFn) -> None:
 
 
 def test_image_tag_and_digest(render: RenderFn) -> None:
-    assert render().worker_container()["image"] == "broker-lookup:0.1.0"
-    assert render("image.tag=1.2.3").worker_container()["image"] == "broker-lookup:1.2.3"
+    assert render(REF).worker_container()["image"] == "broker-lookup:0.1.0"
+    assert render(REF, "image.tag=1.2.3").worker_container()["image"] == "broker-lookup:1.2.3"
     digest = "sha256:" + "ab" * 32
-    rendered = render(f"image.digest={digest}", "image.repository=ghcr.io/x/bl")
+    rendered = render(REF, f"image.digest={digest}", "image.repository=ghcr.io/x/bl")
     assert rendered.worker_container()["image"] == f"ghcr.io/x/bl@{digest}"
     redis = container(rendered.get("StatefulSet", "-redis"), "redis")
     assert redis["image"] == "valkey/valkey:8.1"
@@ -319,7 +336,7 @@ def test_every_container_is_restricted(render: RenderFn, scenario: str) -> None:
 
 
 def test_worker_security_context(render: RenderFn) -> None:
-    rendered = render()
+    rendered = render(REF)
     sc = rendered.worker_container()["securityContext"]
     assert sc["runAsNonRoot"] is True
     assert sc["runAsUser"] == 10001
@@ -333,7 +350,9 @@ def test_worker_security_context(render: RenderFn) -> None:
 
 def test_resources_from_values(render: RenderFn) -> None:
     worker = render(
-        "worker.resources.limits.nvidia\\.com/gpu=1", "worker.resources.requests.cpu=2"
+        REF,
+        "referenceWorkers.resources.limits.nvidia\\.com/gpu=1",
+        "referenceWorkers.resources.requests.cpu=2",
     ).worker_container()
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert worker["resources"]["requests"]["cpu"] == 2
@@ -343,7 +362,7 @@ def test_resources_from_values(render: RenderFn) -> None:
 
 
 def test_bundled_redis(render: RenderFn) -> None:
-    rendered = render()
+    rendered = render(NOACL)
     sts = rendered.get("StatefulSet", "-redis")
     assert sts["spec"]["replicas"] == 1
     redis = container(sts, "redis")
@@ -384,7 +403,9 @@ def test_redis_config_defaults(render: RenderFn) -> None:
     assert config["appendonly"] == "no"
     assert config["protected-mode"] == "yes"
     assert config["maxmemory"] == "768mb"
-    assert "requirepass" not in config  # comes from the Secret, via the command line
+    assert "requirepass" not in config  # ACL users, or the Secret via the command line
+    assert config["aclfile"] == "/acl/users.acl"
+    assert "aclfile" not in _server_config(render(NOACL))
 
 
 def test_redis_persistence(render: RenderFn) -> None:
@@ -411,18 +432,20 @@ def test_auth_disabled(render: RenderFn) -> None:
 
 
 def test_generated_secret(render: RenderFn) -> None:
-    secret = render().get("Secret", "-redis-auth")
+    secret = render(NOACL).get("Secret", "-redis-auth")
     password = base64.b64decode(secret["data"]["redis-password"]).decode()
     assert len(password) == 32 and password.isalnum()
 
 
 def test_explicit_password(render: RenderFn) -> None:
-    secret = render("auth.password=s3cret").get("Secret", "-redis-auth")
+    secret = render(NOACL, "auth.password=s3cret").get("Secret", "-redis-auth")
     assert base64.b64decode(secret["data"]["redis-password"]).decode() == "s3cret"
 
 
 def test_existing_secret_wiring(render: RenderFn) -> None:
-    rendered = render("auth.existingSecret=shared-redis", "auth.existingSecretPasswordKey=password")
+    rendered = render(
+        REF, NOACL, "auth.existingSecret=shared-redis", "auth.existingSecretPasswordKey=password"
+    )
     assert not rendered.of_kind("Secret")
     expected = {"secretKeyRef": {"name": "shared-redis", "key": "password"}}
     assert env_map(rendered.worker_container())["BROKER_LOOKUP_REDIS_PASSWORD"] == expected
@@ -433,7 +456,7 @@ def test_existing_secret_wiring(render: RenderFn) -> None:
 
 
 def test_existing_secret_default_key(render: RenderFn) -> None:
-    env = env_map(render("auth.existingSecret=bitnami-redis").worker_container())
+    env = env_map(render(REF, NOACL, "auth.existingSecret=bitnami-redis").worker_container())
     assert env["BROKER_LOOKUP_REDIS_PASSWORD"]["secretKeyRef"]["key"] == "redis-password"
 
 
@@ -473,7 +496,7 @@ def test_external_redis_misconfiguration_fails(
 
 def test_external_redis_without_auth(render: RenderFn) -> None:
     rendered = render(
-        "redis.enabled=false", "externalRedis.url=rediss://r:6380/0", "auth.enabled=false"
+        REF, "redis.enabled=false", "externalRedis.url=rediss://r:6380/0", "auth.enabled=false"
     )
     env = env_map(rendered.worker_container())
     assert env["BROKER_LOOKUP_REDIS_URL"] == "rediss://r:6380/0"
@@ -486,7 +509,9 @@ def test_external_redis_without_auth(render: RenderFn) -> None:
 )
 def test_external_sentinel_and_cluster_urls_reach_the_workers(render: RenderFn, url: str) -> None:
     escaped = url.replace(",", "\\,")  # helm --set splits on unescaped commas
-    rendered = render("redis.enabled=false", f"externalRedis.url={escaped}", "auth.enabled=false")
+    rendered = render(
+        REF, "redis.enabled=false", f"externalRedis.url={escaped}", "auth.enabled=false"
+    )
     assert env_map(rendered.worker_container())["BROKER_LOOKUP_REDIS_URL"] == url
 
 
@@ -494,11 +519,11 @@ def test_external_sentinel_and_cluster_urls_reach_the_workers(render: RenderFn, 
 
 
 def test_pdb_off_by_default(render: RenderFn) -> None:
-    assert not render("engine.worldSize=4").of_kind("PodDisruptionBudget")
+    assert not render(REF, "engine.worldSize=4").of_kind("PodDisruptionBudget")
 
 
 def test_pdb_on(render: RenderFn) -> None:
-    rendered = render("pdb.enabled=true", "engine.worldSize=4")
+    rendered = render(REF, "pdb.enabled=true", "engine.worldSize=4")
     pdb = rendered.get("PodDisruptionBudget")
     assert pdb["apiVersion"] == "policy/v1"
     assert pdb["spec"]["maxUnavailable"] == 1
@@ -516,7 +541,7 @@ def test_pdb_min_available(render: RenderFn) -> None:
 
 
 def test_pdb_not_rendered_for_one_rank(render: RenderFn) -> None:
-    assert not render("pdb.enabled=true").of_kind("PodDisruptionBudget")
+    assert not render(REF, "pdb.enabled=true").of_kind("PodDisruptionBudget")
 
 
 def test_pdb_both_bounds_fail(render_fails: RenderFailFn) -> None:
@@ -527,8 +552,10 @@ def test_pdb_both_bounds_fail(render_fails: RenderFailFn) -> None:
 # --------------------------------------------------------- NetworkPolicy --
 
 
-def test_network_policy_off_by_default(render: RenderFn) -> None:
-    assert not render().of_kind("NetworkPolicy")
+def test_network_policy_on_by_default(render: RenderFn) -> None:
+    names = [p["metadata"]["name"] for p in render().of_kind("NetworkPolicy")]
+    assert names == [f"{FULL}-redis", f"{FULL}-exporter"]
+    assert not render("networkPolicy.enabled=false").of_kind("NetworkPolicy")
 
 
 def _labels_match(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -543,7 +570,8 @@ def test_network_policy_redis_ingress(render: RenderFn) -> None:
     redis_pod = rendered.get("StatefulSet", "-redis")["spec"]["template"]["metadata"]["labels"]
     worker_pod = rendered.worker_sts()["spec"]["template"]["metadata"]["labels"]
     test_pod = rendered.get("Pod", "-test-inspect")["metadata"]["labels"]
-    scheduler_pod = {"app.kubernetes.io/component": "scheduler", "app": "vllm"}
+    exporter_pod = rendered.get("Deployment", "-exporter")["spec"]["template"]["metadata"]
+    vllm_pod = {"broker-lookup/client": "true", "app": "vllm"}
     stranger = {"app": "something-else"}
 
     assert _labels_match(policy["spec"]["podSelector"], redis_pod)
@@ -557,7 +585,8 @@ def test_network_policy_redis_ingress(render: RenderFn) -> None:
     def allowed(labels: dict[str, str]) -> bool:
         return any(_labels_match(p["podSelector"], labels) for p in peers)
 
-    assert allowed(scheduler_pod)
+    assert allowed(vllm_pod)
+    assert allowed(exporter_pod["labels"])
     assert allowed(worker_pod)
     assert allowed(test_pod)
     assert not allowed(stranger)
@@ -572,26 +601,40 @@ def test_network_policy_worker_metrics(render: RenderFn) -> None:
     (rule,) = policy["spec"]["ingress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": 9400}]
     assert rule["from"] == [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+        {
+            "podSelector": {
+                "matchLabels": {**_selector_labels(), "app.kubernetes.io/component": "test"}
+            }
+        },
     ]
+    exporter = rendered.get("NetworkPolicy", "-exporter")
+    exporter_pod = rendered.get("Deployment", "-exporter")["spec"]["template"]["metadata"]
+    assert _labels_match(exporter["spec"]["podSelector"], exporter_pod["labels"])
+    assert exporter["spec"]["ingress"][0]["from"] == rule["from"]
+
+
+def _selector_labels() -> dict[str, str]:
+    return {"app.kubernetes.io/name": "broker-lookup", "app.kubernetes.io/instance": RELEASE}
 
 
 def test_network_policy_custom_selectors(render: RenderFn) -> None:
-    rendered = render(values_files=[CI / "all-features-values.yaml"])
+    rendered = render(REF, values_files=[CI / "all-features-values.yaml"])
     peers = rendered.get("NetworkPolicy", "-redis")["spec"]["ingress"][0]["from"]
     assert peers[0] == {
-        "podSelector": {"matchLabels": {"app.kubernetes.io/component": "scheduler"}},
+        "podSelector": {"matchLabels": {"broker-lookup/client": "true"}},
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "inference"}},
     }
     assert {"podSelector": {"matchLabels": {"app": "redis-debug"}}} in peers
     custom = render(
+        REF,
         "networkPolicy.enabled=true",
-        "networkPolicy.schedulerPodSelector.matchLabels.app=vllm-router",
+        "networkPolicy.clientPodSelector.matchLabels.app=vllm-router",
         "networkPolicy.metricsNamespaceSelector.matchLabels.team=obs",
     )
     peers = custom.get("NetworkPolicy", "-redis")["spec"]["ingress"][0]["from"]
     assert peers[0]["podSelector"]["matchLabels"] == {
-        "app.kubernetes.io/component": "scheduler",
+        "broker-lookup/client": "true",
         "app": "vllm-router",
     }
     metrics = custom.get("NetworkPolicy", "-worker")["spec"]["ingress"][0]["from"]
@@ -600,23 +643,29 @@ def test_network_policy_custom_selectors(render: RenderFn) -> None:
 
 def test_network_policy_external_redis(render: RenderFn) -> None:
     rendered = render(
-        "networkPolicy.enabled=true", values_files=[CI / "external-redis-values.yaml"]
+        REF, "networkPolicy.enabled=true", values_files=[CI / "external-redis-values.yaml"]
     )
-    assert [p["metadata"]["name"] for p in rendered.of_kind("NetworkPolicy")] == [f"{FULL}-worker"]
+    names = [p["metadata"]["name"] for p in rendered.of_kind("NetworkPolicy")]
+    assert names == [f"{FULL}-exporter", f"{FULL}-worker"]
 
 
 # ------------------------------------------------ metrics, ServiceMonitor --
 
 
-def test_service_monitor_off_by_default(render: RenderFn) -> None:
-    rendered = render(extra=["--api-versions", "monitoring.coreos.com/v1"])
-    assert not rendered.of_kind("ServiceMonitor")
-    assert not rendered.has("Service", "-worker-metrics")
+def test_service_monitor_on_by_default_where_the_crd_is(render: RenderFn) -> None:
+    rendered = render(REF, extra=["--api-versions", "monitoring.coreos.com/v1"])
+    names = [m["metadata"]["name"] for m in rendered.of_kind("ServiceMonitor")]
+    assert names == [f"{FULL}-exporter", f"{FULL}-worker"]
+    off = render(
+        REF, "serviceMonitor.enabled=false", extra=["--api-versions", "monitoring.coreos.com/v1"]
+    )
+    assert not off.of_kind("ServiceMonitor")
+    assert not off.has("Service", "-worker-metrics")
 
 
 def test_service_monitor_needs_the_crd(render: RenderFn) -> None:
     """Enabled, but the cluster has no monitoring.coreos.com/v1: nothing that would fail."""
-    rendered = render("serviceMonitor.enabled=true")
+    rendered = render(REF, "serviceMonitor.enabled=true")
     assert not rendered.of_kind("ServiceMonitor")
     assert not rendered.has("Service", "-worker-metrics")
 
@@ -633,8 +682,8 @@ def test_service_monitor_needs_the_crd(render: RenderFn) -> None:
     ids=["force", "capability"],
 )
 def test_service_monitor_on(render: RenderFn, how: dict[str, list[str]]) -> None:
-    rendered = render(*how["sets"], extra=how.get("extra", []))
-    monitor = rendered.get("ServiceMonitor")
+    rendered = render(REF, *how["sets"], extra=how.get("extra", []))
+    monitor = rendered.get("ServiceMonitor", "-worker")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
@@ -650,6 +699,15 @@ def test_service_monitor_on(render: RenderFn, how: dict[str, list[str]]) -> None
     ]
     assert matching == [service["metadata"]["name"]]
     assert service["spec"]["ports"][0]["name"] == "metrics"
+    # The exporter's: every engine's metrics, from one Service.
+    exporter = rendered.get("ServiceMonitor", "-exporter")
+    matching = [
+        s["metadata"]["name"]
+        for s in rendered.of_kind("Service")
+        if _labels_match(exporter["spec"]["selector"], s["metadata"]["labels"])
+    ]
+    assert matching == [f"{FULL}-exporter"]
+    assert exporter["spec"]["endpoints"][0]["port"] == "metrics"
 
 
 def test_service_monitor_options(render: RenderFn) -> None:
@@ -669,7 +727,7 @@ def test_service_monitor_options(render: RenderFn) -> None:
 
 
 def test_metrics_service_alone(render: RenderFn) -> None:
-    rendered = render("metricsService.enabled=true")
+    rendered = render(REF, "metricsService.enabled=true")
     service = rendered.get("Service", "-worker-metrics")
     assert service["spec"]["type"] == "ClusterIP"
     assert service["spec"]["selector"] == rendered.worker_sts()["spec"]["selector"]["matchLabels"]
@@ -680,7 +738,7 @@ def test_metrics_service_alone(render: RenderFn) -> None:
 
 
 def test_helm_test_hook(render: RenderFn) -> None:
-    rendered = render("engine.worldSize=4", "engine.id=e1")
+    rendered = render(REF, "engine.worldSize=4", "engine.id=e1")
     pod = rendered.get("Pod", "-test-inspect")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     assert pod["spec"]["restartPolicy"] == "Never"
@@ -691,17 +749,25 @@ def test_helm_test_hook(render: RenderFn) -> None:
     assert args[args.index("--redis-url") + 1] == "$(BROKER_LOOKUP_REDIS_URL)"
     assert args[args.index("--engine-id") + 1] == "$(BROKER_LOOKUP_ENGINE_ID)"
     assert args[args.index("--world-size") + 1] == "$(BROKER_LOOKUP_WORLD_SIZE)"
-    # Same Redis/engine wiring as the workers.
+    # Same Redis/engine wiring as the workers, as the engine's read-only operator.
     worker_env = env_map(rendered.worker_container())
     test_env = env_map(inspect)
-    for name in (
-        "BROKER_LOOKUP_REDIS_URL",
-        "BROKER_LOOKUP_REDIS_PASSWORD",
-        "BROKER_LOOKUP_ENGINE_ID",
-        "BROKER_LOOKUP_WORLD_SIZE",
-    ):
+    for name in ("BROKER_LOOKUP_REDIS_URL", "BROKER_LOOKUP_ENGINE_ID", "BROKER_LOOKUP_WORLD_SIZE"):
         assert test_env[name] == worker_env[name], name
+    assert test_env["BROKER_LOOKUP_REDIS_USERNAME"] == "operator-e1"
+    assert test_env["BROKER_LOOKUP_REDIS_PASSWORD"]["secretKeyRef"]["key"] == "operator-e1"
     assert inspect["image"] == rendered.worker_container()["image"]
+
+
+def test_helm_test_hooks_of_a_vllm_fleet(render: RenderFn) -> None:
+    """No reference workers: inspect reads the engine's keys without --check (vLLM's ranks
+    live in per-instance namespaces), and the exporter's /metrics is scraped."""
+    rendered = render("engine.id=e1")
+    inspect = container(rendered.get("Pod", "-test-inspect"), "inspect")
+    assert "--check" not in inspect["args"] and "--world-size" not in inspect["args"]
+    scrape = container(rendered.get("Pod", "-test-exporter"), "scrape")
+    assert scrape["args"][-1] == f"http://{FULL}-exporter:9400/metrics"
+    assert not render("exporter.enabled=false").has("Pod", "-test-exporter")
 
 
 def test_helm_test_hook_can_be_disabled(render: RenderFn) -> None:
@@ -712,37 +778,39 @@ def test_helm_test_hook_can_be_disabled(render: RenderFn) -> None:
 
 
 def test_notes(helm: str) -> None:
-    result = run_helm(
-        helm,
-        "install",
-        RELEASE,
-        str(CHART),
-        "--dry-run=client",
-        "--namespace",
-        NAMESPACE,
-        "--set",
-        "engine.id=e1,engine.worldSize=2",
-        check=True,
-    )
-    notes = result.stdout.split("NOTES:", 1)[1]
+    """The notes name everything a vLLM pod needs, as the pod spec's own YAML."""
+
+    def notes(*sets: str) -> str:
+        args = ["install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE]
+        result = run_helm(helm, *args, *[a for s in sets for a in ("--set", s)], check=True)
+        return result.stdout.split("NOTES:", 1)[1]
+
+    fleet = notes("engine.id=e1")
     for text in (
-        "--scan --pattern 'bl:{e1}:lookup:*'",
-        "HGETALL 'bl:{e1}:lookup:<id>'",
-        "TTL 'bl:{e1}:lookup:<id>'",
-        "XINFO GROUPS 'bl:{e1}:requests'",
-        "XPENDING 'bl:{e1}:requests' rank-0",
-        "XLEN 'bl:{e1}:requests'",
-        "--scan --pattern 'bl:{e1}:hb:*'",
-        f"exec {FULL}-worker-0 -- sh -c 'broker-lookup inspect",
-        f'lookup_broker_url: "redis://:<password>@{FULL}-redis:6379/0"',
-        '"engine_id":"e1"',
-        f'Secret "{FULL}-redis-auth", key "redis-password"',
+        '--kv-transfer-config \'{"kv_connector":"LMCacheConnectorV1",'
+        '"kv_role":"kv_both","engine_id":"e1"}\'',
+        '- name: BROKER_LOOKUP_LMCACHE\n      value: "1"',
+        '- name: PYTHONHASHSEED\n      value: "0"',
+        f'- name: BROKER_LOOKUP_REDIS_URL\n      value: "redis://{FULL}-redis:6379/0"',
+        '- name: BROKER_LOOKUP_REDIS_USERNAME\n      value: "vllm-e1"',
+        f"secretKeyRef:\n          name: {FULL}-redis-auth\n          key: vllm-e1",
+        "chunk_size: 256",
+        "save_unfull_chunk: false",
+        "pre_caching_hash_algorithm: builtin",
+        "enable_async_loading: false",
+        'broker-lookup/client: "true"',
+        f"http://{FULL}-exporter.{NAMESPACE}.svc:9400/metrics",
     ):
-        assert text in notes, text
-    assert "KEYS " not in notes
+        assert text in fleet, text
+    assert "reference-engine workers" not in fleet
+    assert "KEYS " not in fleet
+    assert "reference-engine workers" in notes("referenceWorkers.enabled=true")
+    single = notes("auth.acl.enabled=false")
+    assert "BROKER_LOOKUP_REDIS_USERNAME" not in single
+    assert f"name: {FULL}-redis-auth\n          key: redis-password" in single
 
 
-@pytest.mark.parametrize("scenario", ["default", "all-features"])
+@pytest.mark.parametrize("scenario", ["reference-workers", "all-features"])
 def test_worker_config_loads_as_lookup_config(render: RenderFn, scenario: str) -> None:
     """Every field the chart writes is a LookupConfig field with a valid value."""
     from broker_lookup.config import LookupConfig
@@ -758,7 +826,7 @@ def test_worker_config_defaults_match_the_code(render: RenderFn) -> None:
     """The chart's defaults are LookupConfig's (LMCache's) defaults, not different ones."""
     from broker_lookup.config import LookupConfig
 
-    values = yaml.safe_load(render().get("ConfigMap", "-worker")["data"]["config.yaml"])
+    values = yaml.safe_load(render(REF).get("ConfigMap", "-worker")["data"]["config.yaml"])
     defaults = LookupConfig()
     for key, value in values.items():
         assert getattr(defaults, key) == value, key

@@ -163,10 +163,10 @@ def test_acl_default_user_is_off(acl: dict[str, AclUser]) -> None:
 
 
 def test_acl_roles(acl: dict[str, AclUser]) -> None:
-    assert set(acl) == {"default", "scheduler", "worker", "operator", "admin"}
+    assert set(acl) == {"default", "scheduler", "worker", "vllm", "operator", "admin"}
 
 
-@pytest.mark.parametrize("role", ["scheduler", "worker", "operator", "admin"])
+@pytest.mark.parametrize("role", ["scheduler", "worker", "vllm", "operator", "admin"])
 def test_acl_least_privilege(acl: dict[str, AclUser], role: str) -> None:
     user = acl[role]
     assert user.enabled

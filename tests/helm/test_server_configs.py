@@ -96,6 +96,7 @@ FORBIDDEN = [
 PASSWORDS = {
     "scheduler": "changeme-scheduler-password",
     "worker": "changeme-worker-password",
+    "vllm": "changeme-vllm-password",
     "operator": "changeme-operator-password",
     "admin": "changeme-admin-password",
 }
@@ -276,8 +277,9 @@ def test_admin_kills_a_runaway_script(acl_server: int, admin: redis.Redis) -> No
 
 
 def test_chart_redis_runs_as_rendered(render: RenderFn, tmp_path: Path) -> None:
-    """The Redis container's command and ConfigMap, run locally as rendered."""
-    rendered = render("redis.maxmemory=64mb")
+    """The Redis container's command and ConfigMap, run locally as rendered (one password;
+    the ACL users' server is tests/helm/test_chart_acl.py's)."""
+    rendered = render("redis.maxmemory=64mb", "auth.acl.enabled=false")
     sts = rendered.get("StatefulSet", "-redis")
     redis_container = container(sts, "redis")
     # Each volume mount becomes a local directory; paths in the config and the
@@ -319,7 +321,8 @@ def test_chart_redis_runs_as_rendered(render: RenderFn, tmp_path: Path) -> None:
 
 
 def test_chart_redis_persistence_config_runs(render: RenderFn, tmp_path: Path) -> None:
-    conf = render("redis.persistence.enabled=true").get("ConfigMap", "-redis")["data"]
+    conf = render("redis.persistence.enabled=true", "auth.acl.enabled=false")
+    conf = conf.get("ConfigMap", "-redis")["data"]
     text = conf["valkey.conf"].replace("\ndir /data\n", f"\ndir {tmp_path}\n")
     (tmp_path / "valkey.conf").write_text(text)
     port = free_port()
@@ -358,7 +361,7 @@ def test_protocol_runs_under_least_privilege_users(
         "BROKER_LOOKUP_RANK": "0",
         "BROKER_LOOKUP_METRICS_PORT": str(metrics_port),
     }
-    log = tmp_path / "worker.log"
+    log = tmp_path / "referenceWorkers.log"
     with log.open("wb") as out:
         worker = subprocess.Popen(
             [sys.executable, "-m", "workers"], env=worker_env, stdout=out, stderr=subprocess.STDOUT

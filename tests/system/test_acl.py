@@ -108,10 +108,10 @@ def _as(server: EmbeddedServer, user: str) -> redis.Redis:
 
 def test_file_has_least_privilege_users() -> None:
     users = acl_users()
-    assert set(users) == {"default", "scheduler", "worker", "operator", "admin"}
+    assert set(users) == {"default", "scheduler", "worker", "vllm", "operator", "admin"}
     assert "off" in users["default"] and "+@all" not in users["default"]
     scoped = [f"~bl:{{{SHIPPED_ENGINE}}}:*", f"~bl:{{{SHIPPED_ENGINE}.*}}:*"]
-    for role in ("scheduler", "worker", "operator"):
+    for role in ("scheduler", "worker", "vllm", "operator"):
         rules = users[role]
         assert [r for r in rules if r.startswith(("~", "%"))] == scoped
         assert "-@all" in rules and not any(r.startswith("+@") for r in rules)

