@@ -342,7 +342,10 @@ class RedisAsyncLookupClient(LookupClientInterface):
             ok = self._listener.stop(max(0.0, deadline - time.monotonic())) and ok
             if not ok:
                 logger.error("lookup client threads did not stop within %.1fs", grace)
-            self._release_lease()
+            # Released only where Redis answers: the release's round trip has no grace left
+            # to wait on a stalled server, and an unreleased lease expires by itself.
+            if ok and self._listener.connected and not self._breaker.is_open(time.monotonic()):
+                self._release_lease()
         except Exception:
             logger.exception("lookup client close failed; connections are closed anyway")
         finally:

@@ -12,7 +12,17 @@ from typing import Any
 
 import pytest
 import redis
-from faultkit import FAST, MakeLookupClient, RankProcess, StartRank, alive, answer, config, prompt
+from faultkit import (
+    FAST,
+    MakeLookupClient,
+    RankProcess,
+    StartRank,
+    alive,
+    answer,
+    config,
+    prompt,
+    second_scheduler,
+)
 from helpers import RealServer, engine_keys, holds_for, wait_until
 
 from broker_lookup.config import env_name
@@ -57,7 +67,9 @@ def test_an_idle_engine_keeps_its_keys_and_a_killed_one_leaves_none(
             return all(conn.exists(key) for key in ks.lasting)
 
         holds_for(all_there, 2 * TTL_S, message="every lasting key of the idle engine")
-        client = clients(config(url, **SHORT), engine_id, 2)
+        # The scheduler process holds the engine's lease: this client asks the idle ranks
+        # beside it (a second scheduler would otherwise answer 0 without submitting).
+        client = second_scheduler(clients(config(url, **SHORT), engine_id, 2))
         alive(client)
         client.lookup(HOT, "after-idle")
         assert answer(client, "after-idle", timeout=10) == len(HOT)

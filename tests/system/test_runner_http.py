@@ -23,7 +23,10 @@ from broker_lookup.tools.embedded import EmbeddedServer
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(300)]
 
 STARTUP_S = 90.0
-WORKER_NAMES = {n for n in METRIC_NAMES if n.startswith("broker_lookup_worker_")}
+#: A rank process exports its own series and which LMCache it runs.
+WORKER_NAMES = {n for n in METRIC_NAMES if n.startswith("broker_lookup_worker_")} | {
+    "broker_lookup_lmcache_info"
+}
 
 
 def _free_port(span: int = 2) -> int:
@@ -99,7 +102,7 @@ def test_health_ready_and_metrics_then_not_ready_without_redis(
     assert status == 200
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
     assert {s.name for s in samples} == WORKER_NAMES
-    assert all(s.labels["rank"] == "1" for s in samples)
+    assert all(s.labels["rank"] == "1" for s in samples if s.name != "broker_lookup_lmcache_info")
     assert _get(port, "/nope")[0] == 404
 
     fresh_real_server.stop()
