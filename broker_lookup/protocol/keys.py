@@ -19,10 +19,14 @@ key                         type     content
 ``bl:{E}:epochs``           hash     per role, the last epoch handed out (fencing tokens)
 ``bl:{E}:contender:<role>`` string   a process waiting for that role's lease (identity JSON),
                                      PX lease: a conflict, for ``inspect``
+``bl:{E}:metrics:<role>``   string   the role holder's counters and histograms (JSON, see
+                                     ``snapshot``), PX a few publish intervals: what
+                                     ``broker-lookup exporter`` serves
 ==========================  =======  ====================================================
 
 The streams and ``fp`` live as long as the engine (:attr:`KeySpace.lasting`, see
-``lifetime``); a lookup hash and a heartbeat carry their own, shorter TTL.
+``lifetime``); a lookup hash, a heartbeat and a metrics snapshot carry their own, shorter
+TTL.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ __all__ = [
     "DIGEST_MARK",
     "FLEET_PATTERN",
     "INSTANCE_MARK",
+    "METRICS_FLEET_PATTERN",
     "PREFIX",
     "SCHEDULER_ROLE",
     "KeySpace",
@@ -71,6 +76,8 @@ def rank_role(rank: int) -> str:
 
 #: SCAN pattern matching every key of every engine on a server.
 FLEET_PATTERN = PREFIX + ":{*"
+#: SCAN pattern matching every metrics snapshot of every engine on a server.
+METRICS_FLEET_PATTERN = PREFIX + ":{*}:metrics:*"
 
 
 def engine_of(key: str | bytes) -> str | None:
@@ -199,6 +206,15 @@ class KeySpace:
     def contender(self, role: str) -> str:
         """String key a process waiting for ``role``'s lease keeps refreshed: a conflict."""
         return f"{self._base}contender:{role}"
+
+    def metrics(self, role: str) -> str:
+        """String key holding the metrics snapshot the holder of ``role`` publishes."""
+        return f"{self._base}metrics:{role}"
+
+    @property
+    def metrics_pattern(self) -> str:
+        """SCAN pattern matching every metrics snapshot of this engine."""
+        return self._base + "metrics:*"
 
     @property
     def contender_pattern(self) -> str:
