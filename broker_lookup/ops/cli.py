@@ -53,11 +53,21 @@ def _setup_demo(p: argparse.ArgumentParser) -> None:
         default=180.0,
         help="seconds to wait for the ranks to start (default 180)",
     )
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="run a real vLLM engine with LMCache on the broker instead (needs vllm and "
+        "lmcache installed): the same prompt twice, the hit, the exporter's metrics",
+    )
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from broker_lookup.tools.demo import run_demo
 
+    if args.vllm:
+        from broker_lookup.tools.vllm_demo import run_vllm_demo
+
+        return run_vllm_demo(args.redis_url, os.environ)
     if args.ranks < 1 or args.chunk_size < 1:
         print("broker-lookup demo: --ranks and --chunk-size must be >= 1", file=sys.stderr)
         return ExitCode.USAGE
