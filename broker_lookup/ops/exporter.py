@@ -10,7 +10,8 @@ process's own ``/metrics``. Each series gets, besides its own labels:
 ``engine``                 the key namespace (a vLLM instance: ``<engine_id>.<instance>``)
 ``configured_engine_id``   the engine id the operator configured (``engine`` where it was
                            not derived)
-``role``                   ``scheduler`` or ``worker`` (a rank; its series carry ``rank``)
+``role``                   ``scheduler`` or ``worker`` (a rank; its series carry ``rank``,
+                           the scheduler's ``rank_*`` series the rank they are about)
 ``host``                   the process's host name (the pod's name in Kubernetes)
 =========================  =============================================================
 
@@ -164,7 +165,12 @@ class FleetCollector(Collector):
                         family.name, family.documentation, family.type, family.unit
                     )
                 for sample in family.samples:
-                    into.add_sample(sample.name, {**extra, **sample.labels}, sample.value)
+                    labels = {**extra, **sample.labels}
+                    if snapshot.kind == "server":
+                        # Ranks of one pod share engine and host: each series names its rank
+                        # (broker_lookup_lmcache_info has none of its own).
+                        labels.setdefault("rank", snapshot.role)
+                    into.add_sample(sample.name, labels, sample.value)
         yield from merged.values()
         read = GaugeMetricFamily(
             "broker_lookup_exporter_snapshots",

@@ -125,6 +125,10 @@ def test_the_exporter_serves_the_scheduler_and_each_rank_after_n_lookups(
         age = value(series, "broker_lookup_worker_heartbeat_age_seconds", **worker)
         assert age is not None and 0 <= age < 60
     assert value(series, "broker_lookup_lmcache_info", version="none", **sched) == 1
+    # Two ranks on one host: each process's series stay apart by rank.
+    for r in (0, 1):
+        labels = {**mine, "role": "worker", "rank": str(r)}
+        assert value(series, "broker_lookup_lmcache_info", version="none", **labels) == 1
     only = scrape(backend.factory, engine_id)  # the real server holds other tests' engines
     assert value(only, "broker_lookup_exporter_snapshots", state="read") == 3
     # Each snapshot carries its own TTL, bounded by the config's.
