@@ -204,8 +204,12 @@ def check_shipped_queries(prom: Prometheus, timeout_s: float = 60.0) -> dict[str
     """
     counts: dict[str, int] = {}
     for title, expr in dashboard_exprs():
+
+        def answered(expr: str = expr) -> list[dict[str, Any]]:
+            return prom.query(expr)
+
         found = wait_until(
-            lambda expr=expr: prom.query(expr),
+            answered,
             timeout=timeout_s,
             interval=0.5,
             message=f"data for the dashboard panel {title!r}: {expr}",
