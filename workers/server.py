@@ -30,6 +30,7 @@ from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace, rank_role
 from broker_lookup.protocol.scripts import ScriptSet
+from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.transport.connection import ConnectionFactory, close_factory
 from broker_lookup.transport.lease import Lease
 from workers.pipeline.connections import rank_factories
@@ -121,6 +122,15 @@ class RedisAsyncLookupServer:
             world_size=metadata.world_size,
             redis_retries=connection_factory is not None,
             configured_engine_id=metadata.configured_engine_id,
+            metrics=MetricsPublisher(
+                self.keys,
+                rank_role(self.rank),
+                "server",
+                self._published_stats,
+                interval_ms=cfg.metrics_period_ms,
+                ttl_ms=cfg.metrics_ttl_ms,
+                configured_engine_id=metadata.configured_engine_id,
+            ),
         )
         post_init = getattr(engine, "post_init", None)
         if callable(post_init):
@@ -208,6 +218,14 @@ class RedisAsyncLookupServer:
             "ready": self.ready,
             "ownership": self.lease.state(),
             "alive": loop.alive() and self._sweeper.alive(),
+        }
+
+    def _published_stats(self) -> dict[str, Any]:
+        """What the rank's metrics snapshot holds: :meth:`stats` and the engine time."""
+        return {
+            **self.stats(),
+            "engine_seconds": list(self.engine_seconds),
+            "engine_seconds_sum": self.engine_seconds_sum,
         }
 
     @property

@@ -12,7 +12,8 @@ scheduler's lease (one scheduler per engine): while another scheduler holds it, 
 once ours lapsed, ``lookup()`` answers 0 without submitting. Once per
 ``heartbeat_interval_ms`` it also refreshes the TTL of the engine's streams and
 fingerprint hash (see :mod:`broker_lookup.protocol.lifetime`), off the hot path: an idle
-engine whose scheduler lives keeps them.
+engine whose scheduler lives keeps them; with that refresh, every ``metrics_interval_ms``,
+it writes the scheduler's metrics snapshot (:mod:`broker_lookup.protocol.snapshot`).
 
 Its commands go over the transport's :class:`~broker_lookup.transport.lean.LeanLink`
 (raw replies, no redis-py callbacks) except on Redis Cluster, where redis-py's client
@@ -46,6 +47,7 @@ from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.lifetime import refresh_commands
 from broker_lookup.protocol.messages import decode_done
 from broker_lookup.protocol.scripts import ScriptSet
+from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.threads import LoopThread
 from broker_lookup.transport.lean import Command, LeanLink, Link, open_link, stream_entries
 from broker_lookup.transport.lease import Lease, run_claim
@@ -72,8 +74,11 @@ class Listener(LoopThread):
         on_sweep: Callable[[redis.Redis], None] | None = None,
         insights: RankInsights | None = None,
         lease: Lease | None = None,
+        metrics: MetricsPublisher | None = None,
     ) -> None:
         super().__init__("client listener", "listener")
+        #: The scheduler's metrics snapshot, written with the engine keys' refresh.
+        self.metrics = metrics
         #: Called with the listener's connection on every sweep (the fingerprint's tick).
         self._on_sweep = on_sweep
         self._config = config
@@ -221,18 +226,28 @@ class Listener(LoopThread):
             self._table.evict_finished(now)
         if now >= self._next["refresh"]:
             self._next["refresh"] = now + self._config.heartbeat_interval_ms / 1000
-            self.refresh_engine_keys()
+            self.refresh_engine_keys(self._snapshot(now))
         if self._on_sweep is not None:
             self._on_sweep(client)
 
-    def refresh_engine_keys(self) -> None:
+    def _snapshot(self, now: float) -> list[Command]:
+        """The metrics snapshot's write when due, while this scheduler holds the lease
+        (one snapshot per role: a second scheduler's counters would overwrite it)."""
+        metrics, lease = self.metrics, self.lease
+        if metrics is None or (lease is not None and not lease.held(now)):
+            return []
+        command = metrics.command(now)
+        return [command] if command is not None else []
+
+    def refresh_engine_keys(self, extra: list[Command] | None = None) -> None:
         """Set the TTL of the engine's lasting keys to ``engine_ttl_ms`` again (the
-        scheduler's beat: while it lives, an idle engine loses nothing)."""
+        scheduler's beat: while it lives, an idle engine loses nothing); ``extra`` (the
+        metrics snapshot) goes in the same round trip."""
         link = self._any_link
         if link is None:
             return
         with translate_redis_errors("refreshing the engine's keys"):
-            for reply in link.call(self._refresh):
+            for reply in link.call([*self._refresh, *(extra or ())]):
                 _raise_error(reply)
 
     def check_heartbeats(self, client: redis.Redis) -> None:

@@ -34,6 +34,7 @@ from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace
 from broker_lookup.protocol.messages import LookupRequest
 from broker_lookup.protocol.scripts import ScriptSet
+from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.transport.connection import ConnectionFactory, close_factory, make_factory
 from broker_lookup.transport.lease import Lease
 
@@ -127,6 +128,15 @@ class RedisAsyncLookupClient(LookupClientInterface):
             self.fingerprint.tick,
             self.insights,
             self.lease,
+            MetricsPublisher(
+                self.keys,
+                SCHEDULER_ROLE,
+                "client",
+                self.stats,
+                interval_ms=config.metrics_period_ms,
+                ttl_ms=config.metrics_ttl_ms,
+                configured_engine_id=metadata.configured_engine_id,
+            ),
         )
         self._closed = False
         self._sender.start(",".join(map(str, self.expected)))

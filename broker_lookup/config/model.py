@@ -230,6 +230,11 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     #: how long past its deadline a lookup may wait for the partial answer before it
     #: answers 0 (the deciding round trip failed or is stalled)
     partial_answer_wait_ms: int = 250
+    #: how often the scheduler and each rank publish their counters and histograms to
+    #: Redis (``bl:{E}:metrics:<role>``, with the lease's renewal), for ``broker-lookup
+    #: exporter``; each snapshot expires after 3 intervals (at most engine_ttl_ms, a
+    #: shorter one publishes more often). At least heartbeat_interval_ms; 0: publish nothing
+    metrics_interval_ms: int = 5000
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f}={_shown(f, getattr(self, f))}" for f in self.__struct_fields__)
@@ -326,6 +331,14 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             "ranks are >= 0",
         )
         self._check_engine_ttl()
+        every = self.metrics_interval_ms
+        _require(
+            every == 0 or every >= self.heartbeat_interval_ms,
+            "metrics_interval_ms",
+            every,
+            f"must be 0 (off) or at least heartbeat_interval_ms={self.heartbeat_interval_ms} "
+            "(a snapshot goes with a heartbeat)",
+        )
 
     def _check_engine_ttl(self) -> None:
         ttl = self.engine_ttl_ms
@@ -344,6 +357,23 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     def lease_ms(self) -> int:
         """The lease of one role: ``owner_lease_ms``, or ``heartbeat_ttl_ms`` by default."""
         return self.owner_lease_ms if self.owner_lease_ms is not None else self.heartbeat_ttl_ms
+
+    @property
+    def metrics_ttl_ms(self) -> int:
+        """PX of a published metrics snapshot: 3 intervals, so a late publish never
+        blinks a live process's series out and a gone process's vanish soon; at most
+        ``engine_ttl_ms`` (no key outlives its engine)."""
+        return min(3 * self.metrics_interval_ms, self.engine_ttl_ms)
+
+    @property
+    def metrics_period_ms(self) -> int:
+        """How often a snapshot is written: ``metrics_interval_ms``, or often enough for 3
+        within ``metrics_ttl_ms`` where ``engine_ttl_ms`` cut it (never more often than
+        the heartbeat, which ``engine_ttl_ms`` exceeds twice over); 0: never."""
+        every = self.metrics_interval_ms
+        if not every:
+            return 0
+        return max(self.heartbeat_interval_ms, min(every, self.metrics_ttl_ms // 3))
 
     @property
     def epochs_ttl_ms(self) -> int:

@@ -1,4 +1,5 @@
-"""``broker-lookup``: the command line (``demo``, ``inspect``, ``worker``; more register alike).
+"""``broker-lookup``: the command line (``demo``, ``inspect``, ``exporter``, ``worker``; more
+register alike).
 
 A subcommand is one :class:`Subcommand` in :data:`COMMANDS`: a function that adds its
 arguments to its parser and a function that runs it and returns the exit code. Adding
@@ -74,12 +75,22 @@ def _setup_demo(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="leave the embedded server running after the demo (and print how to stop it)",
     )
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="run a real vLLM engine with LMCache on the broker instead (needs vllm and "
+        "lmcache installed): the same prompt twice, the hit, the exporter's metrics",
+    )
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from broker_lookup.errors import ConfigError
     from broker_lookup.tools.demo import run_demo
 
+    if args.vllm:
+        from broker_lookup.tools.vllm_demo import run_vllm_demo
+
+        return run_vllm_demo(args.redis_url, os.environ)
     if args.ranks < 1 or args.chunk_size < 1:
         print("broker-lookup demo: --ranks and --chunk-size must be >= 1", file=sys.stderr)
         return ExitCode.USAGE
@@ -194,6 +205,64 @@ def _run_doctor(args: argparse.Namespace) -> int:
         print(f"broker-lookup doctor: {exc}", file=sys.stderr)
         return ExitCode.USAGE
     return run_doctor(config, args.engine_id)
+
+
+# -- exporter -----------------------------------------------------------------------
+
+#: The exporter's default port (a rank's own endpoint is 9400 + its rank).
+EXPORTER_PORT = 9390
+
+
+def _setup_exporter(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Serve /metrics for every scheduler and rank of every engine on one Redis, read from "
+        "the snapshots each process publishes there (no port per process). Labels: engine, "
+        "configured_engine_id, role (scheduler, worker), host, plus each metric's own."
+    )
+    p.add_argument("--redis-url", help="Redis URL (default: BROKER_LOOKUP_REDIS_URL)")
+    p.add_argument("--engine-id", help="this engine and its vLLM instances only (default: all)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument(
+        "--port", type=int, default=EXPORTER_PORT, help=f"port (default {EXPORTER_PORT})"
+    )
+    p.add_argument("--once", action="store_true", help="print one scrape to stdout and exit")
+
+
+def _run_exporter(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from broker_lookup.config import LookupConfig, env_name, redact_url
+    from broker_lookup.errors import REDIS_ERRORS, ConfigError
+    from broker_lookup.ops.exporter import FleetCollector, render_once, serve
+    from broker_lookup.protocol.keys import validate_engine_id
+    from broker_lookup.transport.connection import make_factory
+
+    overrides = {env_name("redis_url"): args.redis_url} if args.redis_url else {}
+    try:
+        config = LookupConfig.load(environ={**os.environ, **overrides})
+        if args.engine_id is not None:
+            validate_engine_id(args.engine_id, "--engine-id")
+    except ConfigError as exc:
+        print(f"broker-lookup exporter: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    collector = FleetCollector(make_factory(config, "bl-exporter"), args.engine_id)
+    if args.once:
+        try:
+            sys.stdout.write(render_once(collector).decode())
+        except REDIS_ERRORS as exc:
+            print(f"cannot read {redact_url(config.redis_url)}: {exc}", file=sys.stderr)
+            return ExitCode.UNREACHABLE
+        finally:
+            collector.close()
+        return ExitCode.OK
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        return serve(collector, args.host, args.port, stop)
+    except OSError as exc:
+        print(f"broker-lookup exporter: cannot serve --port {args.port}: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
 
 
 # -- worker -------------------------------------------------------------------------
@@ -313,6 +382,11 @@ COMMANDS: dict[str, Subcommand] = {
         "check a setup on one screen: server, password, memory policy, ranks, hashing, hits",
         _setup_doctor,
         _run_doctor,
+    ),
+    "exporter": Subcommand(
+        "serve Prometheus metrics of every scheduler and rank on one Redis",
+        _setup_exporter,
+        _run_exporter,
     ),
     "worker": Subcommand(
         "run worker ranks (same as python -m workers)", _setup_worker, _run_worker, True

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from prometheus_client.core import (
@@ -36,6 +36,7 @@ from broker_lookup.ops.histogram import Histogram
 
 __all__ = [
     "CLIENT_METRICS",
+    "EXPORTER_METRICS",
     "METRIC_NAMES",
     "PROCESS_METRICS",
     "WORKER_METRICS",
@@ -175,6 +176,16 @@ PROCESS_METRICS: dict[str, tuple[str, str]] = {
 }
 
 
+#: Metrics of ``broker-lookup exporter`` itself: name -> (type, help).
+EXPORTER_METRICS: dict[str, tuple[str, str]] = {
+    "broker_lookup_exporter_snapshots": (
+        "gauge",
+        "Metrics snapshots read at this scrape, by state (read: one per live scheduler and "
+        "rank; malformed: not decoded).",
+    ),
+}
+
+
 def _exposed(name: str, kind: str) -> set[str]:
     if kind == "histogram":
         return {name + "_bucket", name + "_sum", name + "_count"}
@@ -184,7 +195,12 @@ def _exposed(name: str, kind: str) -> set[str]:
 #: Every series name a scrape can contain (histograms expand to _bucket/_sum/_count).
 METRIC_NAMES: frozenset[str] = frozenset(
     n
-    for name, (kind, _) in {**CLIENT_METRICS, **WORKER_METRICS, **PROCESS_METRICS}.items()
+    for name, (kind, _) in {
+        **CLIENT_METRICS,
+        **WORKER_METRICS,
+        **PROCESS_METRICS,
+        **EXPORTER_METRICS,
+    }.items()
     for n in _exposed(name, kind)
 )
 
@@ -259,10 +275,14 @@ def _histogram(name: str, hist: Histogram, labels: Mapping[str, str]) -> Histogr
     return family
 
 
-def _lmcache_info() -> GaugeMetricFamily:
-    """``broker_lookup_lmcache_info{version}``: which LMCache this process runs."""
+#: Which LMCache a process runs (None: none); by default, this process.
+VersionSource = Callable[[], str | None]
+
+
+def _lmcache_info(version: VersionSource) -> GaugeMetricFamily:
+    """``broker_lookup_lmcache_info{version}``: which LMCache the process runs."""
     family = _gauge("broker_lookup_lmcache_info", ["version"])
-    family.add_metric([running_lmcache_version() or "none"], 1.0)
+    family.add_metric([version() or "none"], 1.0)
     return family
 
 
@@ -316,10 +336,14 @@ class ClientCollector(Collector):
 
     Args:
         client: anything with ``stats()`` shaped like ``RedisAsyncLookupClient.stats()``.
+        lmcache_version: which LMCache the client's process runs (default: this one's).
     """
 
-    def __init__(self, client: _HasStats) -> None:
+    def __init__(
+        self, client: _HasStats, lmcache_version: VersionSource = running_lmcache_version
+    ) -> None:
         self._client = client
+        self._version = lmcache_version
 
     def collect(self) -> Iterator[Metric]:
         """Yield one family per name of :data:`CLIENT_METRICS`."""
@@ -357,7 +381,7 @@ class ClientCollector(Collector):
             gauge.add_metric([], float(value))
             yield gauge
         yield from _rank_families(st.get("rank_insights") or {})
-        yield _lmcache_info()
+        yield _lmcache_info(self._version)
 
 
 class ServerCollector(Collector):
@@ -366,11 +390,18 @@ class ServerCollector(Collector):
     Args:
         server: the rank's server (``stats()``, ``engine_seconds``, ``engine_seconds_sum``).
         clock: wall clock for the heartbeat age (tests pass their own).
+        lmcache_version: which LMCache the rank's process runs (default: this one's).
     """
 
-    def __init__(self, server: _ServerLike, clock: Any = time.time) -> None:
+    def __init__(
+        self,
+        server: _ServerLike,
+        clock: Any = time.time,
+        lmcache_version: VersionSource = running_lmcache_version,
+    ) -> None:
         self._server = server
         self._clock = clock
+        self._version = lmcache_version
 
     def collect(self) -> Iterator[Metric]:
         """Yield one family per name of :data:`WORKER_METRICS`, each labelled ``rank``."""
@@ -412,7 +443,7 @@ class ServerCollector(Collector):
             {s: st.get(s, 0) for s in _LOOKUP_STATES},
             gauge=True,
         )
-        yield _lmcache_info()
+        yield _lmcache_info(self._version)
 
     def _simple(
         self,

@@ -19,10 +19,14 @@ key                         type     content
 ``bl:{E}:epochs``           hash     per role, the last epoch handed out (fencing tokens)
 ``bl:{E}:contender:<role>`` string   a process waiting for that role's lease (identity JSON),
                                      PX lease: a conflict, for ``inspect``
+``bl:{E}:metrics:<role>``   string   the role holder's counters and histograms (JSON, see
+                                     ``snapshot``), PX a few publish intervals: what
+                                     ``broker-lookup exporter`` serves
 ==========================  =======  ====================================================
 
 The streams and ``fp`` live as long as the engine (:attr:`KeySpace.lasting`, see
-``lifetime``); a lookup hash and a heartbeat carry their own, shorter TTL.
+``lifetime``); a lookup hash, a heartbeat and a metrics snapshot carry their own, shorter
+TTL.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ __all__ = [
     "EVERY_REQUEST_STREAM",
     "FLEET_PATTERN",
     "INSTANCE_MARK",
+    "METRICS_FLEET_PATTERN",
     "PREFIX",
     "SCHEDULER_ROLE",
     "KeySpace",
@@ -75,6 +80,8 @@ FLEET_PATTERN = PREFIX + ":{*"
 #: SCAN pattern of every engine's request stream: one key per engine on the server
 #: (:func:`engine_of` reads the engine id back).
 EVERY_REQUEST_STREAM = PREFIX + ":{*}:requests"
+#: SCAN pattern matching every metrics snapshot of every engine on a server.
+METRICS_FLEET_PATTERN = PREFIX + ":{*}:metrics:*"
 
 
 def engine_of(key: str | bytes) -> str | None:
@@ -203,6 +210,15 @@ class KeySpace:
     def contender(self, role: str) -> str:
         """String key a process waiting for ``role``'s lease keeps refreshed: a conflict."""
         return f"{self._base}contender:{role}"
+
+    def metrics(self, role: str) -> str:
+        """String key holding the metrics snapshot the holder of ``role`` publishes."""
+        return f"{self._base}metrics:{role}"
+
+    @property
+    def metrics_pattern(self) -> str:
+        """SCAN pattern matching every metrics snapshot of this engine."""
+        return self._base + "metrics:*"
 
     @property
     def contender_pattern(self) -> str:

@@ -15,6 +15,7 @@ from broker_lookup.client.table import OUTCOMES
 from broker_lookup.ops.histogram import LATENCY_BUCKETS
 from broker_lookup.ops.metrics import (
     CLIENT_METRICS,
+    EXPORTER_METRICS,
     METRIC_NAMES,
     PROCESS_METRICS,
     WORKER_METRICS,
@@ -124,7 +125,9 @@ def test_worker_collector_exports_exactly_the_worker_names() -> None:
 
 
 def test_every_declared_name_is_exported_by_one_collector() -> None:
-    assert CLIENT_NAMES | WORKER_NAMES == METRIC_NAMES
+    """Client and worker names by their collectors; the exporter's own by the exporter
+    (tests/protocol/test_fleet_metrics.py)."""
+    assert CLIENT_NAMES | WORKER_NAMES | set(EXPORTER_METRICS) == METRIC_NAMES
     assert {n[: -len("_bucket")] for n in METRIC_NAMES if n.endswith("_bucket")} == {
         name
         for name, (kind, _) in {**CLIENT_METRICS, **WORKER_METRICS}.items()

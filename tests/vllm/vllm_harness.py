@@ -6,10 +6,12 @@ test modules import it by name.
 
 from __future__ import annotations
 
+import http.client
 import importlib.metadata
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +27,42 @@ CHUNK = 256
 LOGPROB_TOLERANCE = 0.02
 #: Noise (std 2.0) on the loaded KV must move the logprobs far beyond that.
 CORRUPTED_MIN_DIFF = 0.1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def post(port: int, body: dict[str, Any], request_id: bytes | None = None) -> tuple[int, Any]:
+    """POST ``body`` to the OpenAI server's ``/v1/completions`` (``X-Request-Id`` raw)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Type", "application/json")
+        if request_id is not None:
+            conn.putheader("X-Request-Id", request_id)
+        data = json.dumps(body).encode()
+        conn.putheader("Content-Length", str(len(data)))
+        conn.endheaders(data)
+        response = conn.getresponse()
+        raw = response.read()
+        return response.status, json.loads(raw) if raw.startswith(b"{") else raw
+    finally:
+        conn.close()
+
+
+def healthy(port: int, path: str = "/health") -> bool:
+    """Whether ``GET path`` answers 200 on ``port``."""
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", path)
+        ok = conn.getresponse().status == 200
+        conn.close()
+        return ok
+    except OSError:
+        return False
 
 
 def in_ci() -> bool:

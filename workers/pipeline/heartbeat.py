@@ -9,7 +9,9 @@ release at shutdown, so clients see the rank gone at once instead of after the T
 
 Each beat also refreshes the TTL of the engine's streams and fingerprint hash
 (``engine_ttl_ms``, see :mod:`broker_lookup.protocol.lifetime`): while a rank lives they
-never expire, however idle the engine; once its last process is gone they do.
+never expire, however idle the engine; once its last process is gone they do. The
+lease's holder writes its metrics snapshot with that refresh, every
+``metrics_interval_ms`` (see :mod:`broker_lookup.protocol.snapshot`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -26,7 +29,7 @@ from broker_lookup.config import LookupConfig
 from broker_lookup.errors import translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.lifetime import refresh_commands
-from broker_lookup.transport.lean import Link
+from broker_lookup.transport.lean import Command, Link
 
 __all__ = ["Heartbeat"]
 
@@ -77,10 +80,11 @@ class Heartbeat:
         """The heartbeat of the last :meth:`body` was written."""
         self.last_beat = time.time()
 
-    def refresh(self, link: Link) -> None:
+    def refresh(self, link: Link, extra: Sequence[Command] = ()) -> None:
         """Refresh the engine's lasting keys (streams, fingerprint): once per beat, by any
-        live process of the engine, holder of the lease or not."""
+        live process of the engine, holder of the lease or not; ``extra`` (the metrics
+        snapshot) goes in the same round trip."""
         with translate_redis_errors("refreshing the engine's keys"):
-            for reply in link.call(self._refresh):
+            for reply in link.call([*self._refresh, *extra]):
                 if isinstance(reply, ResponseError):
                     raise reply

@@ -48,6 +48,7 @@ from broker_lookup.lmcache_version import running_lmcache_version
 from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import ScriptSet
+from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.threads import LoopThread
 from broker_lookup.transport.lean import Link, open_link
 from broker_lookup.transport.lease import Lease, run_claim
@@ -81,6 +82,8 @@ class RankLoop(LoopThread):
         redis_retries: keep redis-py's own retries on the loop's connection.
         configured_engine_id: shown in the heartbeat where the engine id was derived from
             it (``LookupMetadata.configured_engine_id``).
+        metrics: the rank's metrics snapshot, written with the beat while this process
+            holds the lease (None: none).
     """
 
     def __init__(
@@ -97,8 +100,10 @@ class RankLoop(LoopThread):
         world_size: int | None = None,
         redis_retries: bool = True,
         configured_engine_id: str | None = None,
+        metrics: MetricsPublisher | None = None,
     ) -> None:
         super().__init__(f"rank {rank} consumer", f"rank-{rank}")
+        self._metrics = metrics
         self._factory = factory
         self._dispatcher = dispatcher
         self._reporter = reporter
@@ -205,7 +210,10 @@ class RankLoop(LoopThread):
             held = lease.on_reply(reply, now)
         except ValueError as exc:
             raise BrokerResponseError(f"{self._claim_context}: {exc}") from None
-        self.heartbeat.refresh(link)
+        metrics = self._metrics
+        # Only the holder's counters stand for the rank (one snapshot per role).
+        snapshot = metrics.command(now) if metrics is not None and held else None
+        self.heartbeat.refresh(link, [snapshot] if snapshot is not None else ())
         if lease.holder is None:  # ours (a slow reply leaves it lapsed: claimed again next)
             self.heartbeat.written()
             return held

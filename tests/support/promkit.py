@@ -1,0 +1,233 @@
+"""A real Prometheus for the tests: scrape the exporter, run the dashboard's queries and
+the alert rules against it.
+
+Debian's ``prometheus`` package (``prometheus`` and ``promtool`` on PATH, or
+``BROKER_LOOKUP_TEST_PROMETHEUS`` naming the binary). Without it the tests that need it
+skip, except under ``CI``, where they fail (``.ci/run`` installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from helpers import wait_until
+
+__all__ = [
+    "ALERTS",
+    "DASHBOARD",
+    "Prometheus",
+    "alert_exprs",
+    "check_shipped_queries",
+    "dashboard_exprs",
+    "metric_names",
+    "promtool",
+    "require_prometheus",
+    "wait_for",
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy" / "grafana" / "broker-lookup.json"
+ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yaml"
+BINARY_ENV = "BROKER_LOOKUP_TEST_PROMETHEUS"
+#: What Grafana puts for ``$__rate_interval``: at least 4 scrapes of the tests' 1 s interval.
+RATE_INTERVAL = "30s"
+_METRIC_RE = re.compile(r"\bbroker_lookup_[a-z_]+\b")
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def require_prometheus() -> str:
+    """The ``prometheus`` binary; skip without one (fail under CI)."""
+    binary = os.environ.get(BINARY_ENV) or shutil.which("prometheus")
+    if binary and shutil.which("promtool", path=str(Path(binary).parent)):
+        return binary
+    reason = "no prometheus/promtool on PATH (Debian: apt-get install prometheus)"
+    if _in_ci():
+        pytest.fail(f"CI is set, so the Prometheus tests must run, but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def promtool(binary: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``promtool ARGS`` beside ``binary``."""
+    tool = shutil.which("promtool", path=str(Path(binary).parent))
+    assert tool
+    return subprocess.run([tool, *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def metric_names(expr: str) -> set[str]:
+    """The broker_lookup series names an expression reads."""
+    return set(_METRIC_RE.findall(expr))
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    """(panel title, expr) of every query of the shipped Grafana dashboard, with Grafana's
+    ``$__rate_interval`` as Grafana would set it for a 1 s scrape interval."""
+    data = json.loads(DASHBOARD.read_text())
+    panels = [p for top in data["panels"] for p in (top, *top.get("panels", []))]
+    return [
+        (p["title"], t["expr"].replace("$__rate_interval", RATE_INTERVAL))
+        for p in panels
+        for t in p.get("targets", [])
+    ]
+
+
+def alert_exprs() -> list[tuple[str, str]]:
+    """(alert name, expr) of every rule of the shipped alerts file."""
+    data = yaml.safe_load(ALERTS.read_text())
+    return [(r["alert"], r["expr"]) for g in data["groups"] for r in g["rules"]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Prometheus:
+    """A Prometheus server scraping ``targets`` every second, with a storage dir of its own."""
+
+    binary: str
+    targets: list[str]
+    work: Path
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> Prometheus:
+        """Start it; return once it answers ready."""
+        self.port = _free_port()
+        config = self.work / "prometheus.yml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "scrape_configs": [
+                        {"job_name": "broker-lookup", "static_configs": [{"targets": self.targets}]}
+                    ],
+                }
+            )
+        )
+        log = (self.work / "prometheus.log").open("wb")
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={self.work / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--web.enable-lifecycle",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        wait_until(self._ready, timeout=timeout_s, interval=0.1, message="Prometheus ready")
+        return self
+
+    def _ready(self) -> bool:
+        assert self.proc is not None and self.proc.poll() is None, self.log()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log(self) -> str:
+        """The tail of its log."""
+        path = self.work / "prometheus.log"
+        return path.read_bytes()[-4000:].decode(errors="replace") if path.exists() else ""
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """The instant vector (or scalar, as one sample) of ``expr`` now.
+
+        Raises:
+            AssertionError: Prometheus refused the expression.
+        """
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode(
+            {"query": expr}
+        )
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                body = json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"Prometheus refused {expr!r}: {exc.read()!r}") from None
+        assert body["status"] == "success", (expr, body)
+        data = body["data"]
+        if data["resultType"] == "scalar":
+            return [{"metric": {}, "value": data["result"]}]
+        result: list[dict[str, Any]] = data["result"]
+        return result
+
+    def values(self, expr: str) -> dict[frozenset[tuple[str, str]], float]:
+        """{labels: value} of ``expr`` now."""
+        return {frozenset(s["metric"].items()): float(s["value"][1]) for s in self.query(expr)}
+
+    def scraped(self) -> bool:
+        """Whether the last scrape of every target succeeded."""
+        up = self.values('up{job="broker-lookup"}')
+        return len(up) == len(self.targets) and all(v == 1.0 for v in up.values())
+
+    def stop(self) -> None:
+        """Stop it (SIGTERM, then SIGKILL) and wait."""
+        proc = self.proc
+        if proc is None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        self.proc = None
+
+
+def check_shipped_queries(prom: Prometheus, timeout_s: float = 60.0) -> dict[str, int]:
+    """Every dashboard query returns data, every alert rule evaluates, and every series an
+    alert reads exists; returns the number of series per dashboard query.
+
+    Waits (up to ``timeout_s``) for the rates to have two samples in their window.
+    """
+    counts: dict[str, int] = {}
+    for title, expr in dashboard_exprs():
+
+        def answered(expr: str = expr) -> list[dict[str, Any]]:
+            return prom.query(expr)
+
+        found = wait_until(
+            answered,
+            timeout=timeout_s,
+            interval=0.5,
+            message=f"data for the dashboard panel {title!r}: {expr}",
+        )
+        assert isinstance(found, list)
+        counts[expr] = len(found)
+    for name, expr in alert_exprs():
+        prom.query(expr)  # evaluates (a quiet fleet fires nothing: empty is right)
+        for series in metric_names(expr):
+            assert prom.query(f"count({series})"), f"{name} reads {series}: no such series"
+    return counts
+
+
+def wait_for(prom: Prometheus, expr: str, want: float, timeout_s: float = 60.0) -> None:
+    """Until ``expr`` is one sample equal to ``want``."""
+
+    def there() -> bool:
+        found = list(prom.values(expr).values())
+        return found == [want]
+
+    wait_until(there, timeout=timeout_s, interval=0.5, message=f"{expr} == {want}")

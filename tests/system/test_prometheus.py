@@ -1,0 +1,96 @@
+"""A real Prometheus scrapes ``broker-lookup exporter`` in front of a scheduler and two ranks:
+the outcome and rank counters match what happened, every query of the shipped dashboard
+returns data, every alert rule evaluates over series that exist, and ``promtool check
+rules`` accepts the rules file. (The vLLM leg does the same under a real vLLM engine.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from faultkit import alive, answer, config, prompt, ready
+from helpers import RealServer
+from promkit import (
+    ALERTS,
+    Prometheus,
+    check_shipped_queries,
+    promtool,
+    require_prometheus,
+    wait_for,
+)
+
+from broker_lookup.client import RedisAsyncLookupClient
+from broker_lookup.config import LookupMetadata
+from broker_lookup.ops.exporter import ExporterServer, FleetCollector
+from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.transport.connection import make_factory
+from workers.server import RedisAsyncLookupServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+N = 6
+HITS = 24
+
+
+@pytest.fixture
+def prometheus_binary() -> str:
+    return require_prometheus()
+
+
+def test_promtool_accepts_the_alert_rules(prometheus_binary: str) -> None:
+    done = promtool(prometheus_binary, "check", "rules", str(ALERTS))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout
+
+
+@pytest.fixture
+def fleet(real_server: RealServer, engine_id: str) -> Iterator[RedisAsyncLookupClient]:
+    """A scheduler and two ranks of ``engine_id``, publishing every 500 ms."""
+    cfg = config(real_server.url, metrics_interval_ms=500)
+    servers = [
+        RedisAsyncLookupServer(
+            StubEngine("instant", hits=HITS),
+            LookupMetadata(engine_id=engine_id, world_size=2, worker_id=r),
+            cfg,
+        )
+        for r in (0, 1)
+    ]
+    client = RedisAsyncLookupClient(cfg, LookupMetadata(engine_id=engine_id, world_size=2))
+    try:
+        ready(*servers)
+        alive(client)
+        yield client
+    finally:
+        client.close()
+        for server in servers:
+            server.close()
+
+
+def test_prometheus_scrapes_the_exporter_and_runs_the_dashboard_and_alerts(
+    prometheus_binary: str,
+    real_server: RealServer,
+    engine_id: str,
+    fleet: RedisAsyncLookupClient,
+    tmp_path: Path,
+) -> None:
+    for i in range(N):
+        fleet.lookup(prompt(i * 10), f"p-{i}")
+        assert answer(fleet, f"p-{i}", timeout=10) == HITS
+    collector = FleetCollector(make_factory(config(real_server.url), "bl-exporter"), engine_id)
+    exporter = ExporterServer(collector, "127.0.0.1", 0).start()
+    prom = Prometheus(prometheus_binary, [f"127.0.0.1:{exporter.port}"], tmp_path)
+    try:
+        prom.start()
+        mine = f'engine="{engine_id}"'
+        wait_for(prom, f'broker_lookup_client_lookups_total{{{mine},outcome="hit"}}', N)
+        for rank in (0, 1):
+            wait_for(prom, f'broker_lookup_worker_requests_total{{{mine},rank="{rank}"}}', N)
+        assert prom.scraped(), prom.log()
+        wait_for(prom, f"broker_lookup_client_hit_tokens_total{{{mine}}}", N * HITS)
+        wait_for(prom, f'broker_lookup_client_lookups_total{{{mine},outcome="miss"}}', 0)
+        wait_for(prom, f'sum(broker_lookup_worker_reports_total{{{mine},rank="0"}})', N)
+        check_shipped_queries(prom)
+    finally:
+        prom.stop()
+        assert exporter.stop()
