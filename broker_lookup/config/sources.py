@@ -64,6 +64,8 @@ OTHER_VARIABLES: dict[str, str] = {
     ENV_PREFIX + "TEST_VLLM": "tests: the vLLM tests must run (CI)",
     ENV_PREFIX + "TEST_LMCACHE": "tests: the LMCache tests must run on this LMCache version (CI)",
     ENV_PREFIX + "HELM": "tests: the helm binary",
+    ENV_PREFIX + "TEST_PROMETHEUS": "tests: the prometheus binary the scrape tests run",
+    ENV_PREFIX + "DEMO_CPU_CONNECTOR": "demo --vllm: 1 in its vLLM child: the CPU connector",
 }
 
 # Kubernetes "service links" put <SERVICE>_SERVICE_HOST, <SERVICE>_PORT=tcp://... and the like

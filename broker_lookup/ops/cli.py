@@ -215,9 +215,9 @@ EXPORTER_PORT = 9390
 
 def _setup_exporter(p: argparse.ArgumentParser) -> None:
     p.description = (
-        "Serve /metrics for every scheduler and rank of every engine on one Redis, read from "
-        "the snapshots each process publishes there (no port per process). Labels: engine, "
-        "configured_engine_id, role (scheduler, worker), host, plus each metric's own."
+        f"{p.description}: /metrics read from the snapshots each process publishes there "
+        "(no port per process). Labels: engine, configured_engine_id, role (scheduler, "
+        "worker), host, plus each metric's own."
     )
     p.add_argument("--redis-url", help="Redis URL (default: BROKER_LOOKUP_REDIS_URL)")
     p.add_argument("--engine-id", help="this engine and its vLLM instances only (default: all)")
