@@ -52,7 +52,6 @@ from broker_lookup.client.insights import RankInsights
 from broker_lookup.client.table import Entry, LookupTable
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, BrokerUnavailable, translate_redis_errors
-from broker_lookup.ops.ratelimit import RateLimitedLog
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, Keep, LookupRequest
 from broker_lookup.protocol.scripts import (
@@ -64,6 +63,7 @@ from broker_lookup.protocol.scripts import (
     keep_call,
     submit_call,
 )
+from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.transport.batcher import Batcher
 from broker_lookup.transport.lean import Command, LeanLink, open_link
 

@@ -22,7 +22,7 @@ from broker_lookup.client.sender import HEALTHY_IDLE_S
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import CANCEL, Call, ScriptSet
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.lean import ClientLink, LeanLink, open_link
 
 TOKENS = list(range(40))  # 10 chunks of 4 tokens

@@ -14,7 +14,7 @@ from broker_lookup.errors import BrokerResponseError, ConfigError
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
 from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.connection import ensure_group
 
 TOKENS = prompt(0, chunks=10)

@@ -22,7 +22,7 @@ from broker_lookup.protocol.scripts import (
     report_call,
     submit_call,
 )
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.lean import open_link
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.reader import Reader

@@ -27,7 +27,7 @@ from broker_lookup.protocol.scripts import (
     report_call,
     submit_call,
 )
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 from workers.reference.engine import ReferenceEngine
 from workers.server import RedisAsyncLookupServer
 

@@ -3,7 +3,7 @@
 Each process is one engine as a vLLM deployment has it: a :class:`RedisAsyncLookupClient`
 (the scheduler) and one worker rank (built through
 ``LookupClientFactory.create_lookup_server``, with an instant
-:class:`~broker_lookup.tools.stub_engine.StubEngine`, so the engine costs nothing). The bench
+:class:`~broker_lookup.stub_engine.StubEngine`, so the engine costs nothing). The bench
 forks them all, waits until each says ``ready`` (its rank heartbeats and the client sees it
 alive), sends ``go`` to every one at once, and collects ``(completions, seconds)``
 while it reads each server's CPU time before and after.
@@ -20,7 +20,7 @@ import redis
 
 from broker_lookup.errors import BrokerLookupError
 from broker_lookup.processes import die_with_parent
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 
 __all__ = ["TOKENS", "run_engines"]
 

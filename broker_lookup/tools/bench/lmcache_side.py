@@ -3,7 +3,7 @@
 LMCache's ``LMCacheAsyncLookupClient`` runs in this process; its
 ``LMCacheAsyncLookupServer`` ranks run as processes (``python -m
 broker_lookup.tools.bench.lmcache_side --engine ID:WORLD``, forked from one host), each with the
-same instant :class:`~broker_lookup.tools.stub_engine.StubEngine` as our ranks, whose
+same instant :class:`~broker_lookup.stub_engine.StubEngine` as our ranks, whose
 ``async_lookup_and_prefetch`` calls ``server.send_response_to_scheduler`` at once, as
 LMCache's own tests do. Two client
 configurations share the ranks: LMCache's default (``lookup_backoff_time`` 10 ms, slept
@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from broker_lookup.processes import ExitCode, python_module
+from broker_lookup.stub_engine import StubEngine
 from broker_lookup.tools.bench.children import start_rank_host, stop_all
 from broker_lookup.tools.bench.measure import (
     BenchError,
@@ -34,7 +35,6 @@ from broker_lookup.tools.bench.measure import (
     sequential_latency,
 )
 from broker_lookup.tools.bench.rank_host import RankSpec, host_parser, ready, run_host
-from broker_lookup.tools.stub_engine import StubEngine
 
 __all__ = ["VARIANTS", "bench_lmcache", "main", "require_lmcache", "token_database"]
 

@@ -5,7 +5,7 @@ serves every rank of every engine given, one process per rank forked from one ho
 (see ``broker_lookup.tools.bench.rank_host``). Each rank prints ``@bench ready <engine> <rank>
 <pid>`` once its consumer group exists, and stops cleanly on SIGTERM.
 
-The engine is :class:`~broker_lookup.tools.stub_engine.StubEngine`: it answers at once, on
+The engine is :class:`~broker_lookup.stub_engine.StubEngine`: it answers at once, on
 the server's consumer thread, as the fake engines of LMCache's own tests do, with a hit of
 ``--hit-fraction`` of the prompt's chunks, or never for a ``mute`` engine (its lookups stay
 in flight: the bench's memory and pending probes). The server is built through
@@ -24,8 +24,8 @@ import time
 from broker_lookup.client.factory import LookupClientFactory
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.processes import ExitCode
+from broker_lookup.stub_engine import StubEngine
 from broker_lookup.tools.bench.rank_host import RankSpec, host_parser, ready, run_host
-from broker_lookup.tools.stub_engine import StubEngine
 
 __all__ = ["main"]
 
