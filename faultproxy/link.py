@@ -1,4 +1,4 @@
-"""One connection through the :class:`~broker_lookup.tools.faultproxy.FaultProxy`: two sockets.
+"""One connection through the :class:`~faultproxy.FaultProxy`: two sockets.
 
 A :class:`Link` pairs the socket a client opened to the proxy with the proxy's socket to
 the server. Each direction is a :class:`Pipe`: a RESP framer plus a queue of byte chunks,
@@ -15,7 +15,7 @@ import socket
 from collections import deque
 from collections.abc import Callable
 
-from broker_lookup.tools.faultproxy.resp_frames import Frame, FrameParser, RespError
+from faultproxy.resp_frames import Frame, FrameParser, RespError
 
 __all__ = ["QUEUE_LIMIT", "Link", "Pipe"]
 

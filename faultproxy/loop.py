@@ -1,7 +1,7 @@
-"""The selector thread of :class:`broker_lookup.tools.faultproxy.proxy.FaultProxy`.
+"""The selector thread of :class:`faultproxy.proxy.FaultProxy`.
 
 :class:`ProxyLoop` owns every socket: it accepts, connects upstream without
-blocking, reads, frames (:class:`~broker_lookup.tools.faultproxy.link.Link`), writes what is
+blocking, reads, frames (:class:`~faultproxy.link.Link`), writes what is
 due, and closes. Other threads reach it only through :meth:`ProxyLoop.submit` and
 :meth:`ProxyLoop.wake`, so no socket is touched by two threads.
 """
@@ -19,12 +19,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from broker_lookup.tools.faultproxy.link import Link
-from broker_lookup.tools.faultproxy.state import FaultState
+from faultproxy.link import Link
+from faultproxy.state import FaultState
 
 __all__ = ["ProxyLoop"]
 
-logger = logging.getLogger("broker_lookup.tools.faultproxy.proxy")
+logger = logging.getLogger("faultproxy.proxy")
 
 T = TypeVar("T")
 

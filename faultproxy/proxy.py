@@ -1,6 +1,6 @@
 """A TCP proxy for the Redis protocol that injects the faults a Kubernetes network produces.
 
-Tooling for the fault tests and the chaos soak (:mod:`broker_lookup.tools.soak.command`); the client
+Tooling for the fault tests and the chaos soak (:mod:`benchmarks.soak.command`); the client
 and worker runtime never import it. :class:`FaultProxy` sits between real redis-py
 clients and one real server, frames RESP both ways (:mod:`.resp_frames`)
 and so knows which reply answers which command. That is what :meth:`FaultProxy.lose_reply`
@@ -8,9 +8,9 @@ needs: a command that ran on the server but whose reply never arrived, the ambig
 failure a client must survive. The other faults are a stall (:meth:`~FaultProxy.hold`),
 resets, refused connections and latency.
 
-One selector thread (:mod:`broker_lookup.tools.faultproxy.loop`) serves every socket; each
-connection is a :mod:`~broker_lookup.tools.faultproxy.link` link. The public methods change
-the fault state (:mod:`broker_lookup.tools.faultproxy.state`) under a lock, or hand the thread
+One selector thread (:mod:`faultproxy.loop`) serves every socket; each
+connection is a :mod:`~faultproxy.link` link. The public methods change
+the fault state (:mod:`faultproxy.state`) under a lock, or hand the thread
 a call and wait for it, so no socket is touched by two threads.
 
 >>> with FaultProxy.for_url(server.url).start() as proxy:  # doctest: +SKIP
@@ -34,8 +34,8 @@ from types import TracebackType
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from broker_lookup.tools.faultproxy.loop import ProxyLoop
-from broker_lookup.tools.faultproxy.state import FaultState, LoseRule
+from faultproxy.loop import ProxyLoop
+from faultproxy.state import FaultState, LoseRule
 
 __all__ = ["FaultProxy"]
 

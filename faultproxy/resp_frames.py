@@ -6,7 +6,7 @@ and, for commands, the first few arguments, so a proxy can forward the bytes unc
 and still know which reply answers which command. Parsing resumes where the previous
 piece ended: a large reply that arrives in many pieces is scanned once, not once a piece.
 
-Used by :mod:`broker_lookup.tools.faultproxy.proxy`; the client and worker runtime never import it.
+Used by :mod:`faultproxy.proxy`; the client and worker runtime never import it.
 """
 
 from __future__ import annotations

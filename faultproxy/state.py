@@ -1,4 +1,4 @@
-"""The fault state of the :class:`~broker_lookup.tools.faultproxy.FaultProxy`: faults, counters.
+"""The fault state of the :class:`~faultproxy.FaultProxy`: faults, counters.
 
 :class:`FaultState` is what the public methods change and the selector thread reads,
 always under its lock; :class:`LoseRule` is one pending ``lose_reply``.
@@ -10,7 +10,7 @@ import hashlib
 import threading
 from dataclasses import dataclass
 
-from broker_lookup.tools.faultproxy.resp_frames import Frame
+from faultproxy.resp_frames import Frame
 
 __all__ = ["FaultState", "LoseRule"]
 

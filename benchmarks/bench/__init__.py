@@ -1,1 +1,1 @@
-"""``broker-lookup bench``: our lookup path and LMCache's, measured side by side."""
+"""``python -m benchmarks.bench``: our lookup path and LMCache's, measured side by side."""

@@ -1,6 +1,6 @@
 /* The protocol floor's rank turn with its I/O, framing and packing in C: bench tooling.
  *
- * `broker-lookup bench --floor` runs this beside the Python floor (floor.py) to measure
+ * `python -m benchmarks.bench --floor` runs this beside the Python floor (floor.py) to measure
  * what a rank's turn costs when no Python runs between the wake-up and the write but the
  * request's decoding and the report's arguments (the `answer` callback, in Python, as in
  * the floor). One call is one turn:

@@ -1,4 +1,4 @@
-"""Child processes of ``broker-lookup bench``: rank hosts and engine drivers.
+"""Child processes of ``python -m benchmarks.bench``: rank hosts and engine drivers.
 
 A child speaks to the bench in lines on its stdout that start with ``@bench`` (``@bench
 ready <rank> <pid>``, ``@bench result <json>``); everything else it prints is kept as a
@@ -19,8 +19,8 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from benchmarks.bench.measure import BenchError
 from broker_lookup.processes import child_env, spawn, terminate
-from broker_lookup.tools.bench.measure import BenchError
 
 __all__ = ["TAG", "Child", "emit", "start_rank_host", "stop_all"]
 

@@ -1,9 +1,9 @@
-"""``broker-lookup bench --cluster``: lookups/s of 1, 4, 8 engines on one node vs a cluster.
+"""``python -m benchmarks.bench --cluster``: lookups/s of 1, 4, 8 engines on one node vs a cluster.
 
 One run starts both topologies itself from the same server binary: one
 :class:`~broker_lookup.tools.embedded.EmbeddedServer`, then a
 :class:`~broker_lookup.tools.local_cluster.LocalCluster` of three masters. For each engine
-count N it forks N engine processes (:mod:`broker_lookup.tools.bench.cluster_engines`); each
+count N it forks N engine processes (:mod:`benchmarks.bench.cluster_engines`); each
 holds one :class:`RedisAsyncLookupClient` and one worker rank with a stub engine that
 answers at once, and keeps ``window`` lookups in flight for ``duration_s``. The table gives the
 summed lookups/s and how busy the servers were (CPU seconds per second: 1.00 is one
@@ -32,10 +32,10 @@ from typing import Any
 import redis
 from redis.crc import key_slot
 
+from benchmarks.bench.cluster_engines import TOKENS, run_engines
 from broker_lookup.errors import BrokerLookupError, BrokerUnavailable
 from broker_lookup.processes import ExitCode
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.tools.bench.cluster_engines import TOKENS, run_engines
 from broker_lookup.tools.embedded import EmbeddedServer
 from broker_lookup.tools.local_cluster import LocalCluster, slot_ranges
 
@@ -162,7 +162,7 @@ def cmd_cluster_bench(args: argparse.Namespace) -> int:
     a server did not start.
     """
     if getattr(args, "redis_url", None):
-        print("broker-lookup bench --cluster starts its own servers: drop --redis-url")
+        print("python -m benchmarks.bench --cluster starts its own servers: drop --redis-url")
         return ExitCode.USAGE
     try:
         results = run_cluster_bench(
@@ -171,7 +171,7 @@ def cmd_cluster_bench(args: argparse.Namespace) -> int:
             masters=args.cluster_masters,
         )
     except BrokerLookupError as exc:
-        print(f"broker-lookup bench --cluster: {exc}", file=sys.stderr)
+        print(f"python -m benchmarks.bench --cluster: {exc}", file=sys.stderr)
         return ExitCode.UNREACHABLE if isinstance(exc, BrokerUnavailable) else ExitCode.FAILED
     if getattr(args, "out", None):
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
@@ -180,8 +180,8 @@ def cmd_cluster_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m broker_lookup.tools.bench.cluster [--engines 1,4,8] [--duration 3]``."""
-    p = argparse.ArgumentParser(prog="python -m broker_lookup.tools.bench.cluster")
+    """``python -m benchmarks.bench.cluster [--engines 1,4,8] [--duration 3]``."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench.cluster")
     add_cluster_args(p, standalone=True)
     return cmd_cluster_bench(p.parse_args(argv))
 

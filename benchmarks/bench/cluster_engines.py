@@ -1,4 +1,4 @@
-"""The engine processes of ``broker-lookup bench --cluster``: forked, driven over a pipe.
+"""The engine processes of ``python -m benchmarks.bench --cluster``: forked, driven over a pipe.
 
 Each process is one engine as a vLLM deployment has it: a :class:`RedisAsyncLookupClient`
 (the scheduler) and one worker rank (built through

@@ -1,7 +1,7 @@
-"""``broker-lookup bench``: latency, caller cost, throughput, hashing, memory and CPU.
+"""``python -m benchmarks.bench``: latency, caller cost, throughput, hashing, memory and CPU.
 
 Runs against an embedded Valkey (default) or ``--redis-url``, with worker ranks as real
-processes (``python -m broker_lookup.tools.bench.our_ranks``) that answer at once, so what is
+processes (``python -m benchmarks.bench.our_ranks``) that answer at once, so what is
 measured is the lookup path itself: client, Redis, server, and the hand-offs between them.
 ``--vs-lmcache`` runs the same loops on LMCache 0.5.6's ZMQ client and server and adds
 the ratios. ``--quick`` is the CI smoke mode (world sizes 1 and 2, a few hundred
@@ -11,7 +11,7 @@ insights, size-aware deadlines, partial answers) off and on, and prints both and
 ratio (``features_cost.py``). ``--floor`` runs only the one-in-flight loop on ours and on
 the protocol's floor (``floor.py``: the same scripts and commands, none of the machinery),
 and with ``--vs-lmcache`` on LMCache too, and prints the ratios (``floor_gap.py``). The
-polling model is described in ``broker_lookup.tools.bench.measure``; the results and how
+polling model is described in ``benchmarks.bench.measure``; the results and how
 to read them in ``docs/performance.md``.
 
 >>> results = run_bench(BenchOptions.defaults(quick=True))   # doctest: +SKIP
@@ -36,19 +36,20 @@ from typing import Any
 
 import redis
 
+from benchmarks.bench.cluster import add_cluster_args, cmd_cluster_bench
+from benchmarks.bench.figures import evaluate_targets, figures, ratios
+from benchmarks.bench.hash_timing import hashing, paired_hashing
+from benchmarks.bench.measure import BenchError, BenchOptions
+from benchmarks.bench.report import render
 from broker_lookup.errors import BrokerUnavailable
 from broker_lookup.processes import ExitCode
-from broker_lookup.tools.bench.cluster import add_cluster_args, cmd_cluster_bench
-from broker_lookup.tools.bench.figures import evaluate_targets, figures, ratios
-from broker_lookup.tools.bench.hash_timing import hashing, paired_hashing
-from broker_lookup.tools.bench.measure import BenchError, BenchOptions
-from broker_lookup.tools.bench.report import render
 
 __all__ = [
     "BenchOptions",
     "add_bench_parser",
     "cmd_bench",
     "configure_parser",
+    "main",
     "run_bench",
     "run_features_cost",
     "run_floor_gap",
@@ -100,8 +101,8 @@ def _delete_keys(url: str, run_id: str) -> None:
 
 
 def _ours(opts: BenchOptions, run_id: str, meta: dict[str, Any]) -> dict[str, Any]:
-    from broker_lookup.tools.bench.engines import concurrency
-    from broker_lookup.tools.bench.ours import latency_and_probes
+    from benchmarks.bench.engines import concurrency
+    from benchmarks.bench.ours import latency_and_probes
 
     with _redis_url(opts) as (url, kind):
         meta["redis"] = _server_meta(url, kind)
@@ -135,7 +136,7 @@ def _source_version() -> str | None:
 def _lmcache_first(opts: BenchOptions) -> None:
     """With ``vs_lmcache``, fail now if lmcache is missing, not after the long part."""
     if opts.vs_lmcache:
-        from broker_lookup.tools.bench.lmcache_side import require_lmcache
+        from benchmarks.bench.lmcache_side import require_lmcache
 
         require_lmcache()
 
@@ -161,11 +162,11 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     t0 = time.monotonic()
     results: dict[str, Any] = {"meta": meta, "ours": _ours(opts, run_id, meta)}
     if opts.vs_lmcache:
-        from broker_lookup.tools.bench.lmcache_side import bench_lmcache
+        from benchmarks.bench.lmcache_side import bench_lmcache
 
         meta["loadavg_lmcache_start"] = os.getloadavg()  # the sides run one after the other
         results["lmcache"] = bench_lmcache(opts, run_id)
-        from broker_lookup.tools.bench.lmcache_side import require_lmcache
+        from benchmarks.bench.lmcache_side import require_lmcache
 
         pair = paired_hashing(require_lmcache(), opts.hash_sizes)
         results["hashing"], results["lmcache"]["hashing"] = pair
@@ -229,7 +230,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _sides(text: str) -> Any:
-    from broker_lookup.tools.bench.paired import parse_sides
+    from benchmarks.bench.paired import parse_sides
 
     try:
         return parse_sides(text)
@@ -290,7 +291,7 @@ def run_features_cost(opts: BenchOptions, world: int = 2) -> dict[str, Any]:
         BenchError: a rank or lookup failed.
         BrokerUnavailable: the embedded server did not start.
     """
-    from broker_lookup.tools.bench.features_cost import features_cost
+    from benchmarks.bench.features_cost import features_cost
 
     return _one_figure(
         opts, "features_cost", lambda url, run_id: features_cost(opts, url, run_id, world)
@@ -304,7 +305,7 @@ def run_floor_gap(opts: BenchOptions) -> dict[str, Any]:
         BenchError: a rank or lookup failed, or lmcache is missing for ``vs_lmcache``.
         BrokerUnavailable: the embedded server did not start.
     """
-    from broker_lookup.tools.bench.floor_gap import floor_gap
+    from benchmarks.bench.floor_gap import floor_gap
 
     _lmcache_first(opts)
     return _one_figure(opts, "floor_gap", lambda url, run_id: floor_gap(opts, url, run_id))
@@ -319,7 +320,7 @@ def _cmd_one_figure(
     try:
         results = run()
     except (BrokerUnavailable, BenchError) as exc:
-        print(f"broker-lookup bench: {exc}", file=sys.stderr)
+        print(f"python -m benchmarks.bench: {exc}", file=sys.stderr)
         return ExitCode.UNREACHABLE if isinstance(exc, BrokerUnavailable) else ExitCode.FAILED
     print(render(results))
     if args.out:  # the full run's file is not overwritten by this small figure
@@ -329,7 +330,7 @@ def _cmd_one_figure(
 
 
 def _cmd_features_cost(args: argparse.Namespace) -> int:
-    from broker_lookup.tools.bench.features_cost import render_features_cost
+    from benchmarks.bench.features_cost import render_features_cost
 
     opts = _options(args)
     world = max(args.worlds) if args.worlds else 2
@@ -341,7 +342,7 @@ def _cmd_features_cost(args: argparse.Namespace) -> int:
 
 
 def _cmd_floor_gap(args: argparse.Namespace) -> int:
-    from broker_lookup.tools.bench.floor_gap import render_floor_gap
+    from benchmarks.bench.floor_gap import render_floor_gap
 
     opts = _options(args)
     return _cmd_one_figure(
@@ -358,17 +359,17 @@ def run_paired(opts: BenchOptions, sides: tuple[Any, Any], rounds: int) -> dict[
         BenchError: a rank host failed to start, or a lookup never finished.
         BrokerUnavailable: the embedded server did not start.
     """
-    from broker_lookup.tools.bench.paired import paired
+    from benchmarks.bench.paired import paired
 
     return _one_figure(opts, "paired", lambda url, run_id: paired(opts, url, run_id, sides, rounds))
 
 
 def _cmd_paired(args: argparse.Namespace) -> int:
-    from broker_lookup.tools.bench.paired import render_paired
+    from benchmarks.bench.paired import render_paired
 
     rounds = args.rounds if args.rounds is not None else (4 if args.quick else 100)
     if rounds < 1:
-        print(f"broker-lookup bench: --rounds {rounds}: expected >= 1", file=sys.stderr)
+        print(f"python -m benchmarks.bench: --rounds {rounds}: expected >= 1", file=sys.stderr)
         return ExitCode.USAGE
     if args.lookups is None:
         args.lookups = 20 if args.quick else 300
@@ -397,10 +398,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         results = run_bench(opts)
     except BrokerUnavailable as exc:
-        print(f"broker-lookup bench: {exc}", file=sys.stderr)
+        print(f"python -m benchmarks.bench: {exc}", file=sys.stderr)
         return ExitCode.UNREACHABLE
     except BenchError as exc:
-        print(f"broker-lookup bench: {exc}", file=sys.stderr)
+        print(f"python -m benchmarks.bench: {exc}", file=sys.stderr)
         return ExitCode.FAILED
     Path(out).write_text(json.dumps(results, indent=2) + "\n")
     print(render(results))
@@ -409,10 +410,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m broker_lookup.tools.bench.command``: the subcommand without the CLI around it."""
-    p = argparse.ArgumentParser(
-        prog="python -m broker_lookup.tools.bench.command", description=HELP
-    )
+    """``python -m benchmarks.bench ARGS``, from a checkout."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=HELP)
     configure_parser(p)
     return cmd_bench(p.parse_args(argv))
 

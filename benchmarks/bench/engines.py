@@ -1,9 +1,9 @@
-"""Concurrent engines for ``broker-lookup bench``: one driver process per engine.
+"""Concurrent engines for ``python -m benchmarks.bench``: one driver process per engine.
 
 Each engine is what one vLLM scheduler would be: its own engine id, its own process with
 one :class:`RedisAsyncLookupClient`, its own ranks. All drivers share one Redis. The
 bench starts every driver, waits until all are ready, says ``go`` to each, and adds up
-their throughputs. Run as ``python -m broker_lookup.tools.bench.engines`` it is one driver.
+their throughputs. Run as ``python -m benchmarks.bench.engines`` it is one driver.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 
 import redis
 
+from benchmarks.bench.children import Child, emit, stop_all
+from benchmarks.bench.measure import BenchOptions, Prompts, closed_loop, cpu_seconds_of
+from benchmarks.bench.ours import client_for, engine_id, rank_host
 from broker_lookup.processes import ExitCode, python_module
-from broker_lookup.tools.bench.children import Child, emit, stop_all
-from broker_lookup.tools.bench.measure import BenchOptions, Prompts, closed_loop, cpu_seconds_of
-from broker_lookup.tools.bench.ours import client_for, engine_id, rank_host
 
 __all__ = ["concurrency", "main", "ranks_per_engine"]
 
@@ -34,7 +34,7 @@ def ranks_per_engine(opts: BenchOptions, engines: int) -> int:
 
 def _driver_argv(opts: BenchOptions, url: str, eid: str, world: int, window: int) -> list[str]:
     return python_module(
-        "broker_lookup.tools.bench.engines",
+        "benchmarks.bench.engines",
         [
             *("--redis-url", url, "--engine-id", eid, "--world-size", str(world)),
             *("--window", str(window), "--duration", str(opts.duration_s)),
@@ -99,7 +99,7 @@ def concurrency(opts: BenchOptions, url: str, run_id: str, engines: int) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     """One driver: connect, say ready, wait for ``go``, run the closed loop, print the result."""
-    p = argparse.ArgumentParser(prog="python -m broker_lookup.tools.bench.engines")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench.engines")
     p.add_argument("--redis-url", required=True)
     p.add_argument("--engine-id", required=True)
     p.add_argument("--world-size", type=int, required=True)

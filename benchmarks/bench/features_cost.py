@@ -1,4 +1,4 @@
-"""``broker-lookup bench --features-cost``: what issue 13's features cost per lookup.
+"""``python -m benchmarks.bench --features-cost``: what issue 13's features cost per lookup.
 
 Each round runs the same one-in-flight loop as the latency figure
 (:func:`measure.sequential_latency`), then the throughput figure's closed loop with
@@ -24,14 +24,14 @@ from typing import Any
 
 import redis
 
-from broker_lookup.tools.bench.measure import (
+from benchmarks.bench.measure import (
     BenchError,
     BenchOptions,
     Prompts,
     closed_loop,
     sequential_latency,
 )
-from broker_lookup.tools.bench.ours import CpuMeter, client_for, engine_id, rank_host
+from benchmarks.bench.ours import CpuMeter, client_for, engine_id, rank_host
 
 __all__ = ["FIGURES", "OFF", "ON", "features_cost", "render_features_cost"]
 

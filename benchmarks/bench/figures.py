@@ -1,4 +1,4 @@
-"""Issue 12's figures from ``broker-lookup bench`` results: CPU per lookup on each side,
+"""Issue 12's figures from ``python -m benchmarks.bench`` results: CPU per lookup on each side,
 the ours / LMCache ratios, and the targets met or missed.
 
 CPU per lookup, one lookup in flight, comes from the latency runs: each process's CPU

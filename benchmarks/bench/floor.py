@@ -1,4 +1,5 @@
-"""``broker-lookup bench --floor``: what the protocol alone costs, without our client or ranks.
+"""``python -m benchmarks.bench --floor``: what the protocol alone costs, without our client
+or ranks.
 
 The floor runs the same lookup over the same Redis: the same hashing, the same wire
 messages, the same ``submit.lua`` and ``report.lua`` and the same commands per lookup
@@ -18,7 +19,7 @@ run with no Python between the wake-up and the write but the request's decoding 
 report's arguments (:class:`_Answer`, shared with the Python floor). So it says what a
 native rank turn could cost on this machine. The scheduler side is the floor's for both.
 
-``python -m broker_lookup.tools.bench.floor --redis-url URL --engine E:4 [--native]`` serves
+``python -m benchmarks.bench.floor --redis-url URL --engine E:4 [--native]`` serves
 the floor's ranks (one process each, forked from one host: ``rank_host``); the client,
 :class:`FloorClient`, runs in the bench's process and is driven by the same loops as
 ours and LMCache's (``measure.sequential_latency``).
@@ -38,13 +39,13 @@ from urllib.parse import urlparse
 import hiredis
 import redis
 
+from benchmarks.bench.measure import BenchError
+from benchmarks.bench.rank_host import RankSpec, host_parser, ready, run_host
 from broker_lookup.processes import ExitCode
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, decode_done, decode_request
 from broker_lookup.protocol.scripts import ScriptSet, report_call, submit_call
-from broker_lookup.tools.bench.measure import BenchError
-from broker_lookup.tools.bench.rank_host import RankSpec, host_parser, ready, run_host
 from broker_lookup.transport.lean import Command, stream_entries
 
 __all__ = ["FloorClient", "main"]
@@ -283,7 +284,7 @@ def _serve_floor_rank(url: str, fraction: float, spec: RankSpec, stop: threading
 
 def _serve_native_rank(url: str, fraction: float, spec: RankSpec, stop: threading.Event) -> int:
     """One rank of the native floor: the same turn, its I/O, framing and packing in C."""
-    from broker_lookup.tools.bench import _native_floor
+    from benchmarks.bench import _native_floor
 
     keys = KeySpace(spec.engine_id)
     answer = _Answer(keys, _join(url, keys, spec.rank), spec.rank, fraction)
@@ -309,7 +310,7 @@ def _serve_native_rank(url: str, fraction: float, spec: RankSpec, stop: threadin
 def native_floor_built() -> bool:
     """Whether the native floor's C extension was compiled (it is optional)."""
     try:
-        from broker_lookup.tools.bench import _native_floor  # noqa: F401
+        from benchmarks.bench import _native_floor  # noqa: F401
     except ImportError:
         return False
     return True
@@ -317,7 +318,7 @@ def native_floor_built() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve the floor's ranks until SIGTERM (``--native``: the native floor's)."""
-    p = host_parser("python -m broker_lookup.tools.bench.floor", __doc__)
+    p = host_parser("python -m benchmarks.bench.floor", __doc__)
     p.add_argument("--redis-url", required=True)
     p.add_argument("--native", action="store_true", help="the turn in C (_native_floor)")
     args = p.parse_args(argv)

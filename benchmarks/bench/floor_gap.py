@@ -1,7 +1,7 @@
-"""``broker-lookup bench --floor``: ours against the protocol's floor (and LMCache).
+"""``python -m benchmarks.bench --floor``: ours against the protocol's floor (and LMCache).
 
 For each world size the same one-in-flight loop (:func:`measure.sequential_latency`) runs
-on our client and ranks, on the floor (:mod:`broker_lookup.tools.bench.floor`: the same
+on our client and ranks, on the floor (:mod:`benchmarks.bench.floor`: the same
 scripts and commands, none of the machinery) and on the native floor (the floor's ranks
 with their turn in C, where its optional extension was built), in an order that rotates
 from one world to the next so a drift of the machine's load falls on all. With
@@ -25,15 +25,15 @@ from typing import Any
 
 import redis
 
-from broker_lookup.tools.bench.floor import FloorClient, native_floor_built
-from broker_lookup.tools.bench.measure import (
+from benchmarks.bench.floor import FloorClient, native_floor_built
+from benchmarks.bench.measure import (
     BenchOptions,
     LookupClientLike,
     Prompts,
     closed_loop,
     sequential_latency,
 )
-from broker_lookup.tools.bench.ours import (
+from benchmarks.bench.ours import (
     CpuMeter,
     client_for,
     engine_id,
@@ -53,7 +53,7 @@ FIGURES = (
 )
 _LMCACHE = "backoff0"  #: the LMCache variant compared (lmcache_side.VARIANTS)
 #: The floor's rank host (``floor.main``).
-_FLOOR_HOST = "broker_lookup.tools.bench.floor"
+_FLOOR_HOST = "benchmarks.bench.floor"
 
 
 #: The in-flight figures compared at the throughput world, as (key, label).
@@ -147,7 +147,7 @@ _SIDES = {"ours": _ours, "floor": _floor, "native": _native}
 
 def _lmcache(opts: BenchOptions, run_id: str) -> dict[str, dict[str, Any]]:
     """LMCache at backoff 0, the same loop per world, and its throughput run."""
-    from broker_lookup.tools.bench.lmcache_side import bench_lmcache
+    from benchmarks.bench.lmcache_side import bench_lmcache
 
     measured = bench_lmcache(opts, run_id)[_LMCACHE]
     runs = measured["latency"]

@@ -1,4 +1,4 @@
-"""Hashing figures of ``broker-lookup bench``: our hasher and LMCache's, timed alike.
+"""Hashing figures of ``python -m benchmarks.bench``: our hasher and LMCache's, timed alike.
 
 Both sides hash the same prompts (seeded ids below 128 000, as a list and as an int64
 tensor) and are timed in process CPU time, not wall time: on a loaded box a wall clock
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+from benchmarks.bench.measure import Prompts
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
-from broker_lookup.tools.bench.measure import Prompts
 
 __all__ = ["ROUNDS", "hashing", "paired_hashing"]
 
@@ -32,7 +32,7 @@ def _ours() -> Hasher:
 
 
 def _lmcache(lm: SimpleNamespace) -> Hasher:
-    from broker_lookup.tools.bench.lmcache_side import token_database
+    from benchmarks.bench.lmcache_side import token_database
 
     database = token_database(lm)
 

@@ -1,8 +1,8 @@
-"""``broker-lookup bench --vs-lmcache``: the same measurements on LMCache 0.5.6's own lookup.
+"""``python -m benchmarks.bench --vs-lmcache``: the same measurements on LMCache 0.5.6's own lookup.
 
 LMCache's ``LMCacheAsyncLookupClient`` runs in this process; its
 ``LMCacheAsyncLookupServer`` ranks run as processes (``python -m
-broker_lookup.tools.bench.lmcache_side --engine ID:WORLD``, forked from one host), each with the
+benchmarks.bench.lmcache_side --engine ID:WORLD``, forked from one host), each with the
 same instant :class:`~broker_lookup.stub_engine.StubEngine` as our ranks, whose
 ``async_lookup_and_prefetch`` calls ``server.send_response_to_scheduler`` at once, as
 LMCache's own tests do. Two client
@@ -22,10 +22,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from broker_lookup.processes import ExitCode, python_module
-from broker_lookup.stub_engine import StubEngine
-from broker_lookup.tools.bench.children import start_rank_host, stop_all
-from broker_lookup.tools.bench.measure import (
+from benchmarks.bench.children import start_rank_host, stop_all
+from benchmarks.bench.measure import (
     BenchError,
     BenchOptions,
     Prompts,
@@ -34,7 +32,9 @@ from broker_lookup.tools.bench.measure import (
     idle_cpu,
     sequential_latency,
 )
-from broker_lookup.tools.bench.rank_host import RankSpec, host_parser, ready, run_host
+from benchmarks.bench.rank_host import RankSpec, host_parser, ready, run_host
+from broker_lookup.processes import ExitCode, python_module
+from broker_lookup.stub_engine import StubEngine
 
 __all__ = ["VARIANTS", "bench_lmcache", "main", "require_lmcache", "token_database"]
 
@@ -151,7 +151,7 @@ def _serve(lm: SimpleNamespace, fraction: float, spec: RankSpec, stop: threading
 
 def main(argv: list[str] | None = None) -> int:
     """Host LMCache lookup-server ranks until SIGTERM."""
-    args = host_parser("python -m broker_lookup.tools.bench.lmcache_side", __doc__).parse_args(argv)
+    args = host_parser("python -m benchmarks.bench.lmcache_side", __doc__).parse_args(argv)
     lm = require_lmcache()
     return run_host(args.engine, lambda spec, stop: _serve(lm, args.hit_fraction, spec, stop))
 
@@ -214,7 +214,7 @@ def bench_lmcache(opts: BenchOptions, run_id: str) -> dict[str, Any]:
     (hashing is measured by the caller, in rounds alternating with ours)."""
     lm = require_lmcache()
     ids = {w: f"bench-{run_id}-lm{w}" for w in opts.worlds}
-    argv = python_module("broker_lookup.tools.bench.lmcache_side")
+    argv = python_module("benchmarks.bench.lmcache_side")
     for w, eid in ids.items():
         argv += ["--engine", f"{eid}:{w}"]
     out: dict[str, Any] = {name: {"latency": {}} for name in VARIANTS}

@@ -1,4 +1,4 @@
-"""Measurement loops of ``broker-lookup bench``, shared by our client and LMCache's.
+"""Measurement loops of ``python -m benchmarks.bench``, shared by our client and LMCache's.
 
 Every loop drives a client through LMCache's scheduler contract only (``lookup_cache``
 then ``lookup``, then ``lookup_cache`` until it gives an int, then
@@ -48,7 +48,7 @@ class BenchError(BrokerLookupError, RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class BenchOptions:
-    """What ``broker-lookup bench`` measures, and how much; :meth:`defaults` for each mode."""
+    """What ``python -m benchmarks.bench`` measures, and how much (:meth:`defaults`: per mode)."""
 
     redis_url: str | None = None  #: None: an embedded Valkey
     quick: bool = False

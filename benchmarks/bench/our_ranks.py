@@ -1,8 +1,8 @@
-"""Worker ranks for ``broker-lookup bench``: a stub engine behind ``RedisAsyncLookupServer``.
+"""Worker ranks for ``python -m benchmarks.bench``: a stub engine behind ``RedisAsyncLookupServer``.
 
-``python -m broker_lookup.tools.bench.our_ranks --redis-url URL --engine E1:4 --engine E2:1:mute``
+``python -m benchmarks.bench.our_ranks --redis-url URL --engine E1:4 --engine E2:1:mute``
 serves every rank of every engine given, one process per rank forked from one host
-(see ``broker_lookup.tools.bench.rank_host``). Each rank prints ``@bench ready <engine> <rank>
+(see ``benchmarks.bench.rank_host``). Each rank prints ``@bench ready <engine> <rank>
 <pid>`` once its consumer group exists, and stops cleanly on SIGTERM.
 
 The engine is :class:`~broker_lookup.stub_engine.StubEngine`: it answers at once, on
@@ -21,11 +21,11 @@ import sys
 import threading
 import time
 
+from benchmarks.bench.rank_host import RankSpec, host_parser, ready, run_host
 from broker_lookup.client.factory import LookupClientFactory
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.processes import ExitCode
 from broker_lookup.stub_engine import StubEngine
-from broker_lookup.tools.bench.rank_host import RankSpec, host_parser, ready, run_host
 
 __all__ = ["main"]
 
@@ -61,7 +61,7 @@ def _serve(config: LookupConfig, fraction: float, spec: RankSpec, stop: threadin
 
 def main(argv: list[str] | None = None) -> int:
     """Serve the ranks until SIGTERM; 0 if every rank stopped cleanly."""
-    p = host_parser("python -m broker_lookup.tools.bench.our_ranks", __doc__)
+    p = host_parser("python -m benchmarks.bench.our_ranks", __doc__)
     p.add_argument("--redis-url", required=True)
     p.add_argument("--config-json", default="{}", help="further LookupConfig fields (JSON)")
     args = p.parse_args(argv)

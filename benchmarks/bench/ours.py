@@ -1,6 +1,6 @@
-"""``broker-lookup bench``: the measurements of our client, worker ranks and broker.
+"""``python -m benchmarks.bench``: the measurements of our client, worker ranks and broker.
 
-Ranks are real processes (``python -m broker_lookup.tools.bench.our_ranks``, one process per rank,
+Ranks are real processes (``python -m benchmarks.bench.our_ranks``, one process per rank,
 forked
 from one host per phase); the client runs in this process, as a scheduler's would.
 """
@@ -15,13 +15,8 @@ from typing import Any
 
 import redis
 
-from broker_lookup.client import RedisAsyncLookupClient
-from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.config.model import ENGINE_TTL_MAX_MS
-from broker_lookup.processes import python_module
-from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.tools.bench.children import start_rank_host, stop_all
-from broker_lookup.tools.bench.measure import (
+from benchmarks.bench.children import start_rank_host, stop_all
+from benchmarks.bench.measure import (
     BenchError,
     BenchOptions,
     Prompts,
@@ -30,7 +25,12 @@ from broker_lookup.tools.bench.measure import (
     idle_cpu,
     sequential_latency,
 )
-from broker_lookup.tools.bench.probe import pending_probe
+from benchmarks.bench.probe import pending_probe
+from broker_lookup.client import RedisAsyncLookupClient
+from broker_lookup.config import LookupConfig, LookupMetadata
+from broker_lookup.config.model import ENGINE_TTL_MAX_MS
+from broker_lookup.processes import python_module
+from broker_lookup.protocol.keys import KeySpace
 
 __all__ = [
     "CpuMeter",
@@ -92,7 +92,7 @@ def rank_host(
     url: str,
     engines: dict[str, int],
     mute: frozenset[str] = frozenset(),
-    module: str = "broker_lookup.tools.bench.our_ranks",
+    module: str = "benchmarks.bench.our_ranks",
     host_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
 ) -> Iterator[dict[str, dict[int, int]]]:

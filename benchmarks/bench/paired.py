@@ -1,4 +1,4 @@
-"""``broker-lookup bench --paired A,B``: two kinds of rank side by side, in alternating rounds.
+"""``python -m benchmarks.bench --paired A,B``: two kinds of rank side by side, alternating.
 
 One bench run against another moves by about ±30 % on a small shared box, which hides any
 change under 10 %. A paired run keeps both sides' ranks up at once on one server, drives
@@ -9,7 +9,7 @@ a round alike, so the median of the per-round ratios B / A is far steadier than 
 side's own figure. ``--paired ours,ours`` measures the harness's own spread on the day.
 
 A side is ``ours`` (our ranks with the stub engine, as the bench runs them), ``floor`` or
-``native`` (the protocol's floor and native floor, ``tools/bench/floor.py``), or
+``native`` (the protocol's floor and native floor, ``benchmarks/bench/floor.py``), or
 ``ours=PATH``: our ranks from another source tree, for a before and after (a ``git
 worktree`` of the older commit with its C extensions built: ``python setup.py build_ext
 --inplace`` there).
@@ -29,19 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from broker_lookup.tools.bench.floor import native_floor_built
-from broker_lookup.tools.bench.measure import (
+from benchmarks.bench.floor import native_floor_built
+from benchmarks.bench.measure import (
     BenchOptions,
     Prompts,
     cpu_seconds_of,
     sequential_latency,
 )
-from broker_lookup.tools.bench.ours import client_for, engine_id, rank_host
+from benchmarks.bench.ours import client_for, engine_id, rank_host
 
 __all__ = ["Side", "paired", "parse_sides", "render_paired"]
 
-_OURS = "broker_lookup.tools.bench.our_ranks"
-_FLOOR = "broker_lookup.tools.bench.floor"
+_OURS = "benchmarks.bench.our_ranks"
+_FLOOR = "benchmarks.bench.floor"
 
 
 @dataclass(frozen=True)

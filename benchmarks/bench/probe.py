@@ -1,6 +1,6 @@
-"""The pending-count and memory probe of ``broker-lookup bench``.
+"""The pending-count and memory probe of ``python -m benchmarks.bench``.
 
-Against ranks that never answer (``broker_lookup.tools.bench.our_ranks``'s ``mute`` engines), it
+Against ranks that never answer (``benchmarks.bench.our_ranks``'s ``mute`` engines), it
 leaves
 ``n`` lookups in flight and measures what each costs: ``lookup_cache`` with 1 vs ``n``
 pending, ``lookup()`` for the first vs the last 100, and Redis ``used_memory`` per lookup
@@ -17,8 +17,8 @@ from typing import Any
 
 import redis
 
+from benchmarks.bench.measure import BenchError, Prompts, median_us
 from broker_lookup.client import RedisAsyncLookupClient
-from broker_lookup.tools.bench.measure import BenchError, Prompts, median_us
 
 __all__ = ["call_cost_us", "pending_probe"]
 

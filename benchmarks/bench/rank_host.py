@@ -1,4 +1,4 @@
-"""Rank hosts of ``broker-lookup bench``: import once, fork one process per rank.
+"""Rank hosts of ``python -m benchmarks.bench``: import once, fork one process per rank.
 
 A host serves every rank of the engines it is given (``--engine ID:WORLD[:mute]``,
 repeatable). It forks after its imports, so N ranks cost one interpreter start (the
@@ -7,8 +7,8 @@ worker side imports torch: ~1.5 s and ~300 MB each otherwise). Each rank process
 ``stop`` is set (SIGTERM). The host forwards SIGTERM to its ranks and reaps them; a rank
 dies with its host (:func:`broker_lookup.processes.die_with_parent`), and a rank that dies
 takes the others down.
-Used by ``broker_lookup.tools.bench.our_ranks`` (our server) and
-``broker_lookup.tools.bench.lmcache_side`` (LMCache's).
+Used by ``benchmarks.bench.our_ranks`` (our server) and
+``benchmarks.bench.lmcache_side`` (LMCache's).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
+from benchmarks.bench.children import emit
 from broker_lookup.processes import ExitCode, die_with_parent
 from broker_lookup.threads import set_from_signal
-from broker_lookup.tools.bench.children import emit
 
 __all__ = ["RankSpec", "Serve", "host_parser", "ready", "run_host"]
 

@@ -1,10 +1,10 @@
-"""``broker-lookup bench`` results as a table: each figure, ours / LMCache, targets."""
+"""``python -m benchmarks.bench`` results as a table: each figure, ours / LMCache, targets."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from broker_lookup.tools.bench.figures import RATIO_VARIANT
+from benchmarks.bench.figures import RATIO_VARIANT
 
 __all__ = ["render"]
 
@@ -212,7 +212,7 @@ def render(results: dict[str, Any]) -> str:
     opts = meta["options"]
     tput = results["ours"].get("throughput", {})
     lines = [
-        f"broker-lookup bench ({'quick' if opts['quick'] else 'full'}; {meta['redis']['server']}"
+        f"benchmarks.bench ({'quick' if opts['quick'] else 'full'}; {meta['redis']['server']}"
         f" {meta['redis']['kind']}; {meta['cpus']} CPUs; load {_load(meta)};"
         f" {opts['tokens']} tokens; poll every {opts['poll_us']:g} µs)",
         "",

@@ -1,1 +1,1 @@
-"""``broker-lookup soak``: mixed traffic against real rank processes while things break."""
+"""``python -m benchmarks.soak``: mixed traffic against real rank processes while things break."""

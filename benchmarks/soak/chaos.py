@@ -1,7 +1,7 @@
 """The chaos soak's fault scheduler: rank kills, server restarts and network faults.
 
 Every process of the soak (the client, each rank) reaches the server through its own
-fault proxy (:class:`~broker_lookup.tools.soak.rig.Proxies`), so a network fault hits one
+fault proxy (:class:`~benchmarks.soak.rig.Proxies`), so a network fault hits one
 process, as a broken node or a flaky link does, while the rest run on.
 
 :class:`Chaos` injects one fault every ``every_s`` (random within the range), drawn
@@ -14,7 +14,7 @@ submit or report that ran but whose reply was lost), ``lose_xreadgroup_hold`` an
 ``lose_xreadgroup_reset`` (a delivery lost between read and ack), ``lose_xack``,
 ``lose_xread`` (a completion read lost). At most one network fault per proxy at a
 time, so each one's end (and so its effect) is known. Each fault goes into the
-:class:`~broker_lookup.tools.soak.faults.FaultLog` with the interval it was in effect: a
+:class:`~benchmarks.soak.faults.FaultLog` with the interval it was in effect: a
 killed rank's or a restarted server's lasts until the rank (every rank) beats again,
 with its new pid; a lost reply's from arming until it happened, plus the socket
 timeout of the connection it left hanging (``then="hold"``).
@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from benchmarks.soak.faults import Fault, FaultLog
+from benchmarks.soak.rig import Beats, Proxies, Ranks
 from broker_lookup.config import LookupConfig
 from broker_lookup.tools.embedded import EmbeddedServer
-from broker_lookup.tools.faultproxy.proxy import FaultProxy
-from broker_lookup.tools.soak.faults import Fault, FaultLog
-from broker_lookup.tools.soak.rig import Beats, Proxies, Ranks
+from faultproxy.proxy import FaultProxy
 
 __all__ = ["KINDS", "NETWORK_KINDS", "Chaos", "ChaosTiming"]
 

@@ -7,7 +7,7 @@ when it is due and its slot's engine serves (an engine still starting is stopped
 soon as it serves).
 
 Slot 0 is never churned: it holds the steady engine that the duplicated scheduler and
-the duplicated rank process try to take over (:mod:`broker_lookup.tools.soak.fleet`).
+the duplicated rank process try to take over (:mod:`benchmarks.soak.fleet`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""``broker-lookup soak``: mixed traffic against real rank processes while things break.
+"""``python -m benchmarks.soak``: mixed traffic against real rank processes while things break.
 
 What runs: a client in this process sends what a scheduler sends (hits, misses, partial
-hits, cancels, and lookup ids used again; :mod:`broker_lookup.tools.soak.traffic`) to N
+hits, cancels, and lookup ids used again; :mod:`benchmarks.soak.traffic`) to N
 worker rank processes (``python -m workers``). Every process, the client included, reaches
-the server through its own TCP fault proxy (:mod:`broker_lookup.tools.soak.rig`), so a
+the server through its own TCP fault proxy (:mod:`benchmarks.soak.rig`), so a
 network fault hits one process while the others run on.
 
 What breaks: every few seconds (``--chaos-every``), one fault drawn at random
-(:mod:`broker_lookup.tools.soak.chaos`):
+(:mod:`benchmarks.soak.chaos`):
 
 * a rank is SIGKILLed, then restarted;
 * the embedded server restarts, losing its data (it runs without persistence);
@@ -16,14 +16,14 @@ What breaks: every few seconds (``--chaos-every``), one fault drawn at random
 No fault starts in the last ``--calm`` seconds, so the lookups there show that everything
 recovered.
 
-What it counts (:mod:`broker_lookup.tools.soak.report`). These must be 0, and the
+What it counts (:mod:`benchmarks.soak.report`). These must be 0, and the
 command exits 1 if one is not:
 
 * ``wrong``: a result that is neither 0 nor the right answer;
 * ``hangs``: a lookup still unanswered ``lookup_timeout_ms`` + 2 s after it started;
 * ``leaked_keys``: keys of the engine without a TTL (streams are trimmed instead);
 * ``lost_hits``: a 0 for a hit although no fault was in effect during the lookup's life
-  (:mod:`broker_lookup.tools.soak.faults` says which fault was in effect when).
+  (:mod:`benchmarks.soak.faults` says which fault was in effect when).
 
 The rest is there to be read: the faults of each kind, p99 latency, the RSS of every process
 at the start and at the end, the client's breaker openings and rejected lookups, and the
@@ -31,7 +31,7 @@ slowest recovery after each kind of fault. The summary goes to stdout as JSON an
 for a person.
 
 With ``--engines N`` it soaks a fleet instead: N engines on one server, churning, with
-duplicates of one engine's scheduler and rank (:mod:`broker_lookup.tools.soak.fleet`).
+duplicates of one engine's scheduler and rank (:mod:`benchmarks.soak.fleet`).
 """
 
 from __future__ import annotations
@@ -50,21 +50,23 @@ from typing import Any
 
 import redis
 
+from benchmarks.soak.chaos import Chaos, ChaosTiming
+from benchmarks.soak.faults import FaultLog
+from benchmarks.soak.fleet import FleetOptions, run_fleet
+from benchmarks.soak.fleet_report import format_fleet_summary
+from benchmarks.soak.report import format_summary, passed, summarize
+from benchmarks.soak.rig import Beats, Proxies, Ranks, rss_kb
+from benchmarks.soak.traffic import CHUNK, Prompt, Traffic, make_prompts
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.processes import ExitCode
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
-from broker_lookup.tools.soak.chaos import Chaos, ChaosTiming
-from broker_lookup.tools.soak.faults import FaultLog
-from broker_lookup.tools.soak.fleet import FleetOptions, run_fleet
-from broker_lookup.tools.soak.fleet_report import format_fleet_summary
-from broker_lookup.tools.soak.report import format_summary, passed, summarize
-from broker_lookup.tools.soak.rig import Beats, Proxies, Ranks, rss_kb
-from broker_lookup.tools.soak.traffic import CHUNK, Prompt, Traffic, make_prompts
 from broker_lookup.transport.connection import make_factory
 
-__all__ = ["add_soak_parser", "cmd_soak", "run_soak", "setup_soak_parser"]
+__all__ = ["add_soak_parser", "cmd_soak", "main", "run_soak", "setup_soak_parser"]
+
+HELP = "chaos soak: mixed lookups while ranks are killed, the server restarts, the network fails"
 
 _TIMEOUT_MS = 2000  #: lookup_timeout_ms of the client and the ranks
 _CONCURRENCY = 32  #: lookups the client keeps in flight
@@ -207,7 +209,7 @@ def _interval(text: str) -> tuple[float, float]:
 
 
 def setup_soak_parser(p: argparse.ArgumentParser) -> None:
-    """Arguments of ``broker-lookup soak``."""
+    """Arguments of ``python -m benchmarks.soak``."""
     p.add_argument("--duration", type=float, default=60.0, help="seconds (default 60)")
     p.add_argument("--ranks", type=int, help="rank processes (default 2; not with --engines)")
     p.add_argument("--redis-url", help="use this server (default: an embedded one, restarted)")
@@ -260,6 +262,17 @@ def add_soak_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.soak ARGS``, from a checkout."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=HELP)
+    setup_soak_parser(p)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2), as an exit code
+        return exc.code if isinstance(exc.code, int) else ExitCode.USAGE
+    return cmd_soak(args)
+
+
 def cmd_soak(args: argparse.Namespace) -> int:
     """Run the soak (one engine, or a fleet with ``--engines``); print the summary as JSON
     on stdout and for a person on stderr.
@@ -269,7 +282,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     """
     problem = _usage_problem(args)
     if problem:
-        print(f"broker-lookup soak: {problem}", file=sys.stderr)
+        print(f"python -m benchmarks.soak: {problem}", file=sys.stderr)
         return ExitCode.USAGE
     if args.engines:
         summary = run_fleet(_fleet_options(args), args.redis_url, args.workdir)

@@ -1,22 +1,22 @@
-"""``broker-lookup soak --engines N``: a fleet of engines on one server, churning, breaking.
+"""``python -m benchmarks.soak --engines N``: a fleet of engines on one server, churning, breaking.
 
 What runs: N engines (slots), each with its scheduler client in this process and its
 own rank processes (``python -m workers``, one per rank: world size 1 in even slots,
 2 in odd ones), each engine sending its own mixed traffic
-(:mod:`broker_lookup.tools.soak.fleet_engine`). Throughout the run:
+(:mod:`benchmarks.soak.fleet_engine`). Throughout the run:
 
-* churn (:mod:`broker_lookup.tools.soak.churn`): engines stop, by SIGTERM (ordered) or
+* churn (:mod:`benchmarks.soak.churn`): engines stop, by SIGTERM (ordered) or
   SIGKILL (a crash), and a new engine with a fresh id takes each one's slot;
 * faults on a few engines (the odd slots, at most ``faulty``): rank kills and the
   network faults of the single-engine soak, less often;
-* duplicates (:mod:`broker_lookup.tools.soak.fleet_duplicates`): a second scheduler on
+* duplicates (:mod:`benchmarks.soak.fleet_duplicates`): a second scheduler on
   the steady engine's id and a second process serving its rank, when the build has
   one owner per rank;
 * the server's ``used_memory``, key count and CPU sampled every 2 s
-  (:mod:`broker_lookup.tools.soak.server_stats`).
+  (:mod:`benchmarks.soak.server_stats`).
 
 At the end every engine stops and the keys left are audited
-(:mod:`broker_lookup.tools.soak.fleet_checks`).
+(:mod:`benchmarks.soak.fleet_checks`).
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from benchmarks.soak.chaos import ChaosTiming
+from benchmarks.soak.churn import ChurnEvent, plan_churn
+from benchmarks.soak.fleet_checks import Features
+from benchmarks.soak.fleet_duplicates import Duplicates
+from benchmarks.soak.fleet_engine import Engine, FleetSetup
+from benchmarks.soak.fleet_report import fleet_summary
+from benchmarks.soak.server_stats import ServerStats
+from benchmarks.soak.traffic import CHUNK
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import ConfigError
 from broker_lookup.tools.embedded import EmbeddedServer
-from broker_lookup.tools.soak.chaos import ChaosTiming
-from broker_lookup.tools.soak.churn import ChurnEvent, plan_churn
-from broker_lookup.tools.soak.fleet_checks import Features
-from broker_lookup.tools.soak.fleet_duplicates import Duplicates
-from broker_lookup.tools.soak.fleet_engine import Engine, FleetSetup
-from broker_lookup.tools.soak.fleet_report import fleet_summary
-from broker_lookup.tools.soak.server_stats import ServerStats
-from broker_lookup.tools.soak.traffic import CHUNK
 from broker_lookup.transport.connection import make_factory
 
 __all__ = ["FleetOptions", "run_fleet"]

@@ -5,7 +5,7 @@ second vLLM replica started with the same ``engine_id`` would:
 
 * a second scheduler client on its engine id, sending lookups of the same prompts
   under ids of its own. It must answer every one 0 (it owns nothing; recompute), so its
-  :class:`~broker_lookup.tools.soak.traffic.Traffic` expects 0 for each prompt and
+  :class:`~benchmarks.soak.traffic.Traffic` expects 0 for each prompt and
   any other answer counts as ``wrong`` there (reported as ``duplicate_answers``);
 * a second process serving its rank 0, holding every prompt in full. Were it to take
   deliveries, the steady engine's misses and partial hits would come back as full
@@ -24,13 +24,13 @@ import threading
 from collections import Counter
 from typing import Any
 
+from benchmarks.soak.faults import FaultLog
+from benchmarks.soak.fleet_engine import Engine, FleetSetup
+from benchmarks.soak.rig import Ranks
+from benchmarks.soak.traffic import CHUNKS, Prompt, Traffic
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupMetadata
 from broker_lookup.processes import ExitCode
-from broker_lookup.tools.soak.faults import FaultLog
-from broker_lookup.tools.soak.fleet_engine import Engine, FleetSetup
-from broker_lookup.tools.soak.rig import Ranks
-from broker_lookup.tools.soak.traffic import CHUNKS, Prompt, Traffic
 
 __all__ = ["Duplicates"]
 

@@ -2,11 +2,11 @@
 
 An :class:`Engine` goes ``starting`` (ranks spawned, client waiting for their
 heartbeats) -> ``running`` (lookups judged by its own
-:class:`~broker_lookup.tools.soak.traffic.Traffic`, faults from its own
-:class:`~broker_lookup.tools.soak.chaos.Chaos` if it is one of the faulty few) ->
+:class:`~benchmarks.soak.traffic.Traffic`, faults from its own
+:class:`~benchmarks.soak.chaos.Chaos` if it is one of the faulty few) ->
 ``draining`` -> ``stopping`` -> ``gone``, driven by :meth:`Engine.tick` from the fleet
 loop, which never blocks on one engine. Each engine judges its lookups against its own
-:class:`~broker_lookup.tools.soak.faults.FaultLog`: a fault of one engine explains no
+:class:`~benchmarks.soak.faults.FaultLog`: a fault of one engine explains no
 zero of another.
 
 Its client always reaches the server through a fault proxy of its own, so a crash can
@@ -26,14 +26,14 @@ from typing import Any
 
 import redis
 
+from benchmarks.soak.chaos import Chaos, ChaosTiming
+from benchmarks.soak.faults import FaultLog
+from benchmarks.soak.rig import Beats, Proxies, Ranks
+from benchmarks.soak.traffic import Traffic, make_prompts
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.local_ranks import STOP_TIMEOUT_S
-from broker_lookup.tools.soak.chaos import Chaos, ChaosTiming
-from broker_lookup.tools.soak.faults import FaultLog
-from broker_lookup.tools.soak.rig import Beats, Proxies, Ranks
-from broker_lookup.tools.soak.traffic import Traffic, make_prompts
 
 __all__ = ["Engine", "FleetSetup"]
 

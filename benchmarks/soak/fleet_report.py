@@ -17,17 +17,17 @@ from typing import Any
 
 import redis
 
-from broker_lookup.tools.soak.fleet_checks import (
+from benchmarks.soak.fleet_checks import (
     Features,
     audit_keys,
     judge,
     judge_memory,
     passed,
 )
-from broker_lookup.tools.soak.fleet_duplicates import Duplicates
-from broker_lookup.tools.soak.fleet_engine import Engine
-from broker_lookup.tools.soak.report import COUNTS
-from broker_lookup.tools.soak.server_stats import ServerStats, scan_keys
+from benchmarks.soak.fleet_duplicates import Duplicates
+from benchmarks.soak.fleet_engine import Engine
+from benchmarks.soak.report import COUNTS
+from benchmarks.soak.server_stats import ServerStats, scan_keys
 
 __all__ = ["fleet_summary", "format_fleet_summary"]
 

@@ -1,4 +1,4 @@
-"""What ``broker-lookup soak`` reports: the counts, the verdict, and the text for a person.
+"""What ``python -m benchmarks.soak`` reports: the counts, the verdict, and the text for a person.
 
 The soak passes iff every count in :data:`MUST_BE_ZERO` is 0 (:func:`passed`); everything
 else in the summary (faults by kind, latency, memory, breaker) is there to be read.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from broker_lookup.tools.soak.faults import FaultLog
-from broker_lookup.tools.soak.traffic import Traffic
+from benchmarks.soak.faults import FaultLog
+from benchmarks.soak.traffic import Traffic
 
 __all__ = ["COUNTS", "MUST_BE_ZERO", "format_summary", "passed", "summarize"]
 

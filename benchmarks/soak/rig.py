@@ -3,7 +3,7 @@
 :class:`Ranks` runs ``python -m workers`` per rank, each on its own proxy's URL, with
 the soak's prompts preloaded (:class:`~broker_lookup.tools.local_ranks.LocalRanks` starts,
 kills, restarts and stops them). :class:`Proxies` puts one
-:class:`~broker_lookup.tools.faultproxy.proxy.FaultProxy` in front of the server for each process
+:class:`~faultproxy.proxy.FaultProxy` in front of the server for each process
 (``"client"``, ``"rank0"``, ...), so a network fault hits one process, as a broken
 node or a flaky link does; each proxy's thread stops with a bounded join. The embedded
 server restarts on the same port, so the proxies' upstream stays right. :class:`Beats`
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import redis
 
+from benchmarks.soak.traffic import CHUNK, CHUNKS, Prompt
 from broker_lookup.config import env_name
 from broker_lookup.processes import child_env
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.tools.faultproxy.proxy import FaultProxy
 from broker_lookup.tools.local_ranks import LocalRanks, write_preload
-from broker_lookup.tools.soak.traffic import CHUNK, CHUNKS, Prompt
+from faultproxy.proxy import FaultProxy
 
 __all__ = ["Beats", "Proxies", "Ranks", "rss_kb"]
 

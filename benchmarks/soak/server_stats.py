@@ -4,7 +4,7 @@
 (``used_cpu_sys`` + ``used_cpu_user``) and ``DBSIZE`` every ``every_s`` seconds from the
 soak's loop, on a direct connection (no fault proxy). :func:`scan_keys` lists every key
 of the soak's engines with its type and PTTL, for
-:func:`~broker_lookup.tools.soak.fleet_checks.audit_keys`.
+:func:`~benchmarks.soak.fleet_checks.audit_keys`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import redis
 
+from benchmarks.soak.fleet_checks import KeyRow
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.tools.soak.fleet_checks import KeyRow
 
 __all__ = ["ServerStats", "scan_keys"]
 

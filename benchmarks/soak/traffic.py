@@ -4,7 +4,7 @@ Every prompt's right answer is the min over ranks of the prefix each holds, so e
 answer is judged: ``right``; ``zero`` (0 instead of a hit: allowed while a fault is in
 effect); ``wrong`` (neither); ``hangs`` (still unanswered ``lookup_timeout_ms`` + 2 s
 after it started); and, among the zeros, ``lost_hits``: 0 although the right answer is
-a hit and no fault of the :class:`~broker_lookup.tools.soak.faults.FaultLog` was in effect at
+a hit and no fault of the :class:`~benchmarks.soak.faults.FaultLog` was in effect at
 any time in the lookup's life. ``quiet_hits`` counts the lookups that could have been
 lost hits (a hit expected, a quiet life), so a lost-hit count of 0 says how much it
 covered. Wrong answers, hangs and lost hits are kept with a diagnosis.
@@ -17,8 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.soak.faults import FaultLog
 from broker_lookup.client import RedisAsyncLookupClient
-from broker_lookup.tools.soak.faults import FaultLog
 
 __all__ = ["CHUNK", "CHUNKS", "Prompt", "Traffic", "make_prompts"]
 

@@ -17,7 +17,7 @@ from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
 from broker_lookup.stub_engine import StubEngine
-from broker_lookup.tools.faultproxy.proxy import FaultProxy
+from faultproxy.proxy import FaultProxy
 from workers.server import RedisAsyncLookupServer
 
 
