@@ -42,11 +42,13 @@ import redis
 from benchmarks.bench.measure import BenchError
 from benchmarks.bench.rank_host import RankSpec, host_parser, ready, run_host
 from broker_lookup.processes import ExitCode
+from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, decode_done, decode_request
-from broker_lookup.protocol.scripts import ScriptSet, report_call, submit_call
-from broker_lookup.transport.lean import Command, stream_entries
+from broker_lookup.protocol.scripts import report_call, submit_call
+from broker_lookup.transport.lean import stream_entries
+from broker_lookup.transport.script_runner import ScriptSet
 
 __all__ = ["FloorClient", "main"]
 

@@ -24,8 +24,9 @@ from helpers import RealServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.client import sender as sender_module
+from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.transport.lean import Command, LeanLink
+from broker_lookup.transport.lean import LeanLink
 from faultproxy.proxy import FaultProxy
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
