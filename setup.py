@@ -1,9 +1,9 @@
-"""The optional C extensions only; all metadata is in pyproject.toml.
+"""The optional C extension only; all metadata is in pyproject.toml.
 
-``optional=True``: where they cannot be compiled (no compiler, no Python headers) the
-package still installs; ``broker_lookup.protocol.hashing`` then hashes in pure Python,
-and ``broker-lookup bench --floor`` leaves out the native floor (bench tooling only).
-A worker rank is Python throughout.
+``optional=True``: where it cannot be compiled (no compiler, no Python headers) the
+package still installs, and ``broker_lookup.protocol.hashing`` hashes in pure Python.
+A worker rank is Python throughout. The benchmarks' native floor is not part of the
+package: ``python -m benchmarks.build_native`` builds it in a checkout.
 """
 
 from setuptools import Extension, setup
@@ -15,12 +15,6 @@ setup(
             ["broker_lookup/protocol/_chunk_hash.c"],
             optional=True,
             extra_compile_args=["-O3"],
-        ),
-        Extension(
-            "broker_lookup.tools.bench._native_floor",
-            ["broker_lookup/tools/bench/_native_floor.c"],
-            optional=True,
-            extra_compile_args=["-O2"],
         ),
     ]
 )

@@ -15,7 +15,7 @@
     └── BenchError (RuntimeError)     ``broker-lookup bench`` could not run
 
 ``UsageError`` lives in ``workers.runtime.rank`` and ``BenchError`` in
-``broker_lookup.tools.bench.measure``, next to the code that raises them.
+``benchmarks.bench.measure``, next to the code that raises them.
 
 Redis exceptions never escape the package: :func:`translate_redis_errors` maps them
 at the boundary, always ``from`` the original so the cause stays in the traceback.

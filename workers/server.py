@@ -29,10 +29,10 @@ from broker_lookup.errors import BrokerLookupError, translate_redis_errors
 from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace, rank_role
-from broker_lookup.protocol.scripts import ScriptSet
 from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.transport.connection import ConnectionFactory, close_factory
 from broker_lookup.transport.lease import Lease
+from broker_lookup.transport.script_runner import ScriptSet
 from workers.pipeline.connections import rank_factories
 from workers.pipeline.dispatch import Dispatcher
 from workers.pipeline.lifecycle import Lifecycle

@@ -35,9 +35,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from broker_lookup.ops.histogram import Histogram
-from broker_lookup.ops.ratelimit import RateLimitedLog
+from broker_lookup.histogram import Histogram
 from broker_lookup.protocol.messages import DoneEvent
+from broker_lookup.ratelimit import RateLimitedLog
 
 __all__ = ["SPREAD_BUCKETS", "RankInsights", "Sampler"]
 

@@ -43,14 +43,15 @@ from broker_lookup.errors import (
     translate_redis_errors,
 )
 from broker_lookup.protocol import lookup_hash
+from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.lifetime import refresh_commands
 from broker_lookup.protocol.messages import decode_done
-from broker_lookup.protocol.scripts import ScriptSet
 from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.threads import LoopThread
-from broker_lookup.transport.lean import Command, LeanLink, Link, open_link, stream_entries
+from broker_lookup.transport.lean import LeanLink, Link, open_link, stream_entries
 from broker_lookup.transport.lease import Lease, run_claim
+from broker_lookup.transport.script_runner import ScriptSet
 
 __all__ = ["Listener"]
 

@@ -33,10 +33,10 @@ from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace
 from broker_lookup.protocol.messages import LookupRequest
-from broker_lookup.protocol.scripts import ScriptSet
 from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.transport.connection import ConnectionFactory, close_factory, make_factory
 from broker_lookup.transport.lease import Lease
+from broker_lookup.transport.script_runner import ScriptSet
 
 if TYPE_CHECKING:
     import torch

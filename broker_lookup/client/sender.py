@@ -52,20 +52,14 @@ from broker_lookup.client.insights import RankInsights
 from broker_lookup.client.table import Entry, LookupTable
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, BrokerUnavailable, translate_redis_errors
-from broker_lookup.ops.ratelimit import RateLimitedLog
+from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, Keep, LookupRequest
-from broker_lookup.protocol.scripts import (
-    Call,
-    ScriptSet,
-    cancel_call,
-    deadline_call,
-    is_noscript,
-    keep_call,
-    submit_call,
-)
+from broker_lookup.protocol.scripts import Call, cancel_call, deadline_call, keep_call, submit_call
+from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.transport.batcher import Batcher
-from broker_lookup.transport.lean import Command, LeanLink, open_link
+from broker_lookup.transport.lean import LeanLink, open_link
+from broker_lookup.transport.script_runner import ScriptSet, is_noscript
 
 __all__ = ["Sender"]
 

@@ -19,7 +19,7 @@ from typing import Literal, get_args
 
 import msgspec
 
-from broker_lookup.ops.histogram import Histogram
+from broker_lookup.histogram import Histogram
 
 __all__ = ["Entry", "LookupTable", "Outcome"]
 

@@ -5,7 +5,7 @@ A subcommand is one :class:`Subcommand` in :data:`COMMANDS`: a function that add
 arguments to its parser and a function that runs it and returns the exit code. Adding
 one is a new entry, without touching the others::
 
-    COMMANDS["bench"] = Subcommand("measure ...", _setup_bench, _run_bench)
+    COMMANDS["acl"] = Subcommand("print ACL users ...", _setup_acl, _run_acl)
 
 This module and the subcommands' modules are the only places logging is configured
 on the scheduler side; ``broker_lookup`` never imports ``workers``: ``worker`` execs
@@ -282,36 +282,6 @@ def _run_worker(args: argparse.Namespace) -> int:
     return ExitCode.FAILED  # pragma: no cover (execve does not return)
 
 
-# -- soak (broker_lookup/tools/soak/command.py) ----------------------------------------------------
-
-
-def _setup_soak(p: argparse.ArgumentParser) -> None:
-    from broker_lookup.tools.soak.command import setup_soak_parser
-
-    setup_soak_parser(p)
-
-
-def _run_soak(args: argparse.Namespace) -> int:
-    from broker_lookup.tools.soak.command import cmd_soak
-
-    return cmd_soak(args)
-
-
-# -- bench (broker_lookup/tools/bench/command.py) --------------------------------------------------
-
-
-def _setup_bench(p: argparse.ArgumentParser) -> None:
-    from broker_lookup.tools.bench.command import configure_parser
-
-    configure_parser(p)
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    from broker_lookup.tools.bench.command import cmd_bench
-
-    return cmd_bench(args)
-
-
 # -- acl (broker_lookup/ops/acl.py) --------------------------------------------------------------
 
 
@@ -390,16 +360,6 @@ COMMANDS: dict[str, Subcommand] = {
     ),
     "worker": Subcommand(
         "run worker ranks (same as python -m workers)", _setup_worker, _run_worker, True
-    ),
-    "soak": Subcommand(
-        "chaos soak: mixed lookups while ranks are killed, the server restarts, the network fails",
-        _setup_soak,
-        _run_soak,
-    ),
-    "bench": Subcommand(
-        "measure lookup latency, caller cost, throughput, hashing, memory and CPU",
-        _setup_bench,
-        _run_bench,
     ),
     "acl": Subcommand(
         "print least-privilege ACL users for one engine (deploy/users.acl's generator)",

@@ -37,9 +37,9 @@ from prometheus_client.registry import Collector
 
 from broker_lookup.errors import REDIS_ERRORS, BrokerLookupError, MalformedMessage
 from broker_lookup.ops.metrics import EXPORTER_METRICS, ClientCollector, ServerCollector
-from broker_lookup.ops.ratelimit import RateLimitedLog
 from broker_lookup.protocol.keys import METRICS_FLEET_PATTERN, KeySpace, engine_of
 from broker_lookup.protocol.snapshot import MetricsSnapshot, decode_snapshot
+from broker_lookup.ratelimit import RateLimitedLog
 
 __all__ = [
     "PROCESS_LABELS",

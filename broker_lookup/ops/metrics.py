@@ -31,8 +31,8 @@ from prometheus_client.registry import Collector
 
 from broker_lookup.client.insights import SPREAD_BUCKETS
 from broker_lookup.client.table import OUTCOMES
+from broker_lookup.histogram import Histogram
 from broker_lookup.lmcache_version import running_lmcache_version
-from broker_lookup.ops.histogram import Histogram
 
 __all__ = [
     "CLIENT_METRICS",

@@ -25,14 +25,11 @@ import functools
 import importlib
 import logging
 import os
-import random
-import statistics
 import sys
-import timeit
 from collections.abc import Callable, Iterator, Sequence
 from numbers import Integral
 from types import ModuleType, SimpleNamespace
-from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, Union, cast
+from typing import TYPE_CHECKING, Protocol, TypeAlias, Union, cast
 
 from broker_lookup.errors import ConfigError, InvalidRequest
 
@@ -44,7 +41,6 @@ __all__ = [
     "PURE_HASHING_ENV",
     "ChunkedTokenHasher",
     "HashingConfig",
-    "measure_ns_per_token",
     "normalize_hash",
 ]
 
@@ -380,25 +376,3 @@ class ChunkedTokenHasher:
                 "probe": self._chain(range(2 * self.chunk_size + 3))[-1],
             }
         return dict(self._fingerprint)
-
-
-def measure_ns_per_token(
-    n_tokens: int, kind: Literal["list", "tensor"] = "list", repeat: int = 5
-) -> float:
-    """Time :meth:`ChunkedTokenHasher.hashes_and_offsets`: median ns per token.
-
-    For ``broker-lookup bench``. Tokens are seeded pseudo-random ids below 128 000 (a
-    typical vocabulary), so runs compare; ``kind`` picks list or int64 tensor input.
-    """
-    if n_tokens <= 0 or repeat <= 0 or kind not in ("list", "tensor"):
-        raise ValueError(f"bad benchmark: {n_tokens=} {repeat=} {kind=}")
-    rng = random.Random(0)
-    tokens: TokenInput = [rng.randrange(128_000) for _ in range(n_tokens)]
-    if kind == "tensor":
-        import torch  # only the tensor benchmark needs it
-
-        tokens = torch.tensor(tokens, dtype=torch.int64)
-    hasher = ChunkedTokenHasher()
-    hasher.hashes_and_offsets(tokens)  # warm-up: imports, allocator pools
-    runs = timeit.repeat(lambda: hasher.hashes_and_offsets(tokens), repeat=repeat, number=1)
-    return statistics.median(runs) * 1e9 / n_tokens

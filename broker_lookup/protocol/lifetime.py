@@ -23,8 +23,8 @@ and it creates the group again (DESIGN rule 6). ``LookupConfig`` checks that
 
 from __future__ import annotations
 
+from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.transport.lean import Command
 
 __all__ = ["refresh_commands"]
 

@@ -33,8 +33,8 @@ import msgspec
 
 from broker_lookup.errors import MalformedMessage
 from broker_lookup.lmcache_version import running_lmcache_version
+from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.transport.lean import Command
 
 __all__ = [
     "MAX_SNAPSHOT_BYTES",

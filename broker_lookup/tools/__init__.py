@@ -1,8 +1,7 @@
-"""Developer tooling: the bench, the soak, the demo, and what they are built from.
+"""What ``broker-lookup demo`` and ``broker-lookup server`` are built from, and the tests too.
 
-What they are built from: an embedded server, a local Redis Cluster, worker ranks as local
-processes, a fault-injecting proxy, and the stub engine (also the tests' engine).
-
-Nothing the scheduler or a worker imports lives here, and nothing outside this package imports it
-(the ``broker-lookup`` command loads a tool only when its subcommand runs).
+An embedded server, a local Redis Cluster, worker ranks as local processes, the demo.
+Nothing the scheduler or a worker imports lives here (the ``broker-lookup`` command loads a
+tool only when its subcommand runs). The benchmarks and the fault proxy are not part of the
+package: they live in the checkout's ``benchmarks/`` and ``faultproxy/``.
 """

@@ -29,8 +29,9 @@ from typing import Any, Generic, TypeVar
 import redis
 
 from broker_lookup.errors import BrokerLookupError
-from broker_lookup.protocol.scripts import Call, ScriptSet
+from broker_lookup.protocol.scripts import Call
 from broker_lookup.threads import LoopThread
+from broker_lookup.transport.script_runner import ScriptSet
 
 __all__ = ["Batcher"]
 

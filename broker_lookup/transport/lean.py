@@ -58,6 +58,8 @@ from redis.exceptions import ConnectionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.utils import HIREDIS_AVAILABLE
 
+from broker_lookup.protocol.commands import Command
+
 if HIREDIS_AVAILABLE:
     import hiredis
     from redis._parsers import _HiredisParser
@@ -65,7 +67,6 @@ if HIREDIS_AVAILABLE:
 
 __all__ = [
     "ClientLink",
-    "Command",
     "LeanLink",
     "Link",
     "kernel_timeouts",
@@ -74,9 +75,6 @@ __all__ = [
     "read_replies",
 ]
 
-Arg = str | bytes | int | float
-#: One command as it goes on the wire: its name, then its arguments.
-Command = Sequence[Arg]
 
 _NO_READ: Any = object()  # no read reply kept
 #: Connection classes another thread may write to (:meth:`LeanLink.send_nowait`).

@@ -1,4 +1,4 @@
-"""``broker-lookup bench --cluster`` smoke run: both topologies start, lookups flow, a table."""
+"""``python -m benchmarks.bench --cluster`` smoke: both topologies start, lookups flow, a table."""
 
 from __future__ import annotations
 
@@ -15,10 +15,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.real, pytest.mark.slow]
 def test_cluster_bench_measures_one_node_and_a_cluster(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["--engines", "1", "--duration", "0.3", "--out", str(out)]
-    code = (
-        "import sys; from broker_lookup.tools.bench import cluster as b\n"
-        "sys.exit(b.main(sys.argv[1:]))"
-    )
+    code = "import sys; from benchmarks.bench import cluster as b\nsys.exit(b.main(sys.argv[1:]))"
     done = subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
     )

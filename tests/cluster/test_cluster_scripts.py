@@ -23,7 +23,6 @@ from broker_lookup.protocol.scripts import (
     REPORT,
     SUBMIT,
     Call,
-    ScriptSet,
     deadline_call,
     keep_call,
     progress_call,
@@ -31,6 +30,7 @@ from broker_lookup.protocol.scripts import (
 )
 from broker_lookup.tools.local_cluster import LocalCluster
 from broker_lookup.transport.connection import make_factory
+from broker_lookup.transport.script_runner import ScriptSet
 
 from .cluster_ids import slot_of, spread_engine_ids
 

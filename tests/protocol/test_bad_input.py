@@ -17,8 +17,9 @@ from helpers import Backend, MakeClient, MakeServer, stream_entries, stream_fiel
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.errors import ConfigError, InvalidRequest
 from broker_lookup.protocol.keys import DIGEST_MARK, KeySpace
-from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, submit_args
+from broker_lookup.stub_engine import StubEngine
+from broker_lookup.transport.script_runner import ScriptSet
 
 TOKENS = prompt(0, chunks=10)
 LIMITS: dict[str, Any] = {"max_chunks_per_request": 16, "max_request_configs_bytes": 64}

@@ -9,7 +9,7 @@ from faultkit import prompt, ready
 from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 
 TOKENS = prompt(0, chunks=10)
 fake_only = pytest.mark.parametrize("backend", ["fake"], indirect=True)

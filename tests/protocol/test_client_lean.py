@@ -21,9 +21,10 @@ from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.client.sender import HEALTHY_IDLE_S
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.scripts import CANCEL, Call, ScriptSet
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.protocol.scripts import CANCEL, Call
+from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.lean import ClientLink, LeanLink, open_link
+from broker_lookup.transport.script_runner import ScriptSet
 
 TOKENS = list(range(40))  # 10 chunks of 4 tokens
 real_only = pytest.mark.parametrize("backend", ["real"], indirect=True)

@@ -8,7 +8,7 @@ from helpers import Backend
 
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace, instance_engine_id
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 from workers.server import RedisAsyncLookupServer
 
 

@@ -16,7 +16,7 @@ from helpers import Backend, MakeClient, MakeServer, wait_until
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 from workers.server import RedisAsyncLookupServer
 
 TOKENS = prompt(0, chunks=10)

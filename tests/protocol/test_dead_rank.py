@@ -10,7 +10,7 @@ from faultkit import answer, prompt, ready
 from helpers import MakeClient, MakeServer, wait_until
 
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 
 TOKENS = prompt(0, chunks=10)
 LONG = 30_000  # a timeout no assertion below ever gets near

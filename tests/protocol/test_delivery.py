@@ -13,9 +13,10 @@ from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.errors import BrokerResponseError, ConfigError
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
-from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, submit_args
+from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.connection import ensure_group
+from broker_lookup.transport.script_runner import ScriptSet
 
 TOKENS = prompt(0, chunks=10)
 

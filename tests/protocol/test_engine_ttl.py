@@ -15,15 +15,15 @@ from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, Keep, LookupRequest
 from broker_lookup.protocol.scripts import (
     Call,
-    ScriptSet,
     cancel_call,
     deadline_call,
     keep_call,
     report_call,
     submit_call,
 )
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.lean import open_link
+from broker_lookup.transport.script_runner import ScriptSet
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.reader import Reader
 

@@ -14,7 +14,7 @@ from redis import Redis
 from broker_lookup.protocol import fingerprint
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 
 CLIENT = fingerprint.member("client")
 RANK0 = fingerprint.member("rank0")

@@ -15,7 +15,7 @@ from broker_lookup.config import LookupMetadata
 from broker_lookup.ops.fleet import fleet_snapshot, render_fleet
 from broker_lookup.ops.inspect import check, snapshot
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 from workers.server import RedisAsyncLookupServer
 
 

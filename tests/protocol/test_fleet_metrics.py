@@ -22,7 +22,7 @@ from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupMetadata
 from broker_lookup.ops.exporter import FleetCollector, render_once
 from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace, rank_role
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 from workers.server import RedisAsyncLookupServer
 
 #: Publish every 200 ms (FAST beats every 100 ms): snapshots expire 600 ms after the last.

@@ -22,7 +22,7 @@ from helpers import MakeClient, MakeServer, wait_until
 
 import broker_lookup.client.table as lookup_table
 from broker_lookup.client import RedisAsyncLookupClient
-from broker_lookup.tools.stub_engine import Mode, StubEngine
+from broker_lookup.stub_engine import Mode, StubEngine
 
 if TYPE_CHECKING:
     from workers.server import RedisAsyncLookupServer

@@ -9,7 +9,7 @@ import pytest
 from helpers import MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 from workers.server import RedisAsyncLookupServer
 
 TOKENS = list(range(40))

@@ -11,7 +11,8 @@ import pytest
 import redis
 from helpers import Backend, wait_until
 
-from broker_lookup.transport.lean import ClientLink, Command, LeanLink, open_link, pairs
+from broker_lookup.protocol.commands import Command
+from broker_lookup.transport.lean import ClientLink, LeanLink, open_link, pairs
 
 
 def _key() -> str:

@@ -17,7 +17,7 @@ from helpers import Backend, MakeClient, MakeServer, stream_fields, text, wait_u
 
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 from workers import server as server_module
 from workers.server import RedisAsyncLookupServer
 

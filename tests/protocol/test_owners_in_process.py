@@ -12,7 +12,7 @@ from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace
 from broker_lookup.protocol.ownership import parse_holder
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 
 TOKENS = prompt(0, chunks=8)
 RIGHT = len(TOKENS)

@@ -15,7 +15,6 @@ from broker_lookup.protocol.ownership import ClaimReply, Identity, parse_claim_r
 from broker_lookup.protocol.scripts import (
     SUBMIT,
     Call,
-    ScriptSet,
     claim_call,
     progress_call,
     release_call,
@@ -23,6 +22,7 @@ from broker_lookup.protocol.scripts import (
     submit_args,
 )
 from broker_lookup.transport.lease import Lease, run_claim
+from broker_lookup.transport.script_runner import ScriptSet
 
 LEASE_MS = 300
 

@@ -20,14 +20,9 @@ from broker_lookup.ops.inspect import render, snapshot
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, LookupRequest
-from broker_lookup.protocol.scripts import (
-    ScriptSet,
-    deadline_call,
-    progress_call,
-    report_call,
-    submit_call,
-)
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.protocol.scripts import deadline_call, progress_call, report_call, submit_call
+from broker_lookup.stub_engine import StubEngine
+from broker_lookup.transport.script_runner import ScriptSet
 from workers.reference.engine import ReferenceEngine
 from workers.server import RedisAsyncLookupServer
 

@@ -21,8 +21,9 @@ from broker_lookup.client.insights import Sampler
 from broker_lookup.ops.inspect import render, snapshot
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, submit_args
+from broker_lookup.stub_engine import StubEngine
+from broker_lookup.transport.script_runner import ScriptSet
 
 TOKENS = list(range(40))  # 10 chunks of 4 tokens
 INSIGHTS_LOG = "broker_lookup.client.insights"

@@ -11,8 +11,9 @@ from helpers import Backend, MakeClient, MakeServer, text, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, ScriptSet, submit_args
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, submit_args
+from broker_lookup.stub_engine import StubEngine
+from broker_lookup.transport.script_runner import ScriptSet
 from workers.server import RedisAsyncLookupServer
 
 TOKENS = list(range(40))  # 10 chunks of 4 tokens

@@ -197,13 +197,13 @@ class MakeClient(Protocol):
     ) -> RedisAsyncLookupClient: ...
 
 
-def optional_extension(module: str) -> ModuleType:
+def optional_extension(module: str, build: str = "pip install -e .") -> ModuleType:
     """The optional C extension ``module`` (dotted name); skips the test where it was not
-    built, except under ``CI``, which must build every one (``pip install -e .``)."""
+    built, except under ``CI``, which must build every one (with ``build``)."""
     try:
         return importlib.import_module(module)
     except ImportError:
         name = module.rpartition(".")[2]
         if os.environ.get("CI"):
-            pytest.fail(f"CI must build the C extension {name} (pip install -e .)")
+            pytest.fail(f"CI must build the C extension {name} ({build})")
         pytest.skip(f"the {name} extension is not built")

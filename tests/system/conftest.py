@@ -22,7 +22,7 @@ from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
 from broker_lookup.processes import child_env, long_options
 from broker_lookup.tools.embedded import EmbeddedServer
-from broker_lookup.tools.faultproxy.proxy import FaultProxy
+from faultproxy.proxy import FaultProxy
 
 
 @pytest.fixture

@@ -27,8 +27,8 @@ from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.ops.inspect import run_inspect
 from broker_lookup.protocol.keys import KeySpace, instance_engine_id
+from broker_lookup.stub_engine import StubEngine
 from broker_lookup.tools.embedded import EmbeddedServer
-from broker_lookup.tools.stub_engine import StubEngine
 from workers.reference.engine import ReferenceEngine
 from workers.server import RedisAsyncLookupServer
 

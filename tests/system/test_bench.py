@@ -1,4 +1,4 @@
-"""``broker-lookup bench --quick`` end to end: every section present and sane, no leftovers.
+"""``python -m benchmarks.bench --quick`` end to end: every section present and sane, no leftovers.
 
 No timing thresholds: CI boxes are loaded and noisy. What is checked is that each
 measurement ran and produced a plausible number, that rank and driver processes are
@@ -18,18 +18,18 @@ import pytest
 import redis
 from helpers import RealServer
 
-from broker_lookup.tools.bench.command import (
+from benchmarks.bench.command import (
     BenchOptions,
     add_bench_parser,
     cmd_bench,
     run_bench,
     run_features_cost,
 )
-from broker_lookup.tools.bench.figures import RATIO_VARIANT
-from broker_lookup.tools.bench.floor import native_floor_built
-from broker_lookup.tools.bench.lmcache_side import VARIANTS, require_lmcache
-from broker_lookup.tools.bench.measure import BenchError
-from broker_lookup.tools.bench.report import render
+from benchmarks.bench.figures import RATIO_VARIANT
+from benchmarks.bench.floor import native_floor_built
+from benchmarks.bench.lmcache_side import VARIANTS, require_lmcache
+from benchmarks.bench.measure import BenchError
+from benchmarks.bench.report import render
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -56,7 +56,7 @@ def _descendants_and_strays(run_id: str | None) -> set[int]:
 
 
 def _bench_args(*argv: str) -> argparse.Namespace:
-    """``broker-lookup bench ARGV`` parsed by the subcommand's own parser."""
+    """``python -m benchmarks.bench ARGV`` parsed by the subcommand's own parser."""
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers())
     return parser.parse_args(["bench", *argv])
@@ -269,7 +269,7 @@ def _check_issue12_shape(results: dict[str, Any], opts: BenchOptions) -> None:
 def test_features_cost_compares_both_sides(
     real_server: RealServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from broker_lookup.tools.bench.features_cost import FIGURES
+    from benchmarks.bench.features_cost import FIGURES
 
     args = _bench_args(
         "--features-cost", "--quick", "--redis-url", real_server.url, "--lookups", "40"
@@ -294,7 +294,7 @@ def test_features_cost_compares_both_sides(
 def test_floor_compares_ours_with_the_protocols_floor(
     real_server: RealServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from broker_lookup.tools.bench.floor_gap import FIGURES, IN_FLIGHT_FIGURES
+    from benchmarks.bench.floor_gap import FIGURES, IN_FLIGHT_FIGURES
 
     out = tmp_path / "floor.json"
     argv = ["--floor", "--quick", "--redis-url", real_server.url, "--out", str(out)]

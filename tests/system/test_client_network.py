@@ -24,9 +24,10 @@ from helpers import RealServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.client import sender as sender_module
+from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.tools.faultproxy.proxy import FaultProxy
-from broker_lookup.transport.lean import Command, LeanLink
+from broker_lookup.transport.lean import LeanLink
+from faultproxy.proxy import FaultProxy
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 

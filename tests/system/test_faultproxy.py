@@ -21,8 +21,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from broker_lookup.tools.embedded import EmbeddedServer
-from broker_lookup.tools.faultproxy.proxy import FaultProxy
-from broker_lookup.tools.faultproxy.resp_frames import Frame, FrameParser, RespError
+from faultproxy.proxy import FaultProxy
+from faultproxy.resp_frames import Frame, FrameParser, RespError
 
 Connect = Callable[..., redis.Redis]
 

@@ -1,4 +1,4 @@
-"""``broker-lookup soak --engines 4`` for 40 seconds: engines stopping (SIGTERM and SIGKILL)
+"""``python -m benchmarks.soak --engines 4`` for 40 seconds: engines stopping (SIGTERM and SIGKILL)
 and new ones starting throughout, rank kills and network faults on one engine, and, where
 the build has one owner per rank, a second scheduler and a second rank process on the
 steady engine. No wrong result, no hang, no lost hit, no key without a TTL; and where
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker_lookup.ops.cli import main
-from broker_lookup.tools.soak.fleet import FleetOptions, run_fleet
+from benchmarks.soak.command import main
+from benchmarks.soak.fleet import FleetOptions, run_fleet
 
 
 @pytest.mark.real
@@ -55,11 +55,11 @@ def test_fleet_soak_short() -> None:
 
 
 def test_fleet_soak_cli_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["soak", "--engines", "4", "--ranks", "2"]) == 2
+    assert main(["--engines", "4", "--ranks", "2"]) == 2
     assert "--ranks is not for --engines" in capsys.readouterr().err
-    assert main(["soak", "--engines", "1"]) == 2
+    assert main(["--engines", "1"]) == 2
     assert "--engines must be >= 2" in capsys.readouterr().err
-    assert main(["soak", "--engines", "4", "--duration", "10"]) == 2  # calm 10 s by default
+    assert main(["--engines", "4", "--duration", "10"]) == 2  # calm 10 s by default
     assert "--calm" in capsys.readouterr().err
-    assert main(["soak", "--engines", "4", "--churn-every", "5-2"]) == 2
+    assert main(["--engines", "4", "--churn-every", "5-2"]) == 2
     assert "MIN <= MAX" in capsys.readouterr().err

@@ -18,8 +18,8 @@ import pytest
 import redis
 from helpers import wait_until
 
-from broker_lookup.tools.faultproxy.proxy import FaultProxy
 from broker_lookup.transport.lean import LeanLink, open_link
+from faultproxy.proxy import FaultProxy
 
 
 def _through(proxy: FaultProxy, socket_timeout: float) -> Iterator[LeanLink]:

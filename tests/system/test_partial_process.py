@@ -27,7 +27,7 @@ from helpers import RealServer, wait_until
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.tools.faultproxy.proxy import FaultProxy
+from faultproxy.proxy import FaultProxy
 from workers.server import RedisAsyncLookupServer
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]

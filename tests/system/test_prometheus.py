@@ -23,7 +23,7 @@ from promkit import (
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupMetadata
 from broker_lookup.ops.exporter import ExporterServer, FleetCollector
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.connection import make_factory
 from workers.server import RedisAsyncLookupServer
 

@@ -31,7 +31,7 @@ from helpers import RealServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.tools.faultproxy.proxy import FaultProxy
+from faultproxy.proxy import FaultProxy
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 

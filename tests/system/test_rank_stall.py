@@ -16,8 +16,8 @@ from redis.typing import EncodableT, FieldT
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
-from broker_lookup.tools.faultproxy.proxy import FaultProxy
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
+from faultproxy.proxy import FaultProxy
 from workers.server import RedisAsyncLookupServer
 
 

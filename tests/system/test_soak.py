@@ -1,4 +1,4 @@
-"""``broker-lookup soak`` for 20 seconds: rank SIGKILLs, server restarts and every kind
+"""``python -m benchmarks.soak`` for 20 seconds: rank SIGKILLs, server restarts and every kind
 of network fault (hold, reset, delay, lost replies of EVALSHA, XREADGROUP, XACK and
 XREAD) at a short interval, then a calm stretch, under mixed traffic. No wrong result,
 no hang, no key left without a TTL, and no hit answered 0 unless a fault explains it.
@@ -12,12 +12,11 @@ from typing import cast
 
 import pytest
 
+from benchmarks.soak.chaos import KINDS, Chaos, ChaosTiming
+from benchmarks.soak.command import main, run_soak
+from benchmarks.soak.faults import FaultLog
+from benchmarks.soak.rig import Beats, Proxies, Ranks
 from broker_lookup.config import LookupConfig
-from broker_lookup.ops.cli import main
-from broker_lookup.tools.soak.chaos import KINDS, Chaos, ChaosTiming
-from broker_lookup.tools.soak.command import run_soak
-from broker_lookup.tools.soak.faults import FaultLog
-from broker_lookup.tools.soak.rig import Beats, Proxies, Ranks
 
 
 def test_fault_log_explains_a_lookup_until_the_quiet_time_after_the_fault() -> None:
@@ -81,9 +80,9 @@ def test_soak_with_every_fault_kind() -> None:
 
 
 def test_soak_cli_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["soak", "--duration", "0"]) == 2
+    assert main(["--duration", "0"]) == 2
     assert "--duration" in capsys.readouterr().err
-    assert main(["soak", "--duration", "5", "--calm", "5"]) == 2
+    assert main(["--duration", "5", "--calm", "5"]) == 2
     assert "--calm" in capsys.readouterr().err
-    assert main(["soak", "--chaos-every", "3-1"]) == 2
+    assert main(["--chaos-every", "3-1"]) == 2
     assert "MIN <= MAX" in capsys.readouterr().err

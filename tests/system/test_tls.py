@@ -27,7 +27,7 @@ from redis.retry import Retry
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.connection import make_factory
 from workers.server import RedisAsyncLookupServer
 

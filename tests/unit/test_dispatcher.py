@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from broker_lookup.config import LookupConfig
-from broker_lookup.ops.histogram import LATENCY_BUCKETS
+from broker_lookup.histogram import LATENCY_BUCKETS
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, Keep, LookupRequest, Request
 from workers.pipeline import dispatch as dispatch_module

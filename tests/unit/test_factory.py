@@ -27,7 +27,7 @@ from broker_lookup import (
     RedisLookupClient,
     UnknownScheme,
 )
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 from workers import RedisAsyncLookupServer, ReferenceEngine
 
 FAST: dict[str, Any] = {"block_ms": 20, "heartbeat_interval_ms": 100, "heartbeat_ttl_ms": 1500}

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from broker_lookup.tools.soak.churn import SIGNALS, plan_churn
-from broker_lookup.tools.soak.fleet_checks import (
+from benchmarks.soak.churn import SIGNALS, plan_churn
+from benchmarks.soak.fleet_checks import (
     Features,
     KeyRow,
     MemoryBound,

@@ -12,7 +12,7 @@ import types
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Literal, overload
+from typing import Any, overload
 
 import pytest
 import torch
@@ -23,7 +23,6 @@ from broker_lookup.errors import ConfigError, InvalidRequest
 from broker_lookup.protocol.hashing import (
     ChunkedTokenHasher,
     _resolve_none_hash,
-    measure_ns_per_token,
     normalize_hash,
 )
 
@@ -526,19 +525,3 @@ def test_vectors_with_vllm_present(
     )
     out = _run_python(code, pythonpath=[fake_vllm_dir, REPO_ROOT], hash_seed=seed)
     assert out.split(maxsplit=1) == [str(none_hash), f"{hashes}\n"]
-
-
-# --- benchmark helper -----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("kind", ["list", "tensor"])
-def test_measure_ns_per_token_returns_a_positive_number(kind: Literal["list", "tensor"]) -> None:
-    assert measure_ns_per_token(600, kind=kind, repeat=2) > 0
-
-
-@pytest.mark.parametrize(
-    ("n", "kind", "repeat"), [(0, "list", 1), (10, "numpy", 1), (10, "list", 0)]
-)
-def test_measure_ns_per_token_rejects_bad_arguments(n: int, kind: Any, repeat: int) -> None:
-    with pytest.raises(ValueError):
-        measure_ns_per_token(n, kind=kind, repeat=repeat)

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker_lookup.client.table import OUTCOMES
-from broker_lookup.ops.histogram import LATENCY_BUCKETS
+from broker_lookup.histogram import LATENCY_BUCKETS
 from broker_lookup.ops.metrics import (
     CLIENT_METRICS,
     EXPORTER_METRICS,

@@ -1,4 +1,4 @@
-"""The native floor's C turn (``tools/bench/_native_floor.c``) over a socket pair.
+"""The native floor's C turn (``benchmarks/bench/_native_floor.c``) over a socket pair.
 
 The other end plays the server: it has the XREADGROUP's reply (and the replies to what
 the turn will write) waiting, so each turn runs without a server and the exact bytes it
@@ -25,7 +25,9 @@ READ = _pack((b"XREADGROUP", b"GROUP", b"g", b"c", b"BLOCK", 5, b"STREAMS", b"s"
 
 @pytest.fixture
 def native() -> ModuleType:
-    return optional_extension("broker_lookup.tools.bench._native_floor")
+    return optional_extension(
+        "benchmarks.bench._native_floor", build="python -m benchmarks.build_native"
+    )
 
 
 @pytest.fixture

@@ -155,9 +155,9 @@ def test_importing_broker_lookup_does_not_import_workers() -> None:
     assert done.returncode == 0, done.stderr
 
 
-# What a scheduler or a rank imports. The tools (bench, soak, demo, local cluster, fault
-# proxy, embedded server, stub engine) are for operators and tests: the library never
-# pays for them, and ``python -m workers`` keeps its fast start.
+# What a scheduler or a rank imports. The tools (demo, local cluster, embedded server) are
+# for operators and tests: the library never pays for them, and ``python -m workers`` keeps
+# its fast start. (The benchmarks and the fault proxy are not in the package at all.)
 _RUNTIME_IMPORTS = """
 import importlib, pkgutil, sys
 import broker_lookup, broker_lookup.client, broker_lookup.config

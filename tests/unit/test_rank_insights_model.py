@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker_lookup.client.insights import SPREAD_BUCKETS, RankInsights, Sampler
 from broker_lookup.errors import MalformedMessage
-from broker_lookup.ops.histogram import LATENCY_BUCKETS, Histogram
+from broker_lookup.histogram import LATENCY_BUCKETS, Histogram
 from broker_lookup.ops.inspect import render
 from broker_lookup.ops.metrics import ClientCollector
 from broker_lookup.ops.rank_latency import rank_latency
@@ -263,8 +263,8 @@ def test_inspect_renders_the_rank_latency_table() -> None:
 
 
 def test_rate_limited_log_lives_in_broker_lookup() -> None:
-    from broker_lookup.ops.ratelimit import RateLimitedLog
+    from broker_lookup.ratelimit import RateLimitedLog
     from workers.pipeline import watchdog
 
-    assert RateLimitedLog.__module__ == "broker_lookup.ops.ratelimit"
+    assert RateLimitedLog.__module__ == "broker_lookup.ratelimit"
     assert not hasattr(watchdog, "RateLimitedLog")  # one owner, used by both sides

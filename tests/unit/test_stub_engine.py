@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from broker_lookup.engine import LookupEngine
-from broker_lookup.tools.stub_engine import StubEngine
+from broker_lookup.stub_engine import StubEngine
 
 
 class Sink:

@@ -29,11 +29,11 @@ import redis
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.engine import LookupEngine
-from broker_lookup.ops.histogram import LATENCY_BUCKETS
-from broker_lookup.ops.ratelimit import RateLimitedLog
+from broker_lookup.histogram import LATENCY_BUCKETS
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, Keep, LookupRequest, Request
 from broker_lookup.protocol.scripts import report_answer
+from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.transport.lease import Lease
 from workers.pipeline.lifecycle import Job, Lifecycle, Step
 from workers.pipeline.reporter import Report, Reporter

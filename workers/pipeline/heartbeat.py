@@ -27,9 +27,10 @@ from redis.exceptions import ResponseError
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import translate_redis_errors
+from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.lifetime import refresh_commands
-from broker_lookup.transport.lean import Command, Link
+from broker_lookup.transport.lean import Link
 
 __all__ = ["Heartbeat"]
 

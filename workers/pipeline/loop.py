@@ -47,11 +47,11 @@ from broker_lookup.errors import (
 from broker_lookup.lmcache_version import running_lmcache_version
 from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.scripts import ScriptSet
 from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.threads import LoopThread
 from broker_lookup.transport.lean import Link, open_link
 from broker_lookup.transport.lease import Lease, run_claim
+from broker_lookup.transport.script_runner import ScriptSet
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.dispatch import Dispatcher
 from workers.pipeline.heartbeat import Heartbeat

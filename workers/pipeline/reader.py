@@ -32,6 +32,7 @@ from broker_lookup.errors import (
     NoGroup,
     translate_redis_errors,
 )
+from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import (
     Abort,
@@ -39,7 +40,7 @@ from broker_lookup.protocol.messages import (
     Request,
     decode_request,
 )
-from broker_lookup.transport.lean import Command, Link, pairs, stream_entries
+from broker_lookup.transport.lean import Link, pairs, stream_entries
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.entries import entry_problem
 

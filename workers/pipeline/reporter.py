@@ -26,17 +26,13 @@ from redis.exceptions import RedisError, ResponseError
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError
+from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.scripts import (
-    Call,
-    ScriptSet,
-    is_noscript,
-    progress_call,
-    report_call,
-)
+from broker_lookup.protocol.scripts import Call, progress_call, report_call
 from broker_lookup.transport.batcher import Batcher
-from broker_lookup.transport.lean import Command, Link
+from broker_lookup.transport.lean import Link
 from broker_lookup.transport.lease import Lease
+from broker_lookup.transport.script_runner import ScriptSet, is_noscript
 
 __all__ = ["Report", "Reporter", "Served", "Settle"]
 

@@ -1,0 +1,1 @@
+"""``python -m benchmarks.bench``: our lookup path and LMCache's, measured side by side."""

@@ -1,0 +1,1 @@
+"""``python -m benchmarks.soak``: mixed traffic against real rank processes while things break."""

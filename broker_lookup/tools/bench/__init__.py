@@ -1,1 +1,0 @@
-"""``broker-lookup bench``: our lookup path and LMCache's, measured side by side."""

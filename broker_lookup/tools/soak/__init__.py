@@ -1,1 +1,0 @@
-"""``broker-lookup soak``: mixed traffic against real rank processes while things break."""
