@@ -194,7 +194,10 @@ def _render_lookups(snap: Snapshot, lines: list[str]) -> None:
     lk = snap["lookups"]
     lines.append(f"LOOKUPS ({lk['total']} keys, {len(lk['shown'])} shown)")
     if lk["shown"]:
-        lines.append(f"  {'id':<28}{'state':<9}{'age':<9}{'ttl':<9}{'hits':<24}missing")
+        # The id comes last and whole, so it can be pasted into HGETALL however long it is.
+        lines.append(
+            f"  {'state':<9}{'age':<9}{'ttl':<9}{'result':<8}{'hits':<24}{'missing':<12}id"
+        )
     for item in lk["shown"]:
         shown = item["hits"].items()
         hits = " ".join(f"{lookup_hash.rank_field(r)}={v}" for r, v in shown) or "-"
@@ -203,9 +206,10 @@ def _render_lookups(snap: Snapshot, lines: list[str]) -> None:
         progress = item.get("progress") or {}
         missing = ",".join(_awaited(r, progress.get(r)) for r in item["missing"]) or "-"
         state = "partial" if item.get("partial") else item["state"] or "-"
+        result = "-" if item.get("result") is None else str(item["result"])
         lines.append(
-            f"  {item['id'][:27]:<28}{state:<9}{_fmt_s(age):<9}"
-            f"{_fmt_s(ttl):<9}{hits[:23]:<24}{missing}"
+            f"  {state:<9}{_fmt_s(age):<9}{_fmt_s(ttl):<9}{result:<8}"
+            f"{hits:<24}{missing:<12}{item['id']}"
         )
 
 
@@ -267,6 +271,10 @@ def _once(
     return 1 if opts["check"] and reasons else 0
 
 
+#: Home the cursor and clear the screen: ``--watch`` redraws in place on a terminal.
+_CLEAR = "\x1b[H\x1b[2J"
+
+
 def run_inspect(
     config: LookupConfig,
     engine_id: str | None,
@@ -307,8 +315,11 @@ def run_inspect(
                 code = 3
             if not watch_s:
                 return code
-            print("-" * 72, file=stream, flush=True)
             sleep(watch_s)
+            # On a terminal the next report replaces this one; piped, they follow each other.
+            print(_CLEAR if stream.isatty() else "-" * 72, file=stream, end="", flush=True)
+            if not stream.isatty():
+                print(file=stream)
     except KeyboardInterrupt:
         return code
     finally:
