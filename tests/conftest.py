@@ -35,7 +35,8 @@ from workers.server import RedisAsyncLookupServer
 
 URL_ENV = "BROKER_LOOKUP_TEST_REDIS_URL"
 BINARY_ENV = "BROKER_LOOKUP_TEST_SERVER_BINARY"
-#: The oldest Redis the design targets with all its stream and Lua commands (DESIGN 4.8).
+#: The oldest server the design targets with all its stream and Lua commands (the project
+#: uses Redis 6.2+ and Valkey 7.2+ commands only).
 FAKE_SERVER_VERSION = (7, 2)
 _REAL_FIXTURES = {"real_server", "fresh_real_server"}
 

@@ -1,6 +1,6 @@
 """What the client does with a request before it reaches Redis: admit, trim or answer 0.
 
-The scheduler's contract path never raises on request data (DESIGN rule 9): vLLM
+The scheduler's contract path never raises on request data: vLLM
 takes request ids from a client's ``X-Request-Id`` header and calls ``lookup()``
 inside ``Scheduler.schedule()``, where an exception kills the engine. So a request
 is either admitted (its chunk hashes and offsets), trimmed (a prompt with more than

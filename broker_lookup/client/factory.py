@@ -1,6 +1,6 @@
 """``LookupClientFactory``: LMCache's decision table, over our clients and servers.
 
-``create_lookup_client`` rows, evaluated in order (reference §4.1):
+``create_lookup_client`` rows, evaluated in order (LMCache 0.5.6's factory, whose table this is):
 
 1. ``external_lookup_client`` and ``enable_async_loading``   -> ConfigError
 2. ``external_lookup_client = <scheme>://<address>``       -> the registered builder

@@ -2,7 +2,7 @@
 
 vLLM calls ``lookup``, ``lookup_cache``, ``clear_lookup_status``, ``cancel_lookup``
 and ``close`` inside ``Scheduler.schedule()``, with ids taken from a client's
-``X-Request-Id`` header, where an exception kills the engine (DESIGN rule 9). Every
+``X-Request-Id`` header, where an exception kills the engine. Every
 client and wrapper here runs what could raise through one :class:`Guard`: what fails
 is answered (0: recompute, or -1: unknown), counted by kind in ``counts`` (``stats()``
 ``rejected``) and logged the first time a kind occurs, then at every power of ten.

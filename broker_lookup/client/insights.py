@@ -20,7 +20,7 @@ in the sender thread): the stragglers that turned a lookup into a timeout or a p
 answer, which no completion event shows.
 
 Timing every lookup costs a saturated engine a fifth of its lookups per second (the
-stamps, the longer completion entry and the listener's decoding; docs/performance.md §5),
+stamps, the longer completion entry and the listener's decoding; docs/performance.md),
 so the sender times at most ``rank_insights_max_per_s`` lookups a second
 (:class:`Sampler`). Each timed lookup stands for the untimed ones submitted since the one
 before it: the histograms and counters add its weight, so they estimate every completed

@@ -224,7 +224,7 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     rank_spread_warn_share: float = 0.5
     #: at the deadline, answer the prefix every expected rank confirmed loaded and
     #: pinned (engines that report progress) instead of 0; ranks keep exactly that
-    #: prefix pinned. Off by default: DESIGN rule 2 answers 0 at the deadline at once,
+    #: prefix pinned. Off by default: a timeout answers 0 at the deadline at once,
     #: and this waits up to ``partial_answer_wait_ms`` for one more round trip
     partial_answers: bool = False
     #: how long past its deadline a lookup may wait for the partial answer before it

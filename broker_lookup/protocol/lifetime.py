@@ -16,7 +16,7 @@ leftover stream would fill the server). Every key of an engine has a TTL:
 
 A consumer group lives inside its stream: if the stream expired (the engine was idle
 and every process paused longer than the TTL), the rank's next read fails with NOGROUP
-and it creates the group again (DESIGN rule 6). ``LookupConfig`` checks that
+and it creates the group again (groups are re-created on NOGROUP). ``LookupConfig`` checks that
 ``engine_ttl_ms`` exceeds the heartbeat's and every lookup hash's TTL, so
 ``engine_ttl_ms`` bounds them all.
 """

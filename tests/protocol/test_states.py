@@ -1,4 +1,5 @@
-"""Every client state transition (reference §1.6), on fakeredis and on a real server."""
+"""Every client state transition (LMCache's contract: -1, None, then an int), on fakeredis
+and on a real server."""
 
 from __future__ import annotations
 

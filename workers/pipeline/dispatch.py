@@ -12,7 +12,7 @@ engine and hands reports to its :class:`~workers.pipeline.reporter.Reporter`:
 * the sweeper's clock -> the watchdog's 0 for an engine that never reported, and
   releases of pins past their TTL.
 
-A worker always answers (DESIGN rule 4): an engine that raises or reports nonsense
+A worker always answers: an engine that raises or reports nonsense
 reports 0, and one that never reports is answered 0 at its deadline plus
 ``worker_watchdog_grace_ms`` and released.
 """

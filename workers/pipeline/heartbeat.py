@@ -2,7 +2,7 @@
 
 ``bl:{E}:hb:<r>`` is a JSON string with a PX TTL, rewritten every
 ``heartbeat_interval_ms`` by the read loop itself, so a rank whose loop is stuck or
-dead stops beating and its lookups fail fast (DESIGN rule 7). ``claim.lua`` writes it
+dead stops beating and its lookups fail fast, not after the full timeout. ``claim.lua`` writes it
 with the renewal of the rank's lease, and only for the lease's holder, so a second
 process started for the rank never passes for it. It is deleted with the lease's
 release at shutdown, so clients see the rank gone at once instead of after the TTL.

@@ -1,6 +1,7 @@
 """The one owner of each lookup id's lifecycle on a rank: pure logic, no Redis, no engine.
 
-States of the generation of an id that the engine holds (DESIGN rule 11)::
+States of the generation of an id that the engine holds (one owner per id, one generation
+at a time; a release only ever frees the generation it belongs to)::
 
     request --> running --engine reports--> reporting --kept--> held --abort, pin TTL,
                   |   \\                         \\                      new gen, close--> released

@@ -8,7 +8,7 @@ decodes its raw reply (:meth:`Reader.parse`) into a :class:`Batch`: the entries 
 serve, the ids to ack once served, and the XADDs dead-lettering the entries that
 can't be served (sent with those acks).
 
-Nothing read stays pending (DESIGN rule 10): after any error, and once a second
+Nothing read stays pending: after any error, and once a second
 anyway, the reader re-reads its own pending entries, so a delivery whose reply was
 lost between XREADGROUP and XACK (a reset, a held connection, redis-py retrying the
 read) is served then; dedupe by (id, gen) makes a re-served entry harmless. A group

@@ -2,7 +2,8 @@
 
 It runs apart from the consumer's read loop, so a stalled or unreachable Redis never
 pauses them: an engine that never reports is answered and released on time whatever
-the network does (DESIGN rules 4 and 11).
+the network does (a worker always answers; an engine that never reports is answered 0
+and cleaned up after its deadline).
 
 It sweeps when its plan says (``Lifecycle.plan_sweep``: the earliest timer or hold), not
 on a fixed tick: every wake-up of an idle thread costs a vLLM worker about 0.15 ms of CPU
