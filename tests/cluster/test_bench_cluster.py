@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.cluster, pytest.mark.real, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.real, pytest.mark.slow, pytest.mark.long]
 
 
 def test_cluster_bench_measures_one_node_and_a_cluster(tmp_path: Path) -> None:

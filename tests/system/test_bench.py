@@ -31,7 +31,9 @@ from benchmarks.bench.lmcache_side import VARIANTS, require_lmcache
 from benchmarks.bench.measure import BenchError
 from benchmarks.bench.report import render
 
-pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(240)]
+# Smoke runs of the benchmark tool: CI also runs `python -m benchmarks.bench --quick` in its own
+# phase; here in the long leg, so the default run stays short.
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(240)]
 
 
 def _descendants_and_strays(run_id: str | None) -> set[int]:
@@ -265,7 +267,6 @@ def _check_issue12_shape(results: dict[str, Any], opts: BenchOptions) -> None:
         assert line in table
 
 
-@pytest.mark.long
 def test_features_cost_compares_both_sides(
     real_server: RealServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -290,7 +291,6 @@ def test_features_cost_compares_both_sides(
     json.dumps(results)
 
 
-@pytest.mark.long
 def test_floor_compares_ours_with_the_protocols_floor(
     real_server: RealServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
