@@ -177,7 +177,7 @@ def test_inspect_shows_a_pending_lookup_with_its_missing_rank(
         client.delete(key)
         client.close()
     assert proc.returncode == 0, proc.stderr
-    assert re.search(r"^  req-7 +pending .* r0=32 +1$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^  pending .* - +r0=32 +1 +req-7$", proc.stdout, re.M), proc.stdout
     (item,) = json.loads(as_json.stdout)["lookups"]["shown"]
     assert item["id"] == "req-7" and item["hits"] == {"0": 32} and item["missing"] == [1]
     assert 0 < item["ttl_ms"] <= 60_000
