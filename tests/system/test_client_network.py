@@ -130,6 +130,7 @@ def test_resets_never_give_a_wrong_answer_and_recovery_is_automatic(
     assert eventually_right(client, HOT, FULL, timeout=15, tag="after") >= 1
 
 
+@pytest.mark.long  # a hit that depends on the added latency staying under the timeout
 def test_latency_under_the_timeout_costs_no_hit(
     cluster: RedisAsyncLookupClient, fault_proxy: FaultProxy
 ) -> None:
