@@ -156,7 +156,9 @@ def translated(exc: BaseException, what: str) -> BrokerLookupError | None:
         # ClusterError no ConnectionError: untranslated, they would end a loop thread.
         return BrokerUnavailable(f"Redis Cluster unavailable while {what}: {exc}")
     if isinstance(exc, rexc.ResponseError):
-        if str(exc).startswith("NOGROUP"):
+        # Redis 7 answers a blocked XREADGROUP whose stream was deleted (expired, flushed)
+        # with UNBLOCKED, not NOGROUP: the group went with the stream all the same.
+        if str(exc).startswith(("NOGROUP", "UNBLOCKED the stream key no longer exists")):
             return NoGroup(f"consumer group missing while {what}: {exc}")
         return BrokerResponseError(f"Redis error while {what}: {exc}")
     return None
