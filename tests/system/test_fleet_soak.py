@@ -43,7 +43,9 @@ def test_fleet_soak_short() -> None:
     assert s["lookups_per_s"] > 0 and s["redis_cpu_us_per_lookup"] > 0
     assert len(s["memory_series"]) >= 15 and s["memory"]["judged"], s["memory_series"]
     # Every engine that ran is gone, and what it left has a TTL (streams too, with one).
-    assert s["keys"]["gone_engines_with_keys"] == engines["started"]
+    # An engine stopped early may have nothing left at all by the end: its keys expired
+    # within the engine TTL, as they must.
+    assert 0 < s["keys"]["gone_engines_with_keys"] <= engines["started"]
     assert s["keys"]["no_ttl"] == []
     if s["features"]["engine_ttl"]:
         assert s["keys"]["streams_without_ttl"] == [] and s["keys"]["overdue"] == []
