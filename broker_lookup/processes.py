@@ -136,6 +136,48 @@ def spawn(
     )
 
 
+def run_in_group(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    log: Path,
+    timeout_s: float,
+    cwd: str | os.PathLike[str] | None = None,
+) -> int:
+    """Run ``argv`` in a process group of its own, its output to ``log``; its exit code, or
+    -1 past ``timeout_s``. The whole group (what it started: vLLM's engine and workers)
+    is ended after, as :func:`end_group` does."""
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            cwd=cwd,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return -1
+        finally:
+            end_group(proc)
+
+
+def end_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL, the process group ``proc`` leads (all it started)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig is signal.SIGTERM:
+            time.sleep(0.5)  # the group's other members (vLLM's workers) get their moment too
+
+
 def terminate(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> list[int]:
     """SIGTERM every live child, wait up to ``timeout_s`` in all, SIGKILL the rest.
 

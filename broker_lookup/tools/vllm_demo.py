@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -26,7 +23,7 @@ from typing import Any, TextIO
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker_lookup.config import env_name, redact_url
-from broker_lookup.processes import ExitCode, child_env, python_module
+from broker_lookup.processes import ExitCode, child_env, python_module, run_in_group
 from broker_lookup.tools.embedded import EmbeddedServer
 
 __all__ = ["ENGINE_ID", "missing_packages", "run_vllm_demo"]
@@ -163,7 +160,7 @@ def run_vllm_demo(
             )
             argv = python_module("broker_lookup.tools.vllm_child", ["--workdir", tmp])
             argv += ["--redis-url", url, "--engine-id", ENGINE_ID, "--out", str(report_path)]
-            rc = _run(argv, _env(environ, url, work), log, timeout_s)
+            rc = run_in_group(argv, _env(environ, url, work), log, timeout_s)
             report = json.loads(report_path.read_text()) if report_path.exists() else {}
             if rc != 0 or "published" not in report:
                 tail = log.read_bytes()[-4000:].decode(errors="replace")
@@ -173,32 +170,3 @@ def run_vllm_demo(
     finally:
         if server is not None:
             server.stop()
-
-
-def _run(argv: list[str], env: dict[str, str], log: Path, timeout_s: float) -> int:
-    """Run the child in its own process group; end the group (vLLM's processes) after."""
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(
-            argv, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return -1
-        finally:
-            _end_group(proc)
-
-
-def _end_group(proc: subprocess.Popen[bytes]) -> None:
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=10)
-            time.sleep(0.5)  # the group's other members (vLLM's worker) get their moment too
-        except subprocess.TimeoutExpired:
-            continue

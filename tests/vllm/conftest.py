@@ -35,11 +35,11 @@ from vllm_harness import (
     healthy,
     in_ci,
     installed,
-    kill_group,
     run_group,
     scenario,
 )
 
+from broker_lookup.processes import end_group
 from broker_lookup.tools.embedded import EmbeddedServer
 
 #: How long ``vllm serve`` may take to answer /health.
@@ -146,5 +146,5 @@ def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "engine_id": SERVE_ENGINE_ID,
         }
     finally:
-        kill_group(proc)
+        end_group(proc)
         broker.stop()

@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_harness import ROOT, kill_group
+from vllm_harness import ROOT
 
+from broker_lookup.processes import end_group
 from broker_lookup.tools.embedded import EmbeddedServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -120,5 +121,5 @@ def test_the_readme_recipe_serves_a_repeated_prompt(tiny_model: Path, tmp_path: 
         )
         assert inspect.returncode == 0, inspect.stdout + inspect.stderr
     finally:
-        kill_group(proc)
+        end_group(proc)
         broker.stop()

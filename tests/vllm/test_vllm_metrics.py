@@ -25,7 +25,9 @@ from promkit import (
     wait_for,
 )
 from scenario import prompt_ids
-from vllm_harness import ROOT, free_port, healthy, kill_group, post
+from vllm_harness import ROOT, free_port, healthy, post
+
+from broker_lookup.processes import end_group
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -47,7 +49,7 @@ def exporter(served: dict[str, Any], tmp_path: Path) -> Iterator[int]:
         wait_until(lambda: proc.poll() is None and healthy(port, "/readyz"), timeout=60)
         yield port
     finally:
-        kill_group(proc)
+        end_group(proc)
 
 
 def test_prometheus_scrapes_what_vllm_did(

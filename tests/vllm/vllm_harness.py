@@ -10,13 +10,13 @@ import http.client
 import importlib.metadata
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from broker_lookup.processes import run_in_group
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -87,31 +87,7 @@ def installed(name: str) -> bool:
 
 def run_group(cmd: list[str], env: dict[str, str], timeout_s: float, log: Path) -> int:
     """Run ``cmd`` in its own process group; kill the whole group when it is done."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return -1
-        finally:
-            kill_group(proc)
-
-
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM then SIGKILL the process group ``proc`` leads (all it started)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            continue
-        if sig is signal.SIGTERM:
-            time.sleep(0.5)  # the group's other members (workers) get their moment too
+    return run_in_group(cmd, env, log, timeout_s, cwd=ROOT)
 
 
 def engine_env(probe_dir: Path, **extra: str) -> dict[str, str]:
