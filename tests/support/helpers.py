@@ -41,6 +41,15 @@ __all__ = [
 ]
 
 
+def gone(pid: int) -> bool:
+    """Whether no process ``pid`` exists any more (signal 0 finds none)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def wait_until(
     predicate: Callable[[], object],
     timeout: float = 5.0,

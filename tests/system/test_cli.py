@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from helpers import RealServer, engine_keys, wait_until
+from helpers import RealServer, engine_keys, gone, wait_until
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.processes import child_env, python_module, spawn, terminate
@@ -44,14 +44,6 @@ def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         _cli(*args), env=child_env(os.environ), capture_output=True, text=True, timeout=timeout
     )
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -93,7 +85,7 @@ def test_demo_with_embedded_server_exits_0_and_leaves_no_process() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pids = _check_demo_output(proc.stdout, hints=False)
     assert len(pids) == 3  # the embedded server and two ranks
-    assert all(_gone(pid) for pid in pids)
+    assert all(gone(pid) for pid in pids)
     engine = re.search(r"engine: (\S+)", proc.stdout)
     assert engine is not None
     assert _processes_mentioning(engine.group(1)) == []
@@ -103,7 +95,7 @@ def test_demo_on_a_given_server_with_one_rank(real_server: RealServer) -> None:
     proc = _run("demo", "--redis-url", real_server.url, "--ranks", "1", timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pids = _check_demo_output(proc.stdout)
-    assert len(pids) == 1 and _gone(pids[0])
+    assert len(pids) == 1 and gone(pids[0])
     assert "(given)" in proc.stdout
     engine = re.search(r"engine: (\S+)", proc.stdout)
     assert engine is not None

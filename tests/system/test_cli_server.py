@@ -14,21 +14,13 @@ from pathlib import Path
 
 import pytest
 import redis
-from helpers import wait_until
+from helpers import gone, wait_until
 
 from broker_lookup.ops.cli import COMMANDS
 from broker_lookup.ops.cli import main as cli_main
 from broker_lookup.processes import child_env, python_module
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 # ``worker --help`` execs ``python -m workers --help``: test_cli runs it as a process.
@@ -107,7 +99,7 @@ def test_server_serves_until_ctrl_c_then_stops_its_server(served: list[Served]) 
     out, _err = server.proc.communicate(timeout=60)
     assert server.proc.returncode == 0, _err
     assert f"export BROKER_LOOKUP_REDIS_URL={server.url}" in server.first and "stopping" in out
-    wait_until(lambda: _gone(pid), timeout=30)
+    wait_until(lambda: gone(pid), timeout=30)
 
 
 def test_server_on_a_taken_port_says_so(served: list[Served]) -> None:
@@ -149,7 +141,7 @@ def test_demo_keep_leaves_only_the_server_and_its_hints_work(tmp_path: Path) -> 
         assert f"Stop it with: kill {pid}" in out
         assert "redis-cli" not in out.replace("redis-cli is not installed", "")
         ranks = [int(p) for p in re.findall(r"started rank \d+: pid (\d+)", out)]
-        assert ranks and all(_gone(p) for p in ranks)  # the ranks stopped: only the server stays
+        assert ranks and all(gone(p) for p in ranks)  # the ranks stopped: only the server stays
         hint = re.search(r"^  (.+ inspect --redis-url \S+ --engine-id (\S+) .*)$", out, re.M)
         assert hint and url in hint.group(1), out
         inspect = subprocess.run(
@@ -163,8 +155,8 @@ def test_demo_keep_leaves_only_the_server_and_its_hints_work(tmp_path: Path) -> 
             r.close()
     finally:
         os.kill(pid, signal.SIGTERM)  # what the demo told the user to do
-    wait_until(lambda: _gone(pid), timeout=30)
-    wait_until(lambda: _gone(server_pid), timeout=30)
+    wait_until(lambda: gone(pid), timeout=30)
+    wait_until(lambda: gone(server_pid), timeout=30)
 
 
 def _argv(command: str) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from helpers import RealServer, wait_until
+from helpers import RealServer, gone, wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 
 from broker_lookup.client import RedisAsyncLookupClient
@@ -42,14 +42,6 @@ STARTUP_S = 90.0  # a rank imports torch: slow on a loaded 2-core machine
 def _env(url: str) -> dict[str, str]:
     extra = {f"BROKER_LOOKUP_{k.upper()}": str(v) for k, v in SETTINGS.items()}
     return child_env(os.environ, {**extra, "BROKER_LOOKUP_REDIS_URL": url})
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 @pytest.fixture
@@ -220,7 +212,7 @@ def test_ranks_all_supervises_one_child_per_rank(
     supervisor.send_signal(signal.SIGTERM)  # forwarded to both children
     assert supervisor.wait(timeout=30) == 0
     assert redis_client.exists(keys.heartbeat(0), keys.heartbeat(1)) == 0
-    assert all(_gone(pid) for pid in pids)
+    assert all(gone(pid) for pid in pids)
 
 
 def test_supervisor_exits_with_the_failure_of_a_child(
