@@ -34,11 +34,15 @@ def test_every_engine_with_owners_inflight_conflicts_and_expiry(
 ) -> None:
     live, stale = engine_id + "-live", engine_id + "-stale"
     conn = backend.factory()
-    owner, newcomer = _server(backend, live), _server(backend, live)
+    # The newcomer starts only once the owner holds the lease: started together, either
+    # may claim first.
+    owner = _server(backend, live)
+    newcomer: RedisAsyncLookupServer | None = None
     meta = LookupMetadata(engine_id=live, world_size=1)
     client = RedisAsyncLookupClient(config(), meta, connection_factory=backend.factory)
     try:
         ready(owner)
+        newcomer = _server(backend, live)
         wait_until(lambda: newcomer.lease.counts["conflicts"] >= 1)
         wait_until(lambda: not client.stats()["dead_ranks"])
         client.lookup(prompt(0), "in-flight")  # the manual stub engine never answers it
@@ -69,7 +73,8 @@ def test_every_engine_with_owners_inflight_conflicts_and_expiry(
     finally:
         client.close()
         owner.close()
-        newcomer.close()
+        if newcomer is not None:
+            newcomer.close()
     # Stopped cleanly: leases and heartbeats released, the engine is stale at once; its
     # streams have no TTL here (expiry of those is the engine TTL's business).
     after = _mine(fleet_snapshot(conn, int(time.time() * 1000)), live)[live]
