@@ -47,7 +47,7 @@ from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, decode_done, decode_request
 from broker_lookup.protocol.scripts import report_call, submit_call
-from broker_lookup.transport.lean import stream_entries
+from broker_lookup.transport.link import stream_entries
 from broker_lookup.transport.script_runner import ScriptSet
 
 __all__ = ["FloorClient", "main"]

@@ -15,7 +15,7 @@ fingerprint hash (see :mod:`broker_lookup.protocol.lifetime`), off the hot path:
 engine whose scheduler lives keeps them; with that refresh, every ``metrics_interval_ms``,
 it writes the scheduler's metrics snapshot (:mod:`broker_lookup.protocol.snapshot`).
 
-Its commands go over the transport's :class:`~broker_lookup.transport.lean.LeanLink`
+Its commands go over the transport's :class:`~broker_lookup.transport.link.LeanLink`
 (raw replies, no redis-py callbacks) except on Redis Cluster, where redis-py's client
 routes them by slot.
 """
@@ -49,8 +49,8 @@ from broker_lookup.protocol.lifetime import refresh_commands
 from broker_lookup.protocol.messages import decode_done
 from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.threads import LoopThread
-from broker_lookup.transport.lean import LeanLink, Link, open_link, stream_entries
 from broker_lookup.transport.lease import Lease, run_claim
+from broker_lookup.transport.link import LeanLink, Link, open_link, stream_entries
 from broker_lookup.transport.script_runner import ScriptSet
 
 __all__ = ["Listener"]

@@ -58,7 +58,7 @@ from broker_lookup.protocol.messages import Abort, Keep, LookupRequest
 from broker_lookup.protocol.scripts import Call, cancel_call, deadline_call, keep_call, submit_call
 from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.transport.batcher import Batcher
-from broker_lookup.transport.lean import LeanLink, open_link
+from broker_lookup.transport.link import LeanLink, open_link
 from broker_lookup.transport.script_runner import ScriptSet, is_noscript
 
 __all__ = ["Sender"]

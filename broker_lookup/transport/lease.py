@@ -27,7 +27,7 @@ import redis
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.ownership import Holder, Identity, parse_claim_reply
 from broker_lookup.protocol.scripts import Call, Fence, claim_call, release_call
-from broker_lookup.transport.lean import Link
+from broker_lookup.transport.link import Link
 from broker_lookup.transport.script_runner import ScriptSet
 
 __all__ = ["Lease", "run_claim"]

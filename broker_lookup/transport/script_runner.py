@@ -16,7 +16,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from broker_lookup.errors import translate_redis_errors
 from broker_lookup.protocol.scripts import Call, ScriptSource
-from broker_lookup.transport.lean import Link
+from broker_lookup.transport.link import Link
 
 __all__ = ["Before", "ScriptSet", "is_noscript"]
 

@@ -147,7 +147,9 @@ def test_cluster_factory_passes_credentials_tls_and_timeouts(
 
 
 def test_cluster_errors_are_translated() -> None:
-    for exc in (redis.exceptions.RedisClusterException("x"), redis.exceptions.ClusterError("y")):
+    # redis-py 8.0 leaves RedisClusterException untyped, 8.1 and 8.2 type it.
+    cluster_exception: Any = redis.exceptions.RedisClusterException
+    for exc in (cluster_exception("x"), redis.exceptions.ClusterError("y")):
         with pytest.raises(BrokerUnavailable, match="Cluster"):
             with translate_redis_errors("testing"):
                 raise exc

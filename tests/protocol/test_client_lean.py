@@ -1,4 +1,4 @@
-"""The client's sender and listener over the transport's lean link (transport/lean.py).
+"""The client's sender and listener over the transport's lean link (transport/link.py).
 
 On fakeredis and a real server they talk over a :class:`LeanLink`; on Redis Cluster
 they keep redis-py's client. These tests pin what the client needs of the link (errors
@@ -23,7 +23,7 @@ from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import CANCEL, Call
 from broker_lookup.stub_engine import StubEngine
-from broker_lookup.transport.lean import ClientLink, LeanLink, open_link
+from broker_lookup.transport.link import ClientLink, LeanLink, open_link
 from broker_lookup.transport.script_runner import ScriptSet
 
 TOKENS = list(range(40))  # 10 chunks of 4 tokens

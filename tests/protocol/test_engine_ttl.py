@@ -22,7 +22,7 @@ from broker_lookup.protocol.scripts import (
     submit_call,
 )
 from broker_lookup.stub_engine import StubEngine
-from broker_lookup.transport.lean import open_link
+from broker_lookup.transport.link import open_link
 from broker_lookup.transport.script_runner import ScriptSet
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.reader import Reader

@@ -12,7 +12,8 @@ import redis
 from helpers import Backend, wait_until
 
 from broker_lookup.protocol.commands import Command
-from broker_lookup.transport.lean import ClientLink, LeanLink, open_link, pairs
+from broker_lookup.transport import redis_internals
+from broker_lookup.transport.link import ClientLink, LeanLink, open_link, pairs
 
 
 def _key() -> str:
@@ -62,6 +63,34 @@ def test_settling_a_read_frees_the_connection_for_other_commands(backend: Backen
         assert link.reading
         assert link.call([("PING",)]) == [b"PONG"]
         assert _entry_fields(link.take_read()) == [{b"f": b"1"}]
+    finally:
+        link.close()
+
+
+def test_without_redis_pys_internals_the_link_takes_redis_pys_own_path(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A redis-py that lacks what redis_internals reads: the same replies, through
+    ``send_packed_command`` and ``read_response``; no write from another thread."""
+    monkeypatch.setattr(redis_internals, "MISSING", "Connection._sock")
+    through_redis_py: list[int] = []
+    read_responses = redis_internals._read_responses
+
+    def counting(conn: Any, n: int) -> list[Any]:
+        through_redis_py.append(n)
+        return read_responses(conn, n)
+
+    monkeypatch.setattr(redis_internals, "_read_responses", counting)
+    stream = _key()
+    link = open_link(backend.factory())
+    assert isinstance(link, LeanLink)
+    try:
+        created, busy = link.call([("XGROUP", "CREATE", stream, "g", "$", "MKSTREAM")] * 2)
+        assert created == b"OK" and isinstance(busy, redis.ResponseError)
+        assert link.call([("XADD", stream, "*", "f", "v")], _read(stream))[0]
+        assert _entry_fields(link.take_read()) == [{b"f": b"v"}]
+        assert not link.accepts_direct and link.send_nowait([("PING",)]) is None
+        assert through_redis_py == [2, 1, 1]
     finally:
         link.close()
 

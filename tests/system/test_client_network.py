@@ -26,7 +26,7 @@ from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.client import sender as sender_module
 from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.transport.lean import LeanLink
+from broker_lookup.transport.link import LeanLink
 from faultproxy.proxy import FaultProxy
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]

@@ -18,7 +18,7 @@ import pytest
 import redis
 from helpers import wait_until
 
-from broker_lookup.transport.lean import LeanLink, open_link
+from broker_lookup.transport.link import LeanLink, open_link
 from faultproxy.proxy import FaultProxy
 
 

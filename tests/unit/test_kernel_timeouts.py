@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from broker_lookup.transport.lean import kernel_timeouts
+from broker_lookup.transport.redis_internals import kernel_timeouts
 
 #: The kernel keeps a socket timeout in clock ticks (1-10 ms): it reads back rounded up.
 _TICK_US = 10_000

@@ -15,7 +15,7 @@ from redis.exceptions import ResponseError
 
 from broker_lookup.errors import translate_redis_errors
 from broker_lookup.protocol.messages import LookupRequest
-from broker_lookup.transport.lean import Link
+from broker_lookup.transport.link import Link
 
 __all__ = ["ServerClock", "entry_stamp_ms"]
 

@@ -30,7 +30,7 @@ from broker_lookup.errors import translate_redis_errors
 from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.lifetime import refresh_commands
-from broker_lookup.transport.lean import Link
+from broker_lookup.transport.link import Link
 
 __all__ = ["Heartbeat"]
 

@@ -4,7 +4,7 @@ Each turn takes one batch (:class:`~workers.pipeline.reader.Reader`), hands each
 to the :class:`~workers.pipeline.dispatch.Dispatcher` (the lifecycle decides, the engine
 starts), and writes the reports made meanwhile, the batch's XACK and the next
 XREADGROUP BLOCK at once: one round trip per batch, on a
-:class:`~broker_lookup.transport.lean.LeanLink` (raw commands on one redis-py
+:class:`~broker_lookup.transport.link.LeanLink` (raw commands on one redis-py
 connection; a ``ClientLink`` over redis-py's pipeline for Redis Cluster). The next
 turn starts by taking that read's reply. A turn whose heartbeat is due sends no read
 with its acks: it keeps the group and the heartbeat first. Reports the engine makes
@@ -49,8 +49,8 @@ from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.threads import LoopThread
-from broker_lookup.transport.lean import Link, open_link
 from broker_lookup.transport.lease import Lease, run_claim
+from broker_lookup.transport.link import Link, open_link
 from broker_lookup.transport.script_runner import ScriptSet
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.dispatch import Dispatcher

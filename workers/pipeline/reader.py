@@ -40,7 +40,7 @@ from broker_lookup.protocol.messages import (
     Request,
     decode_request,
 )
-from broker_lookup.transport.lean import Link, pairs, stream_entries
+from broker_lookup.transport.link import Link, pairs, stream_entries
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.entries import entry_problem
 

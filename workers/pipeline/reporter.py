@@ -30,8 +30,8 @@ from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import Call, progress_call, report_call
 from broker_lookup.transport.batcher import Batcher
-from broker_lookup.transport.lean import Link
 from broker_lookup.transport.lease import Lease
+from broker_lookup.transport.link import Link
 from broker_lookup.transport.script_runner import ScriptSet, is_noscript
 
 __all__ = ["Report", "Reporter", "Served", "Settle"]
