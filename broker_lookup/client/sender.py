@@ -11,15 +11,15 @@ the :class:`~broker_lookup.transport.batcher.Batcher` loop hands a batch to
 :meth:`Sender._send_batch`, which builds each script call next to its Lua
 (:func:`~broker_lookup.protocol.scripts.submit_call`, ``cancel_call``), runs them in
 one retried round trip, and settles each lookup in the table. The round trip goes over
-the transport's :class:`~broker_lookup.transport.lean.LeanLink` (hiredis-packed EVALSHAs
-on one pooled connection, raw replies) wherever :func:`~broker_lookup.transport.lean.open_link`
+the transport's :class:`~broker_lookup.transport.link.LeanLink` (hiredis-packed EVALSHAs
+on one pooled connection, raw replies) wherever :func:`~broker_lookup.transport.link.open_link`
 gives one, else through redis-py's pipeline (Redis Cluster: routing by slot is its client's).
 
 **Submits the caller writes itself.** Handing a submit to this thread costs a wake-up
 for the hand-off and one for the reply, each several times the write itself. So once a
 round trip proved the connection (a plain TCP or unix socket), ``submit()`` writes the
 submit on the caller's thread with a write that never waits
-(:meth:`~broker_lookup.transport.lean.LeanLink.send_nowait`), and this thread reads its
+(:meth:`~broker_lookup.transport.link.LeanLink.send_nowait`), and this thread reads its
 reply later: every :data:`DIRECT_CHECK_S` while any is unread, or first thing in its
 next round trip. The reply only confirms (or, an error, answers 0); the ranks and the
 listener need nothing from it. One lock (``_wire``) orders every write on the
