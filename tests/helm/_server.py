@@ -38,13 +38,6 @@ def server_binary() -> str:
     return str(get_binary_path())
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextmanager
 def running_server(argv: Sequence[str], port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``argv`` (a server command line listening on ``port``) until the block ends."""

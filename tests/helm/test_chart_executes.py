@@ -33,8 +33,9 @@ from typing import Any
 import pytest
 import redis
 
+from broker_lookup.processes import free_port
+
 from ._chart import REPO, Manifest, Rendered, RenderFn, container
-from ._server import free_port
 
 pytestmark = [pytest.mark.helm, pytest.mark.real, pytest.mark.slow]
 

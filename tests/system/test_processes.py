@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.ops.metrics import ClientCollector
-from broker_lookup.processes import child_env, python_module, spawn, terminate
+from broker_lookup.processes import child_env, free_port, python_module, spawn, terminate
 from broker_lookup.protocol.keys import KeySpace
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -227,12 +226,6 @@ def test_supervisor_exits_with_the_failure_of_a_child(
     assert redis_client.exists(keys.heartbeat(0)) == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 _ONE_RANK = ["--engine-id", "e", "--world-size", "1", "--rank", "0"]
 
 
@@ -297,7 +290,7 @@ def test_a_bad_value_in_the_config_file_names_the_file(tmp_path: Path) -> None:
 
 
 def test_unreachable_redis_at_startup_exits_3(engine_id: str) -> None:
-    url = f"redis://127.0.0.1:{_free_port()}/0"  # nothing listens there
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     argv = ["--engine-id", engine_id, "--world-size", "1", "--rank", "0", "--metrics-port", "0"]
     proc = subprocess.run(
         python_module("workers", [*argv, "--redis-url", url, "--connect-timeout", "1"]),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from redis.retry import Retry
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
+from broker_lookup.processes import free_port
 from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.connection import make_factory
 from workers.server import RedisAsyncLookupServer
@@ -138,12 +138,6 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _tls_client(port: int, certs: Certs) -> redis.Redis:
     return redis.Redis(
         host="127.0.0.1",
@@ -180,7 +174,7 @@ def tls_port(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     """A TLS-only redis-server requiring client certificates; always stopped."""
     if not Path(BINARY).exists():
         _unavailable(f"no {BINARY}")
-    port, workdir = _free_port(), tmp_path_factory.mktemp("tls-server")
+    port, workdir = free_port(), tmp_path_factory.mktemp("tls-server")
     argv = [
         BINARY,
         "--port",
