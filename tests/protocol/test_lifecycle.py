@@ -13,10 +13,18 @@ from typing import Any
 import pytest
 import redis
 from faultkit import answer, prompt, ready
-from helpers import Backend, MakeClient, MakeServer, stream_fields, text, wait_until
+from helpers import (
+    Backend,
+    MakeClient,
+    MakeServer,
+    epoch_ms,
+    lookup_request,
+    request_entry,
+    text,
+    wait_until,
+)
 
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import LookupRequest, request_fields
 from broker_lookup.stub_engine import StubEngine
 from workers import server as server_module
 from workers.server import RedisAsyncLookupServer
@@ -24,30 +32,17 @@ from workers.server import RedisAsyncLookupServer
 TOKENS = prompt(0, chunks=10)
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 def _submit(
     conn: redis.Redis, ks: KeySpace, lookup_id: str, gen: int, entry_id: str = "*", **changes: Any
 ) -> Any:
     """What submit.lua does for one rank: a fresh pending hash of ``gen``, then the entry."""
-    fields = {
-        "lookup_id": lookup_id,
-        "gen": gen,
-        "hashes": [1, 2],
-        "offsets": [4, 4],
-        "expected": [0],
-        "deadline_ms": _now_ms() + 60_000,
-        "tokens": 8,
-        "budget_ms": 60_000,
-    }
-    req = LookupRequest(**{**fields, **changes})
+    fields = {"deadline_ms": epoch_ms() + 60_000, "budget_ms": 60_000, **changes}
+    req = lookup_request(lookup_id, gen, **fields)
     key = ks.lookup(lookup_id)
     conn.delete(key)
     conn.hset(key, mapping={"state": "pending", "gen": gen, "expected": "0", "tokens": 8})
     conn.pexpire(key, 60_000)
-    return conn.xadd(ks.requests, stream_fields(request_fields(req)), id=entry_id)
+    return conn.xadd(ks.requests, request_entry(req), id=entry_id)
 
 
 def _hash(conn: redis.Redis, ks: KeySpace, lookup_id: str) -> dict[str, str]:
@@ -173,11 +168,11 @@ def test_clock_skew_between_client_and_rank_does_not_drop_work(
     conn = backend.factory()
     # A client 3 s ahead: its deadline_ms looks far off, but the budget counts from the
     # server's stamp, which is 10 s old here (the stream's first entry): expired, dropped.
-    old = f"{_now_ms() - 10_000}-1"
-    _submit(conn, ks, "ahead", 1, old, deadline_ms=_now_ms() + 3000, budget_ms=1500)
+    old = f"{epoch_ms() - 10_000}-1"
+    _submit(conn, ks, "ahead", 1, old, deadline_ms=epoch_ms() + 3000, budget_ms=1500)
     wait_until(lambda: _counts(server).get("expired") == 1, timeout=10)
     # A client whose clock is 3 s behind: its deadline_ms is already past for this host.
-    _submit(conn, ks, "behind", gen=1, deadline_ms=_now_ms() - 3000, budget_ms=1500)
+    _submit(conn, ks, "behind", gen=1, deadline_ms=epoch_ms() - 3000, budget_ms=1500)
     wait_until(lambda: engine.started_ids() == ["behind"])
     assert _counts(server)["expired"] == 1
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -20,6 +20,7 @@ import redis
 from redis.typing import EncodableT, FieldT
 
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import LookupRequest, request_fields
 from broker_lookup.tools.embedded import EmbeddedServer
 
 if TYPE_CHECKING:
@@ -33,7 +34,10 @@ __all__ = [
     "RealServer",
     "command",
     "engine_keys",
+    "epoch_ms",
     "holds_for",
+    "lookup_request",
+    "request_entry",
     "stream_entries",
     "stream_fields",
     "text",
@@ -94,6 +98,38 @@ def holds_for(
         if elapsed >= seconds:
             return
         time.sleep(interval)
+
+
+def lookup_request(
+    lookup_id: str = "a",
+    gen: int = 1,
+    *,
+    chunks: int = 2,
+    expected: Sequence[int] = (0,),
+    **fields: Any,
+) -> LookupRequest:
+    """A request for ``chunks`` chunks of 4 tokens (hashes 1, 2, ...) from the ranks
+    ``expected``, with no deadline: ``fields`` sets any other field (``deadline_ms``,
+    ``budget_ms``...) or replaces one of these."""
+    values: dict[str, Any] = {
+        "hashes": list(range(1, chunks + 1)),
+        "offsets": [4] * chunks,
+        "expected": list(expected),
+        "deadline_ms": 0,
+        "tokens": 4 * chunks,
+        **fields,
+    }
+    return LookupRequest(lookup_id=lookup_id, gen=gen, **values)
+
+
+def request_entry(request: LookupRequest) -> dict[FieldT, EncodableT]:
+    """``request`` as the fields of its stream entry, as ``XADD`` takes them."""
+    return stream_fields(request_fields(request))
+
+
+def epoch_ms() -> int:
+    """Now, in milliseconds since the epoch: the clock of ``deadline_ms``."""
+    return int(time.time() * 1000)
 
 
 def engine_keys(conn: redis.Redis, engine_id: str) -> dict[str, int]:

@@ -4,35 +4,32 @@ bounded, everything recovers by itself, and close() leaves no connection open.""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 import redis
 from faultkit import config, ready
-from helpers import Backend, MakeServer, RealServer, stream_fields, wait_until
+from helpers import (
+    Backend,
+    MakeServer,
+    RealServer,
+    epoch_ms,
+    lookup_request,
+    request_entry,
+    wait_until,
+)
 from redis.typing import EncodableT, FieldT
 
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import LookupRequest, request_fields
 from broker_lookup.stub_engine import StubEngine
 from faultproxy.proxy import FaultProxy
 from workers.server import RedisAsyncLookupServer
 
 
 def _entry(lookup_id: str, budget_ms: int = 60_000) -> dict[FieldT, EncodableT]:
-    req = LookupRequest(
-        lookup_id=lookup_id,
-        gen=1,
-        hashes=[1, 2],
-        offsets=[4, 4],
-        expected=[0],
-        deadline_ms=int(time.time() * 1000) + budget_ms,
-        tokens=8,
-        budget_ms=budget_ms,
-    )
-    return stream_fields(request_fields(req))
+    req = lookup_request(lookup_id, deadline_ms=epoch_ms() + budget_ms, budget_ms=budget_ms)
+    return request_entry(req)
 
 
 def _names(conn: redis.Redis, engine_id: str) -> list[str]:
