@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from faultkit import CHUNK, answer, prompt, ready
+from faultkit import CHUNK, Serve, alive, answer, prompt, ready
 from helpers import Backend, MakeClient, MakeServer, stream_entries, stream_fields, wait_until
 
 from broker_lookup.config import LookupConfig, LookupMetadata
@@ -41,16 +41,9 @@ HOSTILE_IDS = [
 
 @pytest.mark.parametrize("lookup_id", HOSTILE_IDS)
 def test_any_str_id_is_served(
-    make_server: MakeServer,
-    make_client: MakeClient,
-    backend: Backend,
-    engine_id: str,
-    lookup_id: str,
+    serve: Serve, backend: Backend, engine_id: str, lookup_id: str
 ) -> None:
-    engine = StubEngine("instant", hits=24)
-    ready(make_server(engine))
-    client = make_client()
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    engine, _, client = serve(StubEngine("instant", hits=24))
     assert client.lookup(TOKENS, lookup_id) is None
     assert answer(client, lookup_id, timeout=10) == 24
     assert engine.started_ids() == [lookup_id]  # the engine sees the caller's plain id
@@ -116,13 +109,8 @@ def test_bad_requests_answer_zero_count_and_log_once(
     assert not backend.factory().exists(KeySpace(engine_id).requests)
 
 
-def test_a_prompt_over_the_chunk_limit_is_looked_up_by_its_prefix(
-    make_server: MakeServer, make_client: MakeClient
-) -> None:
-    engine = StubEngine("instant", hits=10_000)
-    ready(make_server(engine, **LIMITS))
-    client = make_client(**LIMITS)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+def test_a_prompt_over_the_chunk_limit_is_looked_up_by_its_prefix(serve: Serve) -> None:
+    engine, _, client = serve(StubEngine("instant", hits=10_000), rank_config=LIMITS, **LIMITS)
     client.lookup(prompt(0, chunks=40), "long")
     # The first 16 chunks are a prefix: a hit on them is a right answer, not a guess.
     assert answer(client, "long", timeout=10) == 16 * CHUNK
@@ -242,7 +230,7 @@ def test_rank_dead_letters_bad_entries_and_goes_on(
     # Acked right after they were parked.
     wait_until(lambda: all(conn.xpending(ks.requests, ks.group(r))["pending"] == 0 for r in (0, 1)))
     client = make_client(world_size=2)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    alive(client)
     client.lookup(TOKENS, "good")
     assert answer(client, "good", timeout=10) == 24
     assert all(s.stats()["alive"] for s in servers)
@@ -263,14 +251,10 @@ def test_request_for_other_ranks_is_not_served(
 
 @pytest.mark.parametrize("hits", [-5, 10**9, 3.5, True, None, "12"])
 def test_engine_reporting_nonsense_reports_zero(
-    make_server: MakeServer, make_client: MakeClient, caplog: pytest.LogCaptureFixture, hits: Any
+    serve: Serve, caplog: pytest.LogCaptureFixture, hits: Any
 ) -> None:
     caplog.set_level(logging.ERROR, logger="workers")
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    client = make_client()
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    engine, server, client = serve(StubEngine())
     client.lookup(TOKENS, "r1")
     wait_until(lambda: engine.started_ids() == ["r1"])
     engine.report("r1", hits)

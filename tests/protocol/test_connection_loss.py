@@ -10,8 +10,8 @@ resumes once the server is back.
 from __future__ import annotations
 
 import pytest
-from faultkit import answer, config, prompt, ready
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from faultkit import Serve, alive, answer, config, prompt, ready
+from helpers import Backend, MakeClient, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupMetadata
@@ -35,14 +35,8 @@ def _started(engine: StubEngine, lookup_id: str) -> None:
 
 
 @fake_only
-def test_connection_lost_during_a_report(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
-) -> None:
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    client = make_client(lookup_timeout_ms=800)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+def test_connection_lost_during_a_report(serve: Serve, backend: Backend, engine_id: str) -> None:
+    engine, server, client = serve(StubEngine(), lookup_timeout_ms=800)
     client.lookup(TOKENS, "r1")
     _started(engine, "r1")
     backend.fake.connected = False
@@ -66,14 +60,8 @@ def test_connection_lost_during_a_report(
 
 
 @fake_only
-def test_connection_lost_during_a_cancel(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
-) -> None:
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    client = make_client(lookup_timeout_ms=5000)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+def test_connection_lost_during_a_cancel(serve: Serve, backend: Backend, engine_id: str) -> None:
+    engine, _, client = serve(StubEngine(), lookup_timeout_ms=5000)
     client.lookup(TOKENS, "r1")
     _started(engine, "r1")
     ks = KeySpace(engine_id)
@@ -99,20 +87,14 @@ def test_connection_lost_during_a_cancel(
 
 
 @fake_only
-def test_connection_lost_during_blocking_reads(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend
-) -> None:
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    client = make_client()
-    wait_until(lambda: not client.stats()["dead_ranks"])
+def test_connection_lost_during_blocking_reads(serve: Serve, backend: Backend) -> None:
+    engine, server, client = serve(StubEngine())
     backend.fake.connected = False
     wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 2, timeout=10)
     wait_until(lambda: client._listener.errors >= 2, timeout=10)
     backend.fake.connected = True
     wait_until(lambda: server.ready, timeout=10)
-    wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+    alive(client, timeout=10)
     _breaker_closed(client)
     client.lookup(TOKENS, "r1")
     _started(engine, "r1")
@@ -122,14 +104,8 @@ def test_connection_lost_during_blocking_reads(
 
 
 @real_only
-def test_connections_killed_mid_read(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend
-) -> None:
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    client = make_client()
-    wait_until(lambda: not client.stats()["dead_ranks"])
+def test_connections_killed_mid_read(serve: Serve, backend: Backend) -> None:
+    engine, server, client = serve(StubEngine())
     admin = backend.factory()
     # Every other connection drops: the rank's blocked XREADGROUP, the client's XREAD, ...
     assert admin.client_kill_filter(_type="normal", skipme=True) >= 2
@@ -154,13 +130,13 @@ def test_blocking_read_times_out_then_recovers(
     with RedisAsyncLookupServer(engine, meta, cfg) as server:
         ready(server)
         client = make_client()
-        wait_until(lambda: not client.stats()["dead_ranks"])
+        alive(client)
         backend.factory().execute_command(  # type: ignore[no-untyped-call]
             "CLIENT", "PAUSE", 4500, "WRITE"
         )
         wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=10)
         wait_until(lambda: server.ready, timeout=10)
-        wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+        alive(client, timeout=10)
         _breaker_closed(client)
         client.lookup(TOKENS, "r1")
         _started(engine, "r1")

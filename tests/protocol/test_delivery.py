@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from faultkit import alive, answer, config, prompt, ready
+from faultkit import Serve, alive, answer, config, prompt, ready
 from helpers import (
     Backend,
     MakeClient,
@@ -79,14 +79,10 @@ def test_entries_trimmed_while_pending_are_acked_and_dead_lettered(
 
 
 def test_duplicate_delivery_does_not_prefetch_twice(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+    serve: Serve, backend: Backend, engine_id: str
 ) -> None:
     ks = KeySpace(engine_id)
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    client = make_client()
-    alive(client)
+    engine, server, client = serve(StubEngine())
     client.lookup(TOKENS, "r1")
     wait_until(lambda: engine.started_ids() == ["r1"])
     conn = backend.factory()
@@ -103,14 +99,8 @@ def test_duplicate_delivery_does_not_prefetch_twice(
     assert client.lookup_cache("r1") == 20
 
 
-def test_script_cache_flushed_mid_traffic(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
-) -> None:
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    client = make_client()
-    alive(client)
+def test_script_cache_flushed_mid_traffic(serve: Serve, backend: Backend, engine_id: str) -> None:
+    engine, server, client = serve(StubEngine())
     conn = backend.factory()
     ids = [f"a{i}" for i in range(20)]
     for lookup_id in ids:

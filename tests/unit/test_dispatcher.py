@@ -12,7 +12,7 @@ from helpers import lookup_request
 from broker_lookup.config import LookupConfig
 from broker_lookup.histogram import LATENCY_BUCKETS
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import Abort, Keep
+from broker_lookup.protocol.messages import Abort, Keep, Request
 from workers.pipeline import dispatch as dispatch_module
 from workers.pipeline.dispatch import Dispatcher
 from workers.pipeline.lifecycle import Lifecycle
@@ -143,7 +143,9 @@ def test_a_batch_that_raises_queues_its_reports() -> None:
         original(lookup_id, *args, **kw)
 
     rank.engine.async_lookup_and_prefetch = interrupted  # type: ignore[method-assign]
-    batch = [(lookup_request(i, 0, expected=EXPECTED), 250.0) for i in ("a", "b", "c")]
+    batch: list[tuple[Request, float]] = [
+        (lookup_request(i, 0, expected=EXPECTED), 250.0) for i in ("a", "b", "c")
+    ]
     with pytest.raises(KeyboardInterrupt):
         rank.dispatcher.serve(batch)
     assert rank.queued() == [Report("a", 0, TOKENS)]
