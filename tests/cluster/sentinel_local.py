@@ -14,11 +14,11 @@ import secrets
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import redis
+from helpers import wait_until
 
 from broker_lookup.errors import BrokerUnavailable
 from broker_lookup.processes import free_port, spawn
@@ -29,17 +29,11 @@ _ATTEMPTS = 3
 
 
 def _wait(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            value = predicate()
-        except redis.RedisError:
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise BrokerUnavailable(f"sentinel setup: waited {timeout_s:g}s for {what}")
-        time.sleep(0.05)
+    """:func:`helpers.wait_until`, failing as the stack's setup does (BrokerUnavailable)."""
+    try:
+        return wait_until(predicate, timeout_s, 0.05, what, ignoring=(redis.RedisError,))
+    except AssertionError as exc:
+        raise BrokerUnavailable(f"sentinel setup: {exc}") from None
 
 
 class _SentinelProcess:

@@ -12,10 +12,9 @@ from typing import Any
 
 import pytest
 import redis
-from faultkit import answer, prompt, ready
+from faultkit import Serve, answer, hold_reports, prompt, ready
 from helpers import (
     Backend,
-    MakeClient,
     MakeServer,
     epoch_ms,
     lookup_request,
@@ -57,13 +56,10 @@ def _counts(server: RedisAsyncLookupServer) -> dict[str, int]:
 
 
 def test_engine_that_never_reports_is_answered_zero_released_and_the_id_reused(
-    make_server: MakeServer, make_client: MakeClient
+    serve: Serve,
 ) -> None:
-    engine = StubEngine()
-    server = make_server(engine, worker_watchdog_grace_ms=300)
-    ready(server)
-    client = make_client(lookup_timeout_ms=800)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    grace = {"worker_watchdog_grace_ms": 300}
+    engine, server, client = serve(StubEngine(), rank_config=grace, lookup_timeout_ms=800)
     client.lookup(TOKENS, "never")
     wait_until(lambda: engine.started_ids() == ["never"])
     assert answer(client, "never", timeout=10) == 0  # the timeout: an answer, not a hang
@@ -132,14 +128,7 @@ def test_stale_answer_of_an_old_generation_never_releases_the_new_one(
     engine = StubEngine()
     server = make_server(engine)
     ready(server)
-    reporter = server._reporter
-    gate, send = [False], reporter._send_batch
-
-    def gated(client: Any, batch: Any) -> None:  # holds gen 1's report between the engine and Redis
-        wait_until(lambda: gate[0], timeout=20, message="the gate opened")
-        send(client, batch)
-
-    monkeypatch.setattr(reporter, "_send_batch", gated)
+    gate = hold_reports(server, monkeypatch)  # holds gen 1's report between engine and Redis
     conn = backend.factory()
     _submit(conn, ks, "race", gen=1)
     wait_until(lambda: engine.started_ids() == ["race"])
@@ -147,7 +136,7 @@ def test_stale_answer_of_an_old_generation_never_releases_the_new_one(
     _submit(conn, ks, "race", gen=2)  # the client reused the id: the hash holds gen 2
     wait_until(lambda: _counts(server).get("queued") == 1)
     assert engine.started_ids() == ["race"]  # gen 2 waits: gen 1 is still in the engine
-    gate[0] = True
+    gate.set()
     wait_until(lambda: _counts(server).get("report_stale") == 1)
     wait_until(lambda: engine.started_ids() == ["race", "race"])
     assert engine.released == ["race"]  # gen 1 released before gen 2 reached the engine

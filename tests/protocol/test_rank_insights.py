@@ -126,9 +126,7 @@ def test_ranks_that_disagree_are_counted_and_warned_about(
     assert len([r for r in caplog.records if r.name == INSIGHTS_LOG]) == 1
 
 
-def test_rank_insights_off_records_nothing(
-    serve: Serve, backend: Backend, engine_id: str
-) -> None:
+def test_rank_insights_off_records_nothing(serve: Serve, backend: Backend, engine_id: str) -> None:
     engines, _, client = _ranks(serve, 2, rank_insights=False)
     assert _answer(client, engines, "off1", {0: 40, 1: 8}, [1, 0]) == 8
     assert client.stats()["rank_insights"] == {}

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
+import pytest
 from helpers import MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
@@ -215,6 +216,21 @@ def ready(*servers: Any) -> None:
         lambda: all(s.ready and s.stats()["last_heartbeat"] for s in servers),
         message="ranks ready and beating",
     )
+
+
+def hold_reports(
+    server: RedisAsyncLookupServer, monkeypatch: pytest.MonkeyPatch
+) -> threading.Event:
+    """Hold every report batch of ``server`` between its engine and Redis, as a Redis
+    that does not answer would, until the returned event is set (at most 20 s)."""
+    gate, send = threading.Event(), server._reporter._send_batch
+
+    def gated(client: Any, batch: Any) -> None:
+        wait_until(gate.is_set, timeout=20, message="the gate opened")
+        send(client, batch)
+
+    monkeypatch.setattr(server._reporter, "_send_batch", gated)
+    return gate
 
 
 class Served(NamedTuple, Generic[E]):

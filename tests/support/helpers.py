@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -59,22 +61,34 @@ def wait_until(
     timeout: float = 5.0,
     interval: float = 0.005,
     message: str = "",
+    *,
+    ignoring: tuple[type[Exception], ...] = (),
+    process: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
 ) -> object:
     """Poll ``predicate`` until it returns something truthy, and return that.
 
-    Tests synchronise with this, never with a bare ``time.sleep``.
+    Tests synchronise with this, never with a bare ``time.sleep``. ``ignoring``: errors
+    of ``predicate`` that count as a falsy answer (a server still starting). ``process``:
+    a child the wait is for; its exit fails the wait at once, with ``log``'s tail.
 
     Raises:
-        AssertionError: ``predicate`` stayed falsy for ``timeout`` seconds; the message
-            says what was awaited and the last value seen.
+        AssertionError: ``predicate`` stayed falsy for ``timeout`` seconds, or
+            ``process`` exited; the message says what was awaited and the last value seen.
     """
     deadline = time.monotonic() + timeout
+    what = message or getattr(predicate, "__name__", repr(predicate))
     while True:
-        value = predicate()
-        if value:
+        try:
+            value = predicate()
+        except ignoring as exc:
+            value = exc
+        if value and not isinstance(value, Exception):
             return value
+        if process is not None and process.poll() is not None:
+            tail = log.read_text(errors="replace")[-4000:] if log is not None else ""
+            raise AssertionError(f"exited {process.returncode} before {what}:\n{tail}")
         if time.monotonic() >= deadline:
-            what = message or getattr(predicate, "__name__", repr(predicate))
             raise AssertionError(f"waited {timeout:g}s for {what}; last value: {value!r}")
         time.sleep(interval)
 

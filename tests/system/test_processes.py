@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from faultkit import alive
 from helpers import RealServer, gone, wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -112,10 +113,6 @@ def _beating(redis_client: redis.Redis, keys: KeySpace, *ranks: int) -> None:
     )
 
 
-def _alive(client: RedisAsyncLookupClient) -> None:
-    wait_until(lambda: not client.stats()["dead_ranks"], timeout=10, message="ranks alive")
-
-
 def _result(client: RedisAsyncLookupClient, tokens: list[int], lookup_id: str) -> int:
     assert client.lookup(tokens, lookup_id) is None
     value = wait_until(lambda: client.lookup_cache(lookup_id) is not None, timeout=15)
@@ -137,7 +134,7 @@ def test_full_partial_zero_across_two_rank_processes(
     start_rank(rank=1)
     _beating(redis_client, keys, 0, 1)
     client = make_client(2)
-    _alive(client)
+    alive(client, timeout=10)
     assert _result(client, FULL, "full") == len(FULL)
     assert _result(client, PARTIAL, "partial") == len(PARTIAL) // 2  # min over ranks
     fields = redis_client.hgetall(keys.lookup("partial"))
@@ -180,7 +177,7 @@ def test_killed_rank_is_dead_fast_and_recovers_after_restart(
     victim = start_rank(rank=1)
     _beating(redis_client, keys, 0, 1)
     client = make_client(2)
-    _alive(client)
+    alive(client, timeout=10)
     assert _result(client, FULL, "before") == len(FULL)
 
     victim.kill()
@@ -195,7 +192,7 @@ def test_killed_rank_is_dead_fast_and_recovers_after_restart(
 
     start_rank(rank=1)  # same consumer name: replays its own pending entries first
     _beating(redis_client, keys, 1)
-    _alive(client)
+    alive(client, timeout=10)
     assert _result(client, FULL, "after") == len(FULL)
 
 

@@ -4,11 +4,9 @@ bounded, everything recovers by itself, and close() leaves no connection open.""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import redis
-from faultkit import config, ready
+from faultkit import config, hold_reports, ready
 from helpers import (
     Backend,
     MakeServer,
@@ -82,14 +80,7 @@ def test_reports_beyond_the_bounded_queue_are_released(
     ready(server)
     reporter = server._reporter
     monkeypatch.setattr(reporter, "_max_queue", 2)
-    gate, send = [False], reporter._send_batch
-
-    # A Redis that does not answer: the first batch hangs.
-    def gated(client: Any, batch: Any) -> None:
-        wait_until(lambda: gate[0], timeout=20, message="the gate opened")
-        send(client, batch)
-
-    monkeypatch.setattr(reporter, "_send_batch", gated)
+    gate = hold_reports(server, monkeypatch)  # a Redis that does not answer: the first batch hangs
     conn = backend.factory()
     ids = [f"q{i}" for i in range(5)]
     for lookup_id in ids:
@@ -102,6 +93,6 @@ def test_reports_beyond_the_bounded_queue_are_released(
     # q1 and q2 wait in the queue; q3 and q4 do not fit: released at once, not queued.
     assert server.stats()["counts"]["report_overflow"] == reporter.overflows == 2
     assert sorted(engine.released) == ["q3", "q4"]
-    gate[0] = True
+    gate.set()
     wait_until(lambda: sorted(engine.released) == ids)  # no hash: "dropped", released
     assert server.stats()["reporting"] == 0
