@@ -12,12 +12,20 @@ from typing import Any
 import msgspec
 import pytest
 from faultkit import CHUNK, Serve, alive, answer, prompt, ready
-from helpers import Backend, MakeClient, MakeServer, stream_entries, stream_fields, wait_until
+from helpers import (
+    Backend,
+    MakeClient,
+    MakeServer,
+    lookup_request,
+    stream_entries,
+    stream_fields,
+    wait_until,
+)
 
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.errors import ConfigError, InvalidRequest
 from broker_lookup.protocol.keys import DIGEST_MARK, KeySpace
-from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, submit_args
+from broker_lookup.protocol.scripts import REPORT, Call, submit_call
 from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.script_runner import ScriptSet
 
@@ -274,19 +282,11 @@ def test_report_script_refuses_unknown_ranks_and_bad_counts(
     conn = backend.factory()
     scripts = ScriptSet()
     key = ks.lookup("s1")
-    args = submit_args(
-        gen=3,
-        expected="0,1",
-        created_ms=1,
-        deadline_ms=2,
-        tokens=40,
-        ttl_ms=60_000,
-        engine_ttl_ms=60_000,
-        maxlen=100,
-        lookup_id="s1",
-        fields={"m": "x"},
+    request = lookup_request("s1", 3, chunks=10, expected=[0, 1], deadline_ms=2)
+    submit = submit_call(
+        ks, request, expected="0,1", created_ms=1, ttl_ms=60_000, maxlen=100, engine_ttl_ms=60_000
     )
-    scripts.call(conn, Call(SUBMIT, (key, ks.requests), args))
+    scripts.call(conn, submit)
 
     def report(rank: int, hits: str | int) -> object:
         return scripts.call(

@@ -30,6 +30,17 @@ def _breaker_closed(client: RedisAsyncLookupClient) -> None:
     wait_until(lambda: not client.stats()["breaker_open"], timeout=10, message="breaker closed")
 
 
+def _answered_again(
+    client: RedisAsyncLookupClient, engine: StubEngine, lookup_id: str, hits: int
+) -> int:
+    """Once the breaker closed, the answer to a new lookup the engine reports ``hits`` for."""
+    _breaker_closed(client)
+    client.lookup(TOKENS, lookup_id)
+    _started(engine, lookup_id)
+    engine.report(lookup_id, hits)
+    return answer(client, lookup_id, timeout=10)
+
+
 def _started(engine: StubEngine, lookup_id: str) -> None:
     wait_until(lambda: lookup_id in engine.started_ids(), message=f"{lookup_id} started")
 
@@ -51,11 +62,7 @@ def test_connection_lost_during_a_report(serve: Serve, backend: Backend, engine_
     fields = backend.factory().hgetall(key)
     assert b"r0" not in fields  # nothing half-applied
     assert server.stats()["reporter_errors"] == retries
-    _breaker_closed(client)
-    client.lookup(TOKENS, "r2")
-    _started(engine, "r2")
-    engine.report("r2", 24)
-    assert answer(client, "r2", timeout=10) == 24
+    assert _answered_again(client, engine, "r2", 24) == 24
     assert server.stats()["alive"]
 
 
@@ -79,11 +86,7 @@ def test_connection_lost_during_a_cancel(serve: Serve, backend: Backend, engine_
     assert client._sender.errors == retries  # no retry after giving up
     assert client.stats()["redis_errors"] >= retries
     engine.report("r1", 40)  # the undelivered cancel: the rank finishes normally
-    _breaker_closed(client)
-    client.lookup(TOKENS, "r2")
-    _started(engine, "r2")
-    engine.report("r2", 12)
-    assert answer(client, "r2", timeout=10) == 12
+    assert _answered_again(client, engine, "r2", 12) == 12
 
 
 @fake_only
@@ -95,11 +98,7 @@ def test_connection_lost_during_blocking_reads(serve: Serve, backend: Backend) -
     backend.fake.connected = True
     wait_until(lambda: server.ready, timeout=10)
     alive(client, timeout=10)
-    _breaker_closed(client)
-    client.lookup(TOKENS, "r1")
-    _started(engine, "r1")
-    engine.report("r1", 8)
-    assert answer(client, "r1", timeout=10) == 8
+    assert _answered_again(client, engine, "r1", 8) == 8
     assert server.stats()["alive"]
 
 
@@ -110,11 +109,7 @@ def test_connections_killed_mid_read(serve: Serve, backend: Backend) -> None:
     # Every other connection drops: the rank's blocked XREADGROUP, the client's XREAD, ...
     assert admin.client_kill_filter(_type="normal", skipme=True) >= 2
     wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=10)
-    _breaker_closed(client)
-    client.lookup(TOKENS, "r1")
-    _started(engine, "r1")
-    engine.report("r1", 16)
-    assert answer(client, "r1", timeout=10) == 16
+    assert _answered_again(client, engine, "r1", 16) == 16
     assert server.stats()["alive"]
 
 
@@ -137,9 +132,5 @@ def test_blocking_read_times_out_then_recovers(
         wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=10)
         wait_until(lambda: server.ready, timeout=10)
         alive(client, timeout=10)
-        _breaker_closed(client)
-        client.lookup(TOKENS, "r1")
-        _started(engine, "r1")
-        engine.report("r1", 4)
-        assert answer(client, "r1", timeout=10) == 4
+        assert _answered_again(client, engine, "r1", 4) == 4
         assert server.stats()["alive"]

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 from faultkit import Serve, alive, answer, ready
-from helpers import Backend, MakeClient, MakeServer, text, wait_until
+from helpers import Backend, MakeClient, MakeServer, lookup_request, text, wait_until
 
 from broker_lookup.client import RedisLookupClient
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, submit_args
+from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, submit_call
 from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.script_runner import ScriptSet
 
@@ -273,21 +273,9 @@ def test_a_resubmitted_generation_keeps_the_reports_already_recorded(
     # sent again: the fast rank's report must survive and no second entry is written.
     ks, scripts, conn = KeySpace(engine_id), ScriptSet(), backend.factory()
     key = ks.lookup("r1")
-    submit = Call(
-        SUBMIT,
-        (key, ks.requests),
-        submit_args(
-            gen=7,
-            expected="0,1",
-            created_ms=1,
-            deadline_ms=2,
-            tokens=40,
-            ttl_ms=60_000,
-            engine_ttl_ms=60_000,
-            maxlen=100,
-            lookup_id="r1",
-            fields={"type": "lookup", "m": "x"},
-        ),
+    request = lookup_request("r1", 7, chunks=10, expected=[0, 1], deadline_ms=2)
+    submit = submit_call(
+        ks, request, expected="0,1", created_ms=1, ttl_ms=60_000, maxlen=100, engine_ttl_ms=60_000
     )
     scripts.call(conn, submit)
     assert scripts.call(
