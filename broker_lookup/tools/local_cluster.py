@@ -22,7 +22,8 @@ import redis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 
 from broker_lookup.errors import BrokerUnavailable
-from broker_lookup.tools.embedded import EmbeddedServer, _free_port
+from broker_lookup.processes import free_port
+from broker_lookup.tools.embedded import EmbeddedServer
 
 __all__ = ["LocalCluster", "slot_ranges"]
 
@@ -151,7 +152,7 @@ class LocalCluster:
         rule; a bus port lost to another process before the bind is retried.
         """
         for attempt in range(1, _BUS_PORT_ATTEMPTS + 1):
-            bus = _free_port(self.host)
+            bus = free_port(self.host)
             # The config file name is relative, so it lands in the node's own private --dir.
             conf = f"nodes-{uuid.uuid4().hex[:12]}.conf"
             cluster_args = ["--cluster-enabled", "yes", "--cluster-port", str(bus)]

@@ -14,32 +14,26 @@ import secrets
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import redis
+from helpers import wait_until
 
 from broker_lookup.errors import BrokerUnavailable
-from broker_lookup.processes import spawn
-from broker_lookup.tools.embedded import EmbeddedServer, _default_binary, _free_port
+from broker_lookup.processes import free_port, spawn
+from broker_lookup.tools.embedded import EmbeddedServer, _default_binary
 
 HOST = "127.0.0.1"
 _ATTEMPTS = 3
 
 
 def _wait(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            value = predicate()
-        except redis.RedisError:
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise BrokerUnavailable(f"sentinel setup: waited {timeout_s:g}s for {what}")
-        time.sleep(0.05)
+    """:func:`helpers.wait_until`, failing as the stack's setup does (BrokerUnavailable)."""
+    try:
+        return wait_until(predicate, timeout_s, 0.05, what, ignoring=(redis.RedisError,))
+    except AssertionError as exc:
+        raise BrokerUnavailable(f"sentinel setup: {exc}") from None
 
 
 class _SentinelProcess:
@@ -55,7 +49,7 @@ class _SentinelProcess:
     def start(self, port: int) -> None:
         """Start on ``port``, or on fresh ports if that one is lost to another process."""
         for attempt in range(1, _ATTEMPTS + 1):
-            self.port = port if attempt == 1 else _free_port(HOST)
+            self.port = port if attempt == 1 else free_port(HOST)
             self._launch()
             try:
                 _wait(self._answers, 5.0, f"sentinel on port {self.port}")
@@ -162,7 +156,7 @@ class LocalSentinel:
         to another port is still found by hello messages, only later.
         """
         assert self.replica is not None
-        ports = [_free_port(HOST) for _ in range(self._count)]
+        ports = [free_port(HOST) for _ in range(self._count)]
         ids = [secrets.token_hex(20) for _ in range(self._count)]
         base = [c.replace("{port}", str(self.master.port)) for c in self._conf]
         base.append(f"sentinel known-replica {self.service} {HOST} {self.replica.port}")

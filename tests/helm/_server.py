@@ -10,14 +10,15 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, cast
 
 import pytest
 import redis
+from helpers import wait_until
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -38,11 +39,9 @@ def server_binary() -> str:
     return str(get_binary_path())
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def _listens(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+        return True
 
 
 @contextmanager
@@ -51,17 +50,8 @@ def running_server(argv: Sequence[str], port: int, log: Path) -> Iterator[subpro
     with log.open("wb") as out:
         proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited {proc.returncode}:\n{log.read_text()}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"server did not listen:\n{log.read_text()}") from None
-                time.sleep(0.05)
+        listens, refused = partial(_listens, port), (OSError,)  # refused: not yet
+        wait_until(listens, 10, 0.05, "the server", ignoring=refused, process=proc, log=log)
         yield proc
     finally:
         proc.terminate()

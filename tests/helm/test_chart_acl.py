@@ -23,9 +23,10 @@ import pytest
 import redis
 
 from broker_lookup.ops.acl import COMMANDS, DEFAULT_USER, ROLES, acl_line, key_patterns
+from broker_lookup.processes import free_port
 
 from ._chart import CHART, REPO, Manifest, Rendered, RenderFailFn, RenderFn, container, env_map
-from ._server import client, command, free_port, running_server, server_binary
+from ._server import client, command, running_server, server_binary
 
 pytestmark = pytest.mark.helm
 

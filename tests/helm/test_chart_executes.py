@@ -23,7 +23,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -32,9 +31,11 @@ from typing import Any
 
 import pytest
 import redis
+from helpers import wait_until
+
+from broker_lookup.processes import free_port
 
 from ._chart import REPO, Manifest, Rendered, RenderFn, container
-from ._server import free_port
 
 pytestmark = [pytest.mark.helm, pytest.mark.real, pytest.mark.slow]
 
@@ -180,22 +181,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=5)
 
 
-def _wait(
-    what: str, check: Any, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30
-) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            out = log.read_text(errors="replace")
-            raise AssertionError(f"worker exited {proc.returncode} before {what}:\n{out}")
-        try:
-            if check():
-                return
-        except (OSError, redis.RedisError):
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+def _wait(what: str, check: Any, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Until ``check`` holds (its connection errors: not yet); fails if the worker exits."""
+    errors = (OSError, redis.RedisError)
+    wait_until(check, 30, 0.1, what, ignoring=errors, process=proc, log=log)
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -23,9 +23,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from broker_lookup.processes import free_port
+
 from ._acl import EXPECTED_COMMANDS, HANDSHAKE_NOT_GRANTED, SHIPPED_ENGINE, parse_acl
 from ._chart import DEPLOY, RenderFn, container
-from ._server import client, command, free_port, running_server, server_binary
+from ._server import client, command, running_server, server_binary
 
 pytestmark = [pytest.mark.helm, pytest.mark.real]
 

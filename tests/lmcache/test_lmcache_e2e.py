@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from faultkit import alive
 from helpers import Backend, wait_until
 
 from broker_lookup import BypassLookupClient, RedisAsyncLookupClient, RedisLookupClient
@@ -169,10 +170,6 @@ def store(engine: Any, metadata: Any, tokens: list[int]) -> None:
     objs = manager.batched_allocate(metadata.get_shapes(), metadata.get_dtypes(), len(keys))
     manager.batched_put(keys, objs)
     wait_until(lambda: all(manager.contains(k) for k in keys), message="chunks stored")
-
-
-def alive(client: Any) -> None:
-    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the worker rank")
 
 
 def test_async_lookup_answered_by_a_real_engine(lmc: SimpleNamespace, deploy: Any) -> None:

@@ -11,13 +11,21 @@ from typing import Any
 
 import msgspec
 import pytest
-from faultkit import CHUNK, answer, prompt, ready
-from helpers import Backend, MakeClient, MakeServer, stream_entries, stream_fields, wait_until
+from faultkit import CHUNK, Serve, alive, answer, prompt, ready
+from helpers import (
+    Backend,
+    MakeClient,
+    MakeServer,
+    lookup_request,
+    stream_entries,
+    stream_fields,
+    wait_until,
+)
 
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.errors import ConfigError, InvalidRequest
 from broker_lookup.protocol.keys import DIGEST_MARK, KeySpace
-from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, submit_args
+from broker_lookup.protocol.scripts import REPORT, Call, submit_call
 from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.script_runner import ScriptSet
 
@@ -41,16 +49,9 @@ HOSTILE_IDS = [
 
 @pytest.mark.parametrize("lookup_id", HOSTILE_IDS)
 def test_any_str_id_is_served(
-    make_server: MakeServer,
-    make_client: MakeClient,
-    backend: Backend,
-    engine_id: str,
-    lookup_id: str,
+    serve: Serve, backend: Backend, engine_id: str, lookup_id: str
 ) -> None:
-    engine = StubEngine("instant", hits=24)
-    ready(make_server(engine))
-    client = make_client()
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    engine, _, client = serve(StubEngine("instant", hits=24))
     assert client.lookup(TOKENS, lookup_id) is None
     assert answer(client, lookup_id, timeout=10) == 24
     assert engine.started_ids() == [lookup_id]  # the engine sees the caller's plain id
@@ -116,13 +117,8 @@ def test_bad_requests_answer_zero_count_and_log_once(
     assert not backend.factory().exists(KeySpace(engine_id).requests)
 
 
-def test_a_prompt_over_the_chunk_limit_is_looked_up_by_its_prefix(
-    make_server: MakeServer, make_client: MakeClient
-) -> None:
-    engine = StubEngine("instant", hits=10_000)
-    ready(make_server(engine, **LIMITS))
-    client = make_client(**LIMITS)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+def test_a_prompt_over_the_chunk_limit_is_looked_up_by_its_prefix(serve: Serve) -> None:
+    engine, _, client = serve(StubEngine("instant", hits=10_000), rank_config=LIMITS, **LIMITS)
     client.lookup(prompt(0, chunks=40), "long")
     # The first 16 chunks are a prefix: a hit on them is a right answer, not a guess.
     assert answer(client, "long", timeout=10) == 16 * CHUNK
@@ -242,7 +238,7 @@ def test_rank_dead_letters_bad_entries_and_goes_on(
     # Acked right after they were parked.
     wait_until(lambda: all(conn.xpending(ks.requests, ks.group(r))["pending"] == 0 for r in (0, 1)))
     client = make_client(world_size=2)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    alive(client)
     client.lookup(TOKENS, "good")
     assert answer(client, "good", timeout=10) == 24
     assert all(s.stats()["alive"] for s in servers)
@@ -263,14 +259,10 @@ def test_request_for_other_ranks_is_not_served(
 
 @pytest.mark.parametrize("hits", [-5, 10**9, 3.5, True, None, "12"])
 def test_engine_reporting_nonsense_reports_zero(
-    make_server: MakeServer, make_client: MakeClient, caplog: pytest.LogCaptureFixture, hits: Any
+    serve: Serve, caplog: pytest.LogCaptureFixture, hits: Any
 ) -> None:
     caplog.set_level(logging.ERROR, logger="workers")
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    client = make_client()
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    engine, server, client = serve(StubEngine())
     client.lookup(TOKENS, "r1")
     wait_until(lambda: engine.started_ids() == ["r1"])
     engine.report("r1", hits)
@@ -290,19 +282,11 @@ def test_report_script_refuses_unknown_ranks_and_bad_counts(
     conn = backend.factory()
     scripts = ScriptSet()
     key = ks.lookup("s1")
-    args = submit_args(
-        gen=3,
-        expected="0,1",
-        created_ms=1,
-        deadline_ms=2,
-        tokens=40,
-        ttl_ms=60_000,
-        engine_ttl_ms=60_000,
-        maxlen=100,
-        lookup_id="s1",
-        fields={"m": "x"},
+    request = lookup_request("s1", 3, chunks=10, expected=[0, 1], deadline_ms=2)
+    submit = submit_call(
+        ks, request, expected="0,1", created_ms=1, ttl_ms=60_000, maxlen=100, engine_ttl_ms=60_000
     )
-    scripts.call(conn, Call(SUBMIT, (key, ks.requests), args))
+    scripts.call(conn, submit)
 
     def report(rank: int, hits: str | int) -> object:
         return scripts.call(

@@ -5,8 +5,8 @@ nothing queues up, the breaker closes by itself, and hits come back."""
 from __future__ import annotations
 
 import pytest
-from faultkit import prompt, ready
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from faultkit import Serve, prompt
+from helpers import Backend, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
 from broker_lookup.stub_engine import StubEngine
@@ -18,12 +18,10 @@ fake_only = pytest.mark.parametrize("backend", ["fake"], indirect=True)
 @fake_only
 @pytest.mark.parametrize("cls", ["async", "sync"])
 def test_a_failing_redis_answers_zero_at_once_then_recovers(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, cls: str
+    serve: Serve, backend: Backend, cls: str
 ) -> None:
-    ready(make_server(StubEngine("instant", hits=24)))
     kind = RedisLookupClient if cls == "sync" else RedisAsyncLookupClient
-    client = make_client(lookup_timeout_ms=30_000, cls=kind)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    _, _, client = serve(StubEngine("instant", hits=24), lookup_timeout_ms=30_000, cls=kind)
     backend.fake.connected = False
     client.lookup(TOKENS, "trips")  # the submit that finds Redis gone
     wait_until(lambda: client.stats()["breaker_open"], message="the breaker opens")

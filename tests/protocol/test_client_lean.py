@@ -14,8 +14,8 @@ from typing import Any, cast
 import fakeredis
 import pytest
 import redis
-from faultkit import config
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from faultkit import Serve, alive, config, ready
+from helpers import Backend, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.client.sender import HEALTHY_IDLE_S
@@ -28,15 +28,6 @@ from broker_lookup.transport.script_runner import ScriptSet
 
 TOKENS = list(range(40))  # 10 chunks of 4 tokens
 real_only = pytest.mark.parametrize("backend", ["real"], indirect=True)
-
-
-def _ready_pair(make_server: MakeServer, make_client: MakeClient, **overrides: Any) -> Any:
-    engine = StubEngine()
-    server = make_server(engine)
-    wait_until(lambda: server.ready and server.stats()["last_heartbeat"], message="rank ready")
-    client = make_client(**overrides)
-    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the rank")
-    return engine, client
 
 
 def test_a_lean_link_wherever_the_client_has_a_plain_pool(backend: Backend) -> None:
@@ -75,9 +66,9 @@ def test_scripts_are_reloaded_after_a_flush(backend: Backend, engine_id: str) ->
 
 @real_only
 def test_lookups_complete_over_the_link_and_survive_a_killed_connection(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend
+    serve: Serve, backend: Backend
 ) -> None:
-    engine, client = _ready_pair(make_server, make_client)
+    engine, _, client = serve(StubEngine())
     client.lookup(TOKENS, "w1")
     wait_until(lambda: engine.started_ids() == ["w1"])
     engine.report("w1", 12)
@@ -96,14 +87,13 @@ def test_resp3_replies_are_read_too(
     make_server: MakeServer, backend: Backend, engine_id: str
 ) -> None:
     engine = StubEngine()
-    server = make_server(engine)
-    wait_until(lambda: server.ready and server.stats()["last_heartbeat"], message="rank ready")
+    ready(make_server(engine))
     assert backend.url is not None
     sep = "&" if "?" in backend.url else "?"
     url = f"{backend.url}{sep}protocol=3"
     meta = LookupMetadata(engine_id=engine_id, world_size=1)
     with RedisAsyncLookupClient(config(url), meta) as client:
-        wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the rank")
+        alive(client)
         client.lookup(TOKENS, "r3")
         wait_until(lambda: engine.started_ids() == ["r3"])
         engine.report("r3", 16)
@@ -111,12 +101,12 @@ def test_resp3_replies_are_read_too(
 
 
 def test_an_idle_healthy_sender_sleeps_and_a_lookup_rings_it(
-    make_server: MakeServer, make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No idle ticks inside vLLM's scheduler process while Redis answers: the sender wakes
     for lookups, cancels and their replies, not for a clock (its tick probes only while
     the breaker is open, which the breaker tests cover)."""
-    engine, client = _ready_pair(make_server, make_client, submit_on_caller_thread=False)
+    engine, _, client = serve(StubEngine(), submit_on_caller_thread=False)
     sender = client._sender
     wakes = 0
     idle = sender._idle

@@ -10,8 +10,8 @@ resumes once the server is back.
 from __future__ import annotations
 
 import pytest
-from faultkit import answer, config, prompt, ready
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from faultkit import Serve, alive, answer, config, prompt, ready
+from helpers import Backend, MakeClient, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupMetadata
@@ -30,19 +30,24 @@ def _breaker_closed(client: RedisAsyncLookupClient) -> None:
     wait_until(lambda: not client.stats()["breaker_open"], timeout=10, message="breaker closed")
 
 
+def _answered_again(
+    client: RedisAsyncLookupClient, engine: StubEngine, lookup_id: str, hits: int
+) -> int:
+    """Once the breaker closed, the answer to a new lookup the engine reports ``hits`` for."""
+    _breaker_closed(client)
+    client.lookup(TOKENS, lookup_id)
+    _started(engine, lookup_id)
+    engine.report(lookup_id, hits)
+    return answer(client, lookup_id, timeout=10)
+
+
 def _started(engine: StubEngine, lookup_id: str) -> None:
     wait_until(lambda: lookup_id in engine.started_ids(), message=f"{lookup_id} started")
 
 
 @fake_only
-def test_connection_lost_during_a_report(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
-) -> None:
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    client = make_client(lookup_timeout_ms=800)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+def test_connection_lost_during_a_report(serve: Serve, backend: Backend, engine_id: str) -> None:
+    engine, server, client = serve(StubEngine(), lookup_timeout_ms=800)
     client.lookup(TOKENS, "r1")
     _started(engine, "r1")
     backend.fake.connected = False
@@ -57,23 +62,13 @@ def test_connection_lost_during_a_report(
     fields = backend.factory().hgetall(key)
     assert b"r0" not in fields  # nothing half-applied
     assert server.stats()["reporter_errors"] == retries
-    _breaker_closed(client)
-    client.lookup(TOKENS, "r2")
-    _started(engine, "r2")
-    engine.report("r2", 24)
-    assert answer(client, "r2", timeout=10) == 24
+    assert _answered_again(client, engine, "r2", 24) == 24
     assert server.stats()["alive"]
 
 
 @fake_only
-def test_connection_lost_during_a_cancel(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
-) -> None:
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    client = make_client(lookup_timeout_ms=5000)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+def test_connection_lost_during_a_cancel(serve: Serve, backend: Backend, engine_id: str) -> None:
+    engine, _, client = serve(StubEngine(), lookup_timeout_ms=5000)
     client.lookup(TOKENS, "r1")
     _started(engine, "r1")
     ks = KeySpace(engine_id)
@@ -91,54 +86,30 @@ def test_connection_lost_during_a_cancel(
     assert client._sender.errors == retries  # no retry after giving up
     assert client.stats()["redis_errors"] >= retries
     engine.report("r1", 40)  # the undelivered cancel: the rank finishes normally
-    _breaker_closed(client)
-    client.lookup(TOKENS, "r2")
-    _started(engine, "r2")
-    engine.report("r2", 12)
-    assert answer(client, "r2", timeout=10) == 12
+    assert _answered_again(client, engine, "r2", 12) == 12
 
 
 @fake_only
-def test_connection_lost_during_blocking_reads(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend
-) -> None:
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    client = make_client()
-    wait_until(lambda: not client.stats()["dead_ranks"])
+def test_connection_lost_during_blocking_reads(serve: Serve, backend: Backend) -> None:
+    engine, server, client = serve(StubEngine())
     backend.fake.connected = False
     wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 2, timeout=10)
     wait_until(lambda: client._listener.errors >= 2, timeout=10)
     backend.fake.connected = True
     wait_until(lambda: server.ready, timeout=10)
-    wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
-    _breaker_closed(client)
-    client.lookup(TOKENS, "r1")
-    _started(engine, "r1")
-    engine.report("r1", 8)
-    assert answer(client, "r1", timeout=10) == 8
+    alive(client, timeout=10)
+    assert _answered_again(client, engine, "r1", 8) == 8
     assert server.stats()["alive"]
 
 
 @real_only
-def test_connections_killed_mid_read(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend
-) -> None:
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    client = make_client()
-    wait_until(lambda: not client.stats()["dead_ranks"])
+def test_connections_killed_mid_read(serve: Serve, backend: Backend) -> None:
+    engine, server, client = serve(StubEngine())
     admin = backend.factory()
     # Every other connection drops: the rank's blocked XREADGROUP, the client's XREAD, ...
     assert admin.client_kill_filter(_type="normal", skipme=True) >= 2
     wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=10)
-    _breaker_closed(client)
-    client.lookup(TOKENS, "r1")
-    _started(engine, "r1")
-    engine.report("r1", 16)
-    assert answer(client, "r1", timeout=10) == 16
+    assert _answered_again(client, engine, "r1", 16) == 16
     assert server.stats()["alive"]
 
 
@@ -154,16 +125,12 @@ def test_blocking_read_times_out_then_recovers(
     with RedisAsyncLookupServer(engine, meta, cfg) as server:
         ready(server)
         client = make_client()
-        wait_until(lambda: not client.stats()["dead_ranks"])
+        alive(client)
         backend.factory().execute_command(  # type: ignore[no-untyped-call]
             "CLIENT", "PAUSE", 4500, "WRITE"
         )
         wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=10)
         wait_until(lambda: server.ready, timeout=10)
-        wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
-        _breaker_closed(client)
-        client.lookup(TOKENS, "r1")
-        _started(engine, "r1")
-        engine.report("r1", 4)
-        assert answer(client, "r1", timeout=10) == 4
+        alive(client, timeout=10)
+        assert _answered_again(client, engine, "r1", 4) == 4
         assert server.stats()["alive"]

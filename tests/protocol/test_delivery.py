@@ -6,35 +6,28 @@ from __future__ import annotations
 import time
 
 import pytest
-from faultkit import answer, config, prompt, ready
-from helpers import Backend, MakeClient, MakeServer, stream_entries, stream_fields, wait_until
+from faultkit import Serve, alive, answer, config, prompt, ready
+from helpers import (
+    Backend,
+    MakeClient,
+    MakeServer,
+    epoch_ms,
+    lookup_request,
+    request_entry,
+    stream_entries,
+    stream_fields,
+    wait_until,
+)
 
-from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.errors import BrokerResponseError, ConfigError
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import LookupRequest, request_fields
+from broker_lookup.protocol.messages import request_fields
 from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, submit_args
 from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.connection import ensure_group
 from broker_lookup.transport.script_runner import ScriptSet
 
 TOKENS = prompt(0, chunks=10)
-
-
-def _alive(client: RedisAsyncLookupClient) -> None:
-    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the ranks")
-
-
-def _request(lookup_id: str, gen: int = 1) -> LookupRequest:
-    return LookupRequest(
-        lookup_id=lookup_id,
-        gen=gen,
-        hashes=[1, 2],
-        offsets=[4, 4],
-        expected=[0],
-        deadline_ms=int(time.time() * 1000) + 60_000,
-        tokens=8,
-    )
 
 
 def test_busygroup_on_restart_and_other_errors_surface(
@@ -60,8 +53,9 @@ def test_entries_trimmed_while_pending_are_acked_and_dead_lettered(
     ks = KeySpace(engine_id)
     conn = backend.factory()
     conn.xgroup_create(ks.requests, ks.group(0), id="$", mkstream=True)
+    deadline = epoch_ms() + 60_000
     for i in range(3):
-        conn.xadd(ks.requests, stream_fields(request_fields(_request(f"gone-{i}"))))
+        conn.xadd(ks.requests, request_entry(lookup_request(f"gone-{i}", deadline_ms=deadline)))
     # A rank read them and crashed before acking; then the stream was trimmed under them.
     conn.xreadgroup(ks.group(0), ks.consumer(0), {ks.requests: ">"})
     conn.xtrim(ks.requests, maxlen=0)
@@ -76,7 +70,7 @@ def test_entries_trimmed_while_pending_are_acked_and_dead_lettered(
     assert all("trimmed" in r or "no 'm' field" in r for r in reasons), reasons
     assert engine.started_ids() == []
     client = make_client()
-    _alive(client)
+    alive(client)
     client.lookup(TOKENS, "r1")
     wait_until(lambda: engine.started_ids() == ["r1"])
     engine.report("r1", 8)
@@ -85,14 +79,10 @@ def test_entries_trimmed_while_pending_are_acked_and_dead_lettered(
 
 
 def test_duplicate_delivery_does_not_prefetch_twice(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+    serve: Serve, backend: Backend, engine_id: str
 ) -> None:
     ks = KeySpace(engine_id)
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    client = make_client()
-    _alive(client)
+    engine, server, client = serve(StubEngine())
     client.lookup(TOKENS, "r1")
     wait_until(lambda: engine.started_ids() == ["r1"])
     conn = backend.factory()
@@ -109,14 +99,8 @@ def test_duplicate_delivery_does_not_prefetch_twice(
     assert client.lookup_cache("r1") == 20
 
 
-def test_script_cache_flushed_mid_traffic(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
-) -> None:
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    client = make_client()
-    _alive(client)
+def test_script_cache_flushed_mid_traffic(serve: Serve, backend: Backend, engine_id: str) -> None:
+    engine, server, client = serve(StubEngine())
     conn = backend.factory()
     ids = [f"a{i}" for i in range(20)]
     for lookup_id in ids:
@@ -143,7 +127,7 @@ def test_noscript_reload_in_one_pipeline(backend: Backend, engine_id: str) -> No
     scripts = ScriptSet()
     scripts.load(conn)
     conn.script_flush()
-    req = _request("p1", gen=7)
+    req = lookup_request("p1", 7, deadline_ms=epoch_ms() + 60_000)
     submit = Call(
         SUBMIT,
         (ks.lookup("p1"), ks.requests),

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from faultkit import answer, config, prompt, ready
+from faultkit import Serve, answer, config, prompt, ready
 from helpers import Backend, MakeClient, MakeServer, engine_keys, holds_for, wait_until
 from redis.typing import EncodableT, FieldT
 
@@ -40,17 +40,14 @@ def _bounded(keys: dict[str, int], ttl_ms: int) -> dict[str, int]:
 
 
 def test_every_key_of_a_run_expires_within_the_engine_ttl(
-    backend: Backend, make_server: MakeServer, make_client: MakeClient, engine_id: str
+    backend: Backend, serve: Serve, engine_id: str
 ) -> None:
     """Hits, a cancel, a timeout and a dead letter, while the engine lives and after it stopped."""
     conn = backend.factory()
-    fast, slow = StubEngine("instant", hits=24), StubEngine()
-    ready(
-        make_server(fast, rank=0, world_size=2, engine_ttl_ms=TTL_MS),
-        make_server(slow, rank=1, world_size=2, engine_ttl_ms=TTL_MS),
+    ttl: dict[str, Any] = {"engine_ttl_ms": TTL_MS}
+    (_, slow), _, client = serve.ranks(
+        [StubEngine("instant", hits=24), StubEngine()], rank_config=ttl, **ttl
     )
-    client = make_client(world_size=2, engine_ttl_ms=TTL_MS)
-    wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
     client.lookup(TOKENS, "hit")
     wait_until(lambda: "hit" in slow.started_ids())
     slow.report("hit", 40)

@@ -14,11 +14,11 @@ import gc
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from faultkit import prompt, ready
-from helpers import MakeClient, MakeServer, wait_until
+from faultkit import Serve, prompt
+from helpers import wait_until
 
 import broker_lookup.client.table as lookup_table
 from broker_lookup.client import RedisAsyncLookupClient
@@ -49,14 +49,12 @@ def _answered(client: RedisAsyncLookupClient, lookup_id: str) -> bool:
 
 
 def _rank_and_client(
-    make_server: MakeServer, make_client: MakeClient, mode: Mode
+    serve: Serve, mode: Mode
 ) -> tuple[RedisAsyncLookupServer, RedisAsyncLookupClient]:
     """A rank whose engine answers as ``mode`` says, and a client that sees it; long
     budgets, so no lookup reaches its deadline on a loaded machine."""
-    server = make_server(StubEngine(mode, record=False), lookup_timeout_ms=20_000)
-    client = make_client(lookup_timeout_ms=20_000)
-    ready(server)
-    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the rank")
+    budget: dict[str, Any] = {"lookup_timeout_ms": 20_000}
+    _, server, client = serve(StubEngine(mode, record=False), rank_config=budget, **budget)
     return server, client
 
 
@@ -98,7 +96,7 @@ def _tracked_per_lookup(run: Callable[[], None]) -> float:
 
 
 def test_lookups_in_flight_keep_nothing_tracked(
-    make_server: MakeServer, make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A reconcile pass reads the hash of each lookup in flight for 0.5 s or more, one
     # reply list per lookup; passes come every 0.1 s, so one could overlap every count (265
@@ -107,7 +105,7 @@ def test_lookups_in_flight_keep_nothing_tracked(
     monkeypatch.setattr(lookup_table, "RECONCILE_AFTER_S", 3600.0)
     # A manual engine never answers by itself: every lookup stays in flight (running on
     # the rank, pending on the client) while the objects are counted.
-    server, client = _rank_and_client(make_server, make_client, "manual")
+    server, client = _rank_and_client(serve, "manual")
     prompts = [prompt(i * 1000) for i in range(WARM + LOOKUPS)]
     # Warm: the first lookups' one-time objects (caches, the connections' buffers).
     for i, tokens in enumerate(prompts[:WARM]):
@@ -130,12 +128,10 @@ def test_lookups_in_flight_keep_nothing_tracked(
     assert per_lookup < 0.5, per_lookup
 
 
-def test_held_lookups_keep_nothing_tracked_on_the_rank(
-    make_server: MakeServer, make_client: MakeClient
-) -> None:
+def test_held_lookups_keep_nothing_tracked_on_the_rank(serve: Serve) -> None:
     # Long budgets: a lookup answered 0 at its deadline on a loaded machine is cancelled,
     # and its rank releases it instead of holding it.
-    server, client = _rank_and_client(make_server, make_client, "instant")
+    server, client = _rank_and_client(serve, "instant")
     prompts = [prompt(i * 1000) for i in range(LOOKUPS)]
 
     def answer_and_clear(lookup_ids: list[str]) -> None:

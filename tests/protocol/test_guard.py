@@ -6,29 +6,18 @@ import logging
 from typing import Any
 
 import pytest
-from helpers import MakeClient, MakeServer, wait_until
+from faultkit import Serve
+from helpers import wait_until
 
-from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.stub_engine import StubEngine
-from workers.server import RedisAsyncLookupServer
 
 TOKENS = list(range(40))
 
 
-def _ready(server: RedisAsyncLookupServer, client: RedisAsyncLookupClient) -> None:
-    wait_until(lambda: server.ready and server.stats()["last_heartbeat"])
-    wait_until(lambda: not client.stats()["dead_ranks"])
-
-
 def test_rank_loop_survives_an_unexpected_error(
-    make_server: MakeServer,
-    make_client: MakeClient,
-    caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
+    serve: Serve, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = make_server(StubEngine("instant", hits=20))
-    client = make_client()
-    _ready(server, client)
+    _, server, client = serve(StubEngine("instant", hits=20))
     original = server.tracker.on_request  # the first step of every lookup
     calls = {"n": 0}
 
@@ -49,11 +38,9 @@ def test_rank_loop_survives_an_unexpected_error(
 
 
 def test_client_listener_survives_an_unexpected_error(
-    make_server: MakeServer, make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = make_server(StubEngine("instant", hits=20))
-    client = make_client()
-    _ready(server, client)
+    _, _, client = serve(StubEngine("instant", hits=20))
     table = client._table
     original = table.finish
     calls = {"n": 0}

@@ -9,8 +9,8 @@ from __future__ import annotations
 import io
 
 import pytest
-from faultkit import answer, prompt
-from helpers import Backend, MakeClient, MakeServer, RealServer, wait_until
+from faultkit import Serve, answer, prompt
+from helpers import Backend, RealServer
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.ops.inspect import render as render_report
@@ -24,19 +24,16 @@ LONG_ID = "cmpl-" + "0123456789abcdef" * 4
 HITS = 12
 
 
-def _one_answered_lookup(make_server: MakeServer, make_client: MakeClient) -> int:
-    server = make_server(StubEngine("instant", hits=HITS))
-    wait_until(lambda: server.ready)
-    client = make_client()
-    wait_until(lambda: not client.stats()["dead_ranks"])
+def _one_answered_lookup(serve: Serve) -> int:
+    _, _, client = serve(StubEngine("instant", hits=HITS))
     client.lookup(prompt(1024), LONG_ID)
     return answer(client, LONG_ID, timeout=10)
 
 
 def test_a_lookup_is_shown_with_its_whole_id_and_its_result(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+    serve: Serve, backend: Backend, engine_id: str
 ) -> None:
-    hits = _one_answered_lookup(make_server, make_client)
+    hits = _one_answered_lookup(serve)
     assert hits == HITS
     snap = snapshot(backend.factory(), KeySpace(engine_id), None, 50)
     text = render_report(snap, "redis://h:6379/0", None)
@@ -65,9 +62,9 @@ def _watched(url: str, engine_id: str, out: io.StringIO) -> str:
 # inspect connects by URL: the real server only.
 @pytest.mark.parametrize("backend", ["real"], indirect=True)
 def test_watch_redraws_on_a_terminal_and_appends_when_piped(
-    make_server: MakeServer, make_client: MakeClient, real_server: RealServer, engine_id: str
+    serve: Serve, real_server: RealServer, engine_id: str
 ) -> None:
-    _one_answered_lookup(make_server, make_client)
+    _one_answered_lookup(serve)
     on_terminal = _watched(real_server.url, engine_id, _Terminal())
     assert on_terminal.count("\x1b[H\x1b[2J") == 1 and "-" * 72 not in on_terminal
     assert on_terminal.count(f"engine {engine_id}") == 2

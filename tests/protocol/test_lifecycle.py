@@ -12,11 +12,18 @@ from typing import Any
 
 import pytest
 import redis
-from faultkit import answer, prompt, ready
-from helpers import Backend, MakeClient, MakeServer, stream_fields, text, wait_until
+from faultkit import Serve, answer, hold_reports, prompt, ready
+from helpers import (
+    Backend,
+    MakeServer,
+    epoch_ms,
+    lookup_request,
+    request_entry,
+    text,
+    wait_until,
+)
 
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import LookupRequest, request_fields
 from broker_lookup.stub_engine import StubEngine
 from workers import server as server_module
 from workers.server import RedisAsyncLookupServer
@@ -24,30 +31,17 @@ from workers.server import RedisAsyncLookupServer
 TOKENS = prompt(0, chunks=10)
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 def _submit(
     conn: redis.Redis, ks: KeySpace, lookup_id: str, gen: int, entry_id: str = "*", **changes: Any
 ) -> Any:
     """What submit.lua does for one rank: a fresh pending hash of ``gen``, then the entry."""
-    fields = {
-        "lookup_id": lookup_id,
-        "gen": gen,
-        "hashes": [1, 2],
-        "offsets": [4, 4],
-        "expected": [0],
-        "deadline_ms": _now_ms() + 60_000,
-        "tokens": 8,
-        "budget_ms": 60_000,
-    }
-    req = LookupRequest(**{**fields, **changes})
+    fields = {"deadline_ms": epoch_ms() + 60_000, "budget_ms": 60_000, **changes}
+    req = lookup_request(lookup_id, gen, **fields)
     key = ks.lookup(lookup_id)
     conn.delete(key)
     conn.hset(key, mapping={"state": "pending", "gen": gen, "expected": "0", "tokens": 8})
     conn.pexpire(key, 60_000)
-    return conn.xadd(ks.requests, stream_fields(request_fields(req)), id=entry_id)
+    return conn.xadd(ks.requests, request_entry(req), id=entry_id)
 
 
 def _hash(conn: redis.Redis, ks: KeySpace, lookup_id: str) -> dict[str, str]:
@@ -62,13 +56,10 @@ def _counts(server: RedisAsyncLookupServer) -> dict[str, int]:
 
 
 def test_engine_that_never_reports_is_answered_zero_released_and_the_id_reused(
-    make_server: MakeServer, make_client: MakeClient
+    serve: Serve,
 ) -> None:
-    engine = StubEngine()
-    server = make_server(engine, worker_watchdog_grace_ms=300)
-    ready(server)
-    client = make_client(lookup_timeout_ms=800)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    grace = {"worker_watchdog_grace_ms": 300}
+    engine, server, client = serve(StubEngine(), rank_config=grace, lookup_timeout_ms=800)
     client.lookup(TOKENS, "never")
     wait_until(lambda: engine.started_ids() == ["never"])
     assert answer(client, "never", timeout=10) == 0  # the timeout: an answer, not a hang
@@ -137,14 +128,7 @@ def test_stale_answer_of_an_old_generation_never_releases_the_new_one(
     engine = StubEngine()
     server = make_server(engine)
     ready(server)
-    reporter = server._reporter
-    gate, send = [False], reporter._send_batch
-
-    def gated(client: Any, batch: Any) -> None:  # holds gen 1's report between the engine and Redis
-        wait_until(lambda: gate[0], timeout=20, message="the gate opened")
-        send(client, batch)
-
-    monkeypatch.setattr(reporter, "_send_batch", gated)
+    gate = hold_reports(server, monkeypatch)  # holds gen 1's report between engine and Redis
     conn = backend.factory()
     _submit(conn, ks, "race", gen=1)
     wait_until(lambda: engine.started_ids() == ["race"])
@@ -152,7 +136,7 @@ def test_stale_answer_of_an_old_generation_never_releases_the_new_one(
     _submit(conn, ks, "race", gen=2)  # the client reused the id: the hash holds gen 2
     wait_until(lambda: _counts(server).get("queued") == 1)
     assert engine.started_ids() == ["race"]  # gen 2 waits: gen 1 is still in the engine
-    gate[0] = True
+    gate.set()
     wait_until(lambda: _counts(server).get("report_stale") == 1)
     wait_until(lambda: engine.started_ids() == ["race", "race"])
     assert engine.released == ["race"]  # gen 1 released before gen 2 reached the engine
@@ -173,11 +157,11 @@ def test_clock_skew_between_client_and_rank_does_not_drop_work(
     conn = backend.factory()
     # A client 3 s ahead: its deadline_ms looks far off, but the budget counts from the
     # server's stamp, which is 10 s old here (the stream's first entry): expired, dropped.
-    old = f"{_now_ms() - 10_000}-1"
-    _submit(conn, ks, "ahead", 1, old, deadline_ms=_now_ms() + 3000, budget_ms=1500)
+    old = f"{epoch_ms() - 10_000}-1"
+    _submit(conn, ks, "ahead", 1, old, deadline_ms=epoch_ms() + 3000, budget_ms=1500)
     wait_until(lambda: _counts(server).get("expired") == 1, timeout=10)
     # A client whose clock is 3 s behind: its deadline_ms is already past for this host.
-    _submit(conn, ks, "behind", gen=1, deadline_ms=_now_ms() - 3000, budget_ms=1500)
+    _submit(conn, ks, "behind", gen=1, deadline_ms=epoch_ms() - 3000, budget_ms=1500)
     wait_until(lambda: engine.started_ids() == ["behind"])
     assert _counts(server)["expired"] == 1
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from faultkit import answer, prompt, ready
+from faultkit import alive, answer, prompt, ready
 from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace
@@ -42,7 +42,7 @@ def test_a_second_server_for_a_served_rank_never_answers(
     assert parse_holder(conn.get(ks.owner("0"))).token == owner.lease.token  # type: ignore[union-attr]
     assert conn.exists(ks.contender("0"))  # the conflict is visible in Redis
     client = make_client()
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    alive(client)
     for i in range(20):
         client.lookup(TOKENS, f"d-{i}")
         assert answer(client, f"d-{i}", timeout=30) == RIGHT
@@ -77,7 +77,7 @@ def test_a_second_scheduler_answers_zero_and_takes_over_after_the_first(
     assert second.stats()["outcomes"]["duplicate_scheduler"] == 10
     errors = [r for r in caplog.records if "the scheduler of engine" in r.getMessage()]
     assert len(errors) == 1 and first.lease.identity.describe() in errors[0].getMessage()
-    wait_until(lambda: not first.stats()["dead_ranks"])
+    alive(first)
     first.lookup(TOKENS, "f-1")
     assert answer(first, "f-1", timeout=30) == RIGHT
     first.close()  # releases the lease: the second one claims it at its next renewal
@@ -85,6 +85,6 @@ def test_a_second_scheduler_answers_zero_and_takes_over_after_the_first(
     wait_until(lambda: second.lease.held(), timeout=30, message="the second took over")
     holder = parse_holder(conn.get(ks.owner(SCHEDULER_ROLE)))
     assert holder is not None and holder.epoch == 2
-    wait_until(lambda: not second.stats()["dead_ranks"])
+    alive(second)
     second.lookup(TOKENS, "s-after")
     assert answer(second, "s-after", timeout=30) == RIGHT

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faultkit import CHUNK, answer, prompt
+from faultkit import CHUNK, alive, answer, prompt
 from helpers import Backend, MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
@@ -78,7 +78,7 @@ def _started(
     client = make_client(world_size=2, cls=cls, **settings)
     _stage(client, engines)
     _ranks(make_server, engines, **settings)
-    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees both ranks")
+    alive(client)
     return client
 
 
@@ -162,7 +162,7 @@ def test_a_rank_that_confirmed_nothing_makes_it_0(
         make_server(once, rank=1, world_size=2, **PARTIAL),
     ]
     wait_until(lambda: all(s.ready for s in servers))
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    alive(client)
     client.lookup(TOKENS, "long")
     assert answer(client, "long", timeout=10) == 0
     assert client.stats()["outcomes"]["timeout"] == 1
@@ -320,7 +320,7 @@ def test_the_rank_that_missed_the_deadline_is_counted(
     servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]
     wait_until(lambda: all(s.ready for s in servers))
     client = make_client(world_size=2, lookup_timeout_ms=500)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    alive(client)
     client.lookup(TOKENS, "late")
     assert answer(client, "late", timeout=5) == 0  # rank 1 never reports
 
@@ -341,7 +341,7 @@ def test_a_long_prompt_gets_a_longer_deadline_on_the_wire_and_in_the_key_ttl(
     server = make_server(engine, lookup_timeout_per_1k_tokens_ms=500)
     wait_until(lambda: server.ready)
     client = make_client(lookup_timeout_ms=1000, lookup_timeout_per_1k_tokens_ms=500)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    alive(client)
     long = list(range(4000))  # 1,000 chunks: 1000 + 4 x 500 = 3000 ms
     client.lookup(long, "long")
     client.lookup(list(range(32)), "short")
@@ -390,7 +390,7 @@ def test_a_partial_answer_read_by_reconciliation_counts_as_partial(
     servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]
     wait_until(lambda: all(s.ready for s in servers))
     client = make_client(world_size=2, lookup_timeout_ms=5000)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    alive(client)
     client.lookup(TOKENS, "r")
     ks = KeySpace(engine_id)
     conn = backend.factory()

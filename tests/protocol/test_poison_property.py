@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from faultkit import CHUNK, prompt, ready
+from faultkit import CHUNK, alive, prompt, ready
 from helpers import Backend, MakeClient, MakeServer, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -88,7 +88,7 @@ def test_valid_lookups_survive_any_junk(
     engines = _engines(client.hasher)
     servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]
     ready(*servers)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    alive(client)
     conn = backend.factory()
     serial = iter(range(10**9))
 

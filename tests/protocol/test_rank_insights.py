@@ -14,7 +14,8 @@ import time
 from typing import Any
 
 import pytest
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from faultkit import Serve, ServedRanks
+from helpers import Backend, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.client.insights import Sampler
@@ -29,20 +30,10 @@ TOKENS = list(range(40))  # 10 chunks of 4 tokens
 INSIGHTS_LOG = "broker_lookup.client.insights"
 
 
-def _ranks(
-    make_server: MakeServer, make_client: MakeClient, world: int, **overrides: Any
-) -> tuple[list[StubEngine], RedisAsyncLookupClient]:
-    engines = [StubEngine() for _ in range(world)]
-    servers = [make_server(e, rank=r, world_size=world) for r, e in enumerate(engines)]
-    wait_until(
-        lambda: all(s.ready and s.stats()["last_heartbeat"] for s in servers),
-        message="servers ready and beating",
-    )
+def _ranks(serve: Serve, world: int, **overrides: Any) -> ServedRanks[StubEngine]:
     # Every lookup timed, unless a test samples: these tests count lookup by lookup.
     overrides.setdefault("rank_insights_max_per_s", 0)
-    client = make_client(world_size=world, **overrides)
-    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees every rank")
-    return engines, client
+    return serve.ranks([StubEngine() for _ in range(world)], **overrides)
 
 
 def _answer(
@@ -77,9 +68,9 @@ def _insights(client: RedisAsyncLookupClient) -> dict[str, Any]:
 
 
 def test_per_rank_latency_and_last_to_report(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+    serve: Serve, backend: Backend, engine_id: str
 ) -> None:
-    engines, client = _ranks(make_server, make_client, 3)
+    engines, _, client = _ranks(serve, 3)
     redis: Any = backend.factory()
     key = KeySpace(engine_id).lookup("slow1")
     # Rank 1 reports last on purpose, after the others are in the hash.
@@ -106,11 +97,10 @@ def test_per_rank_latency_and_last_to_report(
 
 
 def test_ranks_that_disagree_are_counted_and_warned_about(
-    make_server: MakeServer,
-    make_client: MakeClient,
+    serve: Serve,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    engines, client = _ranks(make_server, make_client, 3, rank_spread_warn_share=0.5)
+    engines, _, client = _ranks(serve, 3, rank_spread_warn_share=0.5)
     caplog.set_level(logging.WARNING, logger=INSIGHTS_LOG)
     # Spread 36 of 40 tokens: over the share, warned.
     assert _answer(client, engines, "split1", {0: 40, 1: 4, 2: 20}, [0, 1, 2]) == 4
@@ -136,10 +126,8 @@ def test_ranks_that_disagree_are_counted_and_warned_about(
     assert len([r for r in caplog.records if r.name == INSIGHTS_LOG]) == 1
 
 
-def test_rank_insights_off_records_nothing(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
-) -> None:
-    engines, client = _ranks(make_server, make_client, 2, rank_insights=False)
+def test_rank_insights_off_records_nothing(serve: Serve, backend: Backend, engine_id: str) -> None:
+    engines, _, client = _ranks(serve, 2, rank_insights=False)
     assert _answer(client, engines, "off1", {0: 40, 1: 8}, [1, 0]) == 8
     assert client.stats()["rank_insights"] == {}
     redis: Any = backend.factory()
@@ -153,10 +141,10 @@ def test_rank_insights_off_records_nothing(
 
 
 def test_old_format_done_entries_still_complete(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+    serve: Serve, backend: Backend, engine_id: str
 ) -> None:
     """An entry with only id, gen, result (an older report.lua) completes its lookup."""
-    engines, client = _ranks(make_server, make_client, 1)
+    engines, _, client = _ranks(serve, 1)
     assert client.lookup(TOKENS, "old1") is None
     wait_until(lambda: "old1" in engines[0].started_ids())
     keys = KeySpace(engine_id)
@@ -208,9 +196,9 @@ def test_scripts_stamp_only_when_asked(backend: Backend, engine_id: str) -> None
 
 
 def test_inspect_shows_each_ranks_latency_and_last_share(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+    serve: Serve, backend: Backend, engine_id: str
 ) -> None:
-    engines, client = _ranks(make_server, make_client, 2)
+    engines, _, client = _ranks(serve, 2)
     redis: Any = backend.factory()
     keys = KeySpace(engine_id)
     for i in range(3):
@@ -242,10 +230,10 @@ class _Scripted(Sampler):
 
 
 def test_sampled_lookups_go_untimed_and_timed_ones_count_for_their_weight(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+    serve: Serve, backend: Backend, engine_id: str
 ) -> None:
     """``rank_insights_max_per_s``: only the sampler's picks carry stamps on the wire."""
-    engines, client = _ranks(make_server, make_client, 2, rank_insights_max_per_s=50)
+    engines, _, client = _ranks(serve, 2, rank_insights_max_per_s=50)
     assert client.insights is not None
     client.insights.sampler = _Scripted([1, 0, 0, 3])
     redis: Any = backend.factory()
@@ -268,10 +256,10 @@ def test_sampled_lookups_go_untimed_and_timed_ones_count_for_their_weight(
 
 
 def test_the_default_sampler_times_the_first_lookup_and_at_most_its_rate(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+    serve: Serve, backend: Backend, engine_id: str
 ) -> None:
     """One timed lookup every 1,000 s: of a run of lookups, the first alone is timed."""
-    engines, client = _ranks(make_server, make_client, 1, rank_insights_max_per_s=0.001)
+    engines, _, client = _ranks(serve, 1, rank_insights_max_per_s=0.001)
     for i in range(3):
         assert _answer(client, engines, f"rate{i}", {0: 40}, [0]) == 40
     wait_until(lambda: _insights(client).get("recorded") == 1)

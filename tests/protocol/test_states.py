@@ -7,38 +7,20 @@ import time
 from typing import Any
 
 import pytest
-from faultkit import answer
-from helpers import Backend, MakeClient, MakeServer, text, wait_until
+from faultkit import Serve, alive, answer, ready
+from helpers import Backend, MakeClient, MakeServer, lookup_request, text, wait_until
 
-from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
+from broker_lookup.client import RedisLookupClient
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, submit_args
+from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, submit_call
 from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.script_runner import ScriptSet
-from workers.server import RedisAsyncLookupServer
 
 TOKENS = list(range(40))  # 10 chunks of 4 tokens
 
 
-def _ready(*servers: RedisAsyncLookupServer) -> None:
-    wait_until(
-        lambda: all(s.ready and s.stats()["last_heartbeat"] for s in servers),
-        message="servers ready and beating",
-    )
-
-
-def _alive(client: RedisAsyncLookupClient) -> None:
-    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees every rank alive")
-
-
-def test_unknown_then_pending_then_result_then_cleared(
-    make_server: MakeServer, make_client: MakeClient
-) -> None:
-    engine = StubEngine()
-    server = make_server(engine)
-    _ready(server)
-    client = make_client()
-    _alive(client)
+def test_unknown_then_pending_then_result_then_cleared(serve: Serve) -> None:
+    engine, _, client = serve(StubEngine())
     assert client.lookup_cache("r1") == -1
     assert client.lookup(TOKENS, "r1") is None
     assert client.lookup_cache("r1") is None
@@ -51,14 +33,8 @@ def test_unknown_then_pending_then_result_then_cleared(
     assert client.lookup_cache("r1") == -1
 
 
-def test_min_over_ranks_that_differ(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
-) -> None:
-    engines = [StubEngine(), StubEngine(), StubEngine()]
-    servers = [make_server(e, rank=r, world_size=3) for r, e in enumerate(engines)]
-    _ready(*servers)
-    client = make_client(world_size=3)
-    _alive(client)
+def test_min_over_ranks_that_differ(serve: Serve, backend: Backend, engine_id: str) -> None:
+    engines, _, client = serve.ranks([StubEngine(), StubEngine(), StubEngine()])
     client.lookup(TOKENS, "r1")
     wait_until(lambda: all(e.started_ids() == ["r1"] for e in engines))
     engines[0].report("r1", 40)
@@ -74,13 +50,9 @@ def test_min_over_ranks_that_differ(
 
 
 def test_duplicate_report_from_one_rank_does_not_complete(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+    serve: Serve, backend: Backend, engine_id: str
 ) -> None:
-    engines = [StubEngine(), StubEngine()]
-    servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]
-    _ready(*servers)
-    client = make_client(world_size=2)
-    _alive(client)
+    engines, _, client = serve.ranks([StubEngine(), StubEngine()])
     client.lookup(TOKENS, "r1")
     wait_until(lambda: all(e.started_ids() for e in engines))
     engines[0].report("r1", 16)
@@ -100,13 +72,9 @@ def test_duplicate_report_from_one_rank_does_not_complete(
 
 
 def test_timeout_is_terminal_zero_and_cancels(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+    serve: Serve, backend: Backend, engine_id: str
 ) -> None:
-    engine = StubEngine()  # never reports
-    server = make_server(engine)
-    _ready(server)
-    client = make_client(lookup_timeout_ms=300)
-    _alive(client)
+    engine, server, client = serve(StubEngine(), lookup_timeout_ms=300)  # it never reports
     client.lookup(TOKENS, "r1")
     wait_until(lambda: engine.started_ids() == ["r1"])
     assert wait_until(lambda: client.lookup_cache("r1") == 0, timeout=3)
@@ -126,12 +94,8 @@ def test_timeout_is_terminal_zero_and_cancels(
     assert client.lookup_cache("r1") == -1
 
 
-def test_timeout_fires_without_polling(make_server: MakeServer, make_client: MakeClient) -> None:
-    engine = StubEngine()
-    server = make_server(engine)
-    _ready(server)
-    client = make_client(lookup_timeout_ms=200)
-    _alive(client)
+def test_timeout_fires_without_polling(serve: Serve) -> None:
+    engine, server, client = serve(StubEngine(), lookup_timeout_ms=200)
     client.lookup(TOKENS, "r1")
     wait_until(lambda: engine.started_ids() == ["r1"])
     # Nobody polls: the listener's sweep still ends it and tells the rank (LMCache D11).
@@ -151,7 +115,7 @@ def test_cancel_before_the_rank_starts(
     # A heartbeat without a consuming server: the request waits in the stream.
     ks = KeySpace(engine_id)
     redis.set(ks.heartbeat(0), "{}", px=60000)
-    _alive(client)
+    alive(client)
     redis.xgroup_create(ks.requests, ks.group(0), id="0", mkstream=True)
     client.lookup(TOKENS, "r1")
     wait_until(lambda: redis.exists(ks.lookup("r1")))
@@ -159,19 +123,15 @@ def test_cancel_before_the_rank_starts(
     wait_until(lambda: not redis.exists(ks.lookup("r1")))
     assert client.lookup_cache("r1") == -1
     server = make_server(engine)  # starts now: sees the lookup, then its abort
-    _ready(server)
+    ready(server)
     wait_until(lambda: server.stats()["counts"].get("aborted", 0) == 1)
     assert engine.started_ids() == []
 
 
 def test_cancel_during_prefetch_releases_when_it_finishes(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
+    serve: Serve, backend: Backend, engine_id: str
 ) -> None:
-    engine = StubEngine()
-    server = make_server(engine)
-    _ready(server)
-    client = make_client()
-    _alive(client)
+    engine, server, client = serve(StubEngine())
     client.lookup(TOKENS, "r1")
     wait_until(lambda: engine.started_ids() == ["r1"])
     client.cancel_lookup("r1")
@@ -184,14 +144,8 @@ def test_cancel_during_prefetch_releases_when_it_finishes(
     assert client.lookup_cache("r1") == -1
 
 
-def test_cancel_after_prefetch_releases_at_once(
-    make_server: MakeServer, make_client: MakeClient
-) -> None:
-    engine = StubEngine("instant", hits=40)
-    server = make_server(engine)
-    _ready(server)
-    client = make_client()
-    _alive(client)
+def test_cancel_after_prefetch_releases_at_once(serve: Serve) -> None:
+    engine, server, client = serve(StubEngine("instant", hits=40))
     client.lookup(TOKENS, "r1")
     assert wait_until(lambda: client.lookup_cache("r1") == 40)
     assert engine.released == []  # pins are held for the retrieve
@@ -207,7 +161,7 @@ def test_late_report_after_cancel_resurrects_no_key(
     ks = KeySpace(engine_id)
     redis = backend.factory()
     redis.set(ks.heartbeat(0), "{}", px=60000)
-    _alive(client)
+    alive(client)
     client.lookup(TOKENS, "r1")
     wait_until(lambda: redis.exists(ks.lookup("r1")))
     gen = int(text(redis.hget(ks.lookup("r1"), "gen")))
@@ -220,14 +174,8 @@ def test_late_report_after_cancel_resurrects_no_key(
     assert not redis.exists(ks.lookup("r1"))
 
 
-def test_id_reuse_gets_a_new_generation(
-    make_server: MakeServer, make_client: MakeClient, backend: Backend, engine_id: str
-) -> None:
-    engine = StubEngine()
-    server = make_server(engine)
-    _ready(server)
-    client = make_client()
-    _alive(client)
+def test_id_reuse_gets_a_new_generation(serve: Serve, backend: Backend, engine_id: str) -> None:
+    engine, _, client = serve(StubEngine())
     ks = KeySpace(engine_id)
     redis = backend.factory()
     client.lookup(TOKENS, "r1")
@@ -274,11 +222,8 @@ def test_dead_rank_answers_zero_at_once(
     assert not backend.factory().exists(KeySpace(engine_id).lookup("r1"))
 
 
-def test_sync_client_returns_the_int(make_server: MakeServer, make_client: MakeClient) -> None:
-    server = make_server(StubEngine("instant", hits=20))
-    _ready(server)
-    client = make_client(cls=RedisLookupClient)
-    _alive(client)
+def test_sync_client_returns_the_int(serve: Serve) -> None:
+    _, _, client = serve(StubEngine("instant", hits=20), cls=RedisLookupClient)
     assert client.lookup(TOKENS, "r1") == 20
     assert client.lookup_cache("r1") == 20
     assert client.lookup_cache("nope") == -1
@@ -292,16 +237,11 @@ RETAINED: dict[str, Any] = {
 }
 
 
-def test_a_result_older_than_its_retention_answers_minus_one(
-    make_server: MakeServer, make_client: MakeClient
-) -> None:
+def test_a_result_older_than_its_retention_answers_minus_one(serve: Serve) -> None:
     # The ranks release a result's pins worker_pin_ttl_ms after taking them. A hit answered
     # after its retention would promise pins that may be gone, whenever the listener's
     # eviction sweep (every few seconds) comes: lookup_cache itself judges the age.
-    server = make_server(StubEngine("instant", hits=24), **RETAINED)
-    _ready(server)
-    client = make_client(**RETAINED)
-    _alive(client)
+    _, _, client = serve(StubEngine("instant", hits=24), rank_config=RETAINED, **RETAINED)
     client.lookup(TOKENS, "r1")
     assert answer(client, "r1", timeout=10) == 24
     answered = time.monotonic()  # the result was recorded at or before this
@@ -311,15 +251,9 @@ def test_a_result_older_than_its_retention_answers_minus_one(
     assert answer(client, "r1", timeout=10) == 24
 
 
-def test_cancel_after_clear_still_releases_the_pins(
-    make_server: MakeServer, make_client: MakeClient
-) -> None:
+def test_cancel_after_clear_still_releases_the_pins(serve: Serve) -> None:
     # vLLM clears a lookup when it allocates the request and cancels it on abort.
-    engine = StubEngine()
-    server = make_server(engine)
-    _ready(server)
-    client = make_client()
-    _alive(client)
+    engine, _, client = serve(StubEngine())
     client.lookup(TOKENS, "r1")
     wait_until(lambda: engine.started_ids() == ["r1"])
     engine.report("r1", 24)
@@ -339,21 +273,9 @@ def test_a_resubmitted_generation_keeps_the_reports_already_recorded(
     # sent again: the fast rank's report must survive and no second entry is written.
     ks, scripts, conn = KeySpace(engine_id), ScriptSet(), backend.factory()
     key = ks.lookup("r1")
-    submit = Call(
-        SUBMIT,
-        (key, ks.requests),
-        submit_args(
-            gen=7,
-            expected="0,1",
-            created_ms=1,
-            deadline_ms=2,
-            tokens=40,
-            ttl_ms=60_000,
-            engine_ttl_ms=60_000,
-            maxlen=100,
-            lookup_id="r1",
-            fields={"type": "lookup", "m": "x"},
-        ),
+    request = lookup_request("r1", 7, chunks=10, expected=[0, 1], deadline_ms=2)
+    submit = submit_call(
+        ks, request, expected="0,1", created_ms=1, ttl_ms=60_000, maxlen=100, engine_ttl_ms=60_000
     )
     scripts.call(conn, submit)
     assert scripts.call(
@@ -371,17 +293,13 @@ def test_a_resubmitted_generation_keeps_the_reports_already_recorded(
 
 
 def test_lookups_queued_behind_a_slow_sender_are_not_taken_for_vanished(
-    make_server: MakeServer,
-    make_client: MakeClient,
+    serve: Serve,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A burst keeps the sender over a second behind: the listener's reconcile must not
     # answer those lookups 0 as "vanished from Redis" before they were even written.
-    engine = StubEngine("instant", hits=20)
-    _ready(make_server(engine))
-    client = make_client(lookup_timeout_ms=5000)
-    _alive(client)
+    _, _, client = serve(StubEngine("instant", hits=20), lookup_timeout_ms=5000)
     sender = client._sender
     original = sender._send_batch
     gate = {"first": True}

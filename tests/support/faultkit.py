@@ -10,13 +10,18 @@ import subprocess
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
-from helpers import wait_until
+import pytest
+from helpers import MakeClient, MakeServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig
+from workers.server import RedisAsyncLookupServer
+
+E = TypeVar("E")
 
 #: Small chunks and short timers: every fault resolves in a second or two. The heartbeat
 #: TTL is generous: a rank thread starved of CPU on a loaded CI box must not look dead.
@@ -211,6 +216,81 @@ def ready(*servers: Any) -> None:
         lambda: all(s.ready and s.stats()["last_heartbeat"] for s in servers),
         message="ranks ready and beating",
     )
+
+
+def hold_reports(
+    server: RedisAsyncLookupServer, monkeypatch: pytest.MonkeyPatch
+) -> threading.Event:
+    """Hold every report batch of ``server`` between its engine and Redis, as a Redis
+    that does not answer would, until the returned event is set (at most 20 s)."""
+    gate, send = threading.Event(), server._reporter._send_batch
+
+    def gated(client: Any, batch: Any) -> None:
+        wait_until(gate.is_set, timeout=20, message="the gate opened")
+        send(client, batch)
+
+    monkeypatch.setattr(server._reporter, "_send_batch", gated)
+    return gate
+
+
+class Served(NamedTuple, Generic[E]):
+    """What :class:`Serve` made: a ready rank, and a client that sees it alive."""
+
+    engine: E
+    rank: RedisAsyncLookupServer
+    client: RedisAsyncLookupClient
+
+
+class ServedRanks(NamedTuple, Generic[E]):
+    """What :meth:`Serve.ranks` made: ready ranks (rank ``r`` runs ``engines[r]``) and a
+    client that sees every one alive."""
+
+    engines: list[E]
+    ranks: list[RedisAsyncLookupServer]
+    client: RedisAsyncLookupClient
+
+
+class Serve:
+    """The ``serve`` fixture: in-process ranks on the test's backend that read their group
+    and beat (:func:`ready`), then a client that sees every one alive (:func:`alive`).
+
+    ``overrides`` are the client's config fields, ``rank_config`` the ranks'. The
+    ``make_server`` and ``make_client`` fixtures close what this made.
+    """
+
+    def __init__(self, make_server: MakeServer, make_client: MakeClient) -> None:
+        self._make_server = make_server
+        self._make_client = make_client
+
+    def __call__(
+        self,
+        engine: E,
+        *,
+        rank_config: Mapping[str, Any] | None = None,
+        cls: type[RedisAsyncLookupClient] = RedisAsyncLookupClient,
+        **overrides: Any,
+    ) -> Served[E]:
+        """One rank running ``engine``, and a client of ``cls``."""
+        engines, ranks, client = self.ranks([engine], rank_config, cls, **overrides)
+        return Served(engines[0], ranks[0], client)
+
+    def ranks(
+        self,
+        engines: Sequence[E],
+        rank_config: Mapping[str, Any] | None = None,
+        cls: type[RedisAsyncLookupClient] = RedisAsyncLookupClient,
+        **overrides: Any,
+    ) -> ServedRanks[E]:
+        """One rank per engine (``world_size`` is their number), and a client of ``cls``."""
+        world = len(engines)
+        ranks = [
+            self._make_server(e, rank=r, world_size=world, **(rank_config or {}))
+            for r, e in enumerate(engines)
+        ]
+        ready(*ranks)
+        client = self._make_client(world_size=world, cls=cls, **overrides)
+        alive(client)
+        return ServedRanks(list(engines), ranks, client)
 
 
 class LateEngine:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -20,6 +22,7 @@ import redis
 from redis.typing import EncodableT, FieldT
 
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import LookupRequest, request_fields
 from broker_lookup.tools.embedded import EmbeddedServer
 
 if TYPE_CHECKING:
@@ -33,7 +36,10 @@ __all__ = [
     "RealServer",
     "command",
     "engine_keys",
+    "epoch_ms",
     "holds_for",
+    "lookup_request",
+    "request_entry",
     "stream_entries",
     "stream_fields",
     "text",
@@ -55,22 +61,34 @@ def wait_until(
     timeout: float = 5.0,
     interval: float = 0.005,
     message: str = "",
+    *,
+    ignoring: tuple[type[Exception], ...] = (),
+    process: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
 ) -> object:
     """Poll ``predicate`` until it returns something truthy, and return that.
 
-    Tests synchronise with this, never with a bare ``time.sleep``.
+    Tests synchronise with this, never with a bare ``time.sleep``. ``ignoring``: errors
+    of ``predicate`` that count as a falsy answer (a server still starting). ``process``:
+    a child the wait is for; its exit fails the wait at once, with ``log``'s tail.
 
     Raises:
-        AssertionError: ``predicate`` stayed falsy for ``timeout`` seconds; the message
-            says what was awaited and the last value seen.
+        AssertionError: ``predicate`` stayed falsy for ``timeout`` seconds, or
+            ``process`` exited; the message says what was awaited and the last value seen.
     """
     deadline = time.monotonic() + timeout
+    what = message or getattr(predicate, "__name__", repr(predicate))
     while True:
-        value = predicate()
-        if value:
+        try:
+            value = predicate()
+        except ignoring as exc:
+            value = exc
+        if value and not isinstance(value, Exception):
             return value
+        if process is not None and process.poll() is not None:
+            tail = log.read_text(errors="replace")[-4000:] if log is not None else ""
+            raise AssertionError(f"exited {process.returncode} before {what}:\n{tail}")
         if time.monotonic() >= deadline:
-            what = message or getattr(predicate, "__name__", repr(predicate))
             raise AssertionError(f"waited {timeout:g}s for {what}; last value: {value!r}")
         time.sleep(interval)
 
@@ -94,6 +112,38 @@ def holds_for(
         if elapsed >= seconds:
             return
         time.sleep(interval)
+
+
+def lookup_request(
+    lookup_id: str = "a",
+    gen: int = 1,
+    *,
+    chunks: int = 2,
+    expected: Sequence[int] = (0,),
+    **fields: Any,
+) -> LookupRequest:
+    """A request for ``chunks`` chunks of 4 tokens (hashes 1, 2, ...) from the ranks
+    ``expected``, with no deadline: ``fields`` sets any other field (``deadline_ms``,
+    ``budget_ms``...) or replaces one of these."""
+    values: dict[str, Any] = {
+        "hashes": list(range(1, chunks + 1)),
+        "offsets": [4] * chunks,
+        "expected": list(expected),
+        "deadline_ms": 0,
+        "tokens": 4 * chunks,
+        **fields,
+    }
+    return LookupRequest(lookup_id=lookup_id, gen=gen, **values)
+
+
+def request_entry(request: LookupRequest) -> dict[FieldT, EncodableT]:
+    """``request`` as the fields of its stream entry, as ``XADD`` takes them."""
+    return stream_fields(request_fields(request))
+
+
+def epoch_ms() -> int:
+    """Now, in milliseconds since the epoch: the clock of ``deadline_ms``."""
+    return int(time.time() * 1000)
 
 
 def engine_keys(conn: redis.Redis, engine_id: str) -> dict[str, int]:

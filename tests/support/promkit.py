@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import urllib.error
 import urllib.parse
@@ -24,6 +23,8 @@ from typing import Any
 import pytest
 import yaml
 from helpers import wait_until
+
+from broker_lookup.processes import free_port
 
 __all__ = [
     "ALERTS",
@@ -92,12 +93,6 @@ def alert_exprs() -> list[tuple[str, str]]:
     return [(r["alert"], r["expr"]) for g in data["groups"] for r in g["rules"]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Prometheus:
     """A Prometheus server scraping ``targets`` every second, with a storage dir of its own."""
@@ -110,7 +105,7 @@ class Prometheus:
 
     def start(self, timeout_s: float = 60.0) -> Prometheus:
         """Start it; return once it answers ready."""
-        self.port = _free_port()
+        self.port = free_port()
         config = self.work / "prometheus.yml"
         config.write_text(
             yaml.safe_dump(

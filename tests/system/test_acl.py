@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import redis
+from faultkit import alive
 from helpers import command, wait_until
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -146,7 +147,7 @@ def _protocol_run(server: EmbeddedServer, engine_id: str) -> None:
     meta = LookupMetadata(engine_id=engine_id, world_size=2)
     client = RedisAsyncLookupClient(_config(server, "scheduler"), meta)
     try:
-        wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+        alive(client, timeout=10)
         client.lookup(TOKENS, "hit")
         wait_until(lambda: "hit" in engines[1].started_ids())
         engines[1].report("hit", 32)
@@ -209,7 +210,7 @@ def test_partial_answers_run_under_the_shipped_users(
         for r, e in enumerate(engines)
     ]
     try:
-        wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+        alive(client, timeout=10)
         client.lookup(TOKENS, "partial")
         wait_until(lambda: client.lookup_cache("partial") is not None, timeout=10)
         got = client.lookup_cache("partial")

@@ -4,7 +4,6 @@ the client counts it (and an unreachable Redis) as ``unavailable``, never ``dead
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from collections.abc import Iterator
 
@@ -15,7 +14,7 @@ from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
 from broker_lookup.errors import AUTH_HINT, AuthFailed, BrokerUnavailable, translate_redis_errors
 from broker_lookup.ops.cli import main as cli_main
-from broker_lookup.processes import ExitCode, child_env, python_module
+from broker_lookup.processes import ExitCode, child_env, free_port, python_module
 from broker_lookup.tools.embedded import EmbeddedServer
 from broker_lookup.transport.connection import make_factory
 
@@ -36,12 +35,6 @@ def locked() -> Iterator[EmbeddedServer]:
 def _url(server: EmbeddedServer, password: str | None = None) -> str:
     auth = f":{password}@" if password else ""
     return f"redis://{auth}127.0.0.1:{server.port}/0"
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])  # closed again when the block ends: nobody listens
 
 
 def test_the_hint_names_the_settings() -> None:
@@ -116,7 +109,7 @@ def test_a_client_refused_by_redis_counts_unavailable_not_dead_rank(
 
 
 def test_a_client_of_an_unreachable_redis_counts_unavailable_not_dead_rank() -> None:
-    url = f"redis://127.0.0.1:{_closed_port()}/0"
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens there
     outcomes = _outcomes_of_a_lookup(_config(url))
     assert outcomes.get("unavailable") == 1 and not outcomes.get("dead_rank"), outcomes
 

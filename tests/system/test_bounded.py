@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import redis
-from faultkit import CHUNK, config, prompt, second_scheduler
+from faultkit import CHUNK, alive, config, prompt, second_scheduler
 from helpers import RealServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
@@ -201,7 +201,7 @@ def test_fifty_thousand_lookups_leave_nothing_behind(
     cfg = config(real_server.url, **SETTINGS)
     run = Run(cfg, engine_id, config(real_server.url, **{**SETTINGS, "lookup_timeout_ms": 300}))
     try:
-        wait_until(lambda: not run.client.stats()["dead_ranks"], timeout=10)
+        alive(run.client, timeout=10)
         for start in range(0, TOTAL, WINDOW):
             run.window(start)
             for key, length in _keys_bounded(conn, ks).items():

@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ import redis
 from helpers import RealServer, engine_keys, gone, wait_until
 
 from broker_lookup.config import LookupConfig
-from broker_lookup.processes import child_env, python_module, spawn, terminate
+from broker_lookup.processes import child_env, free_port, python_module, spawn, terminate
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
 
@@ -204,9 +203,7 @@ def test_inspect_watch_repeats_until_ctrl_c(
 
 
 def test_inspect_unreachable_redis_exits_3() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # nothing listens there
     proc = _run("inspect", "--redis-url", f"redis://127.0.0.1:{port}/0", "--engine-id", "e")
     assert proc.returncode == 3
     assert "cannot inspect redis://127.0.0.1" in proc.stderr

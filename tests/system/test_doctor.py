@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +15,7 @@ from broker_lookup.config import LookupConfig, env_name
 from broker_lookup.errors import AUTH_HINT
 from broker_lookup.ops.cli import main as cli_main
 from broker_lookup.ops.doctor import Finding, diagnose
+from broker_lookup.processes import free_port
 from broker_lookup.protocol.fingerprint import member
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
@@ -53,9 +53,7 @@ def test_the_cli_exits_0_on_a_healthy_server_and_1_when_unreachable(
     assert cli_main(["doctor", "--redis-url", real_server.url, "--engine-id", "none-here"]) == 0
     out = capsys.readouterr().out
     assert "ok    connect" in out and "every check passed" in out, out
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # nothing listens there once closed
+    port = free_port()  # nothing listens there
     assert cli_main(["doctor", "--redis-url", f"redis://127.0.0.1:{port}/0"]) == 1
     out = capsys.readouterr().out
     assert "FAIL  connect" in out and "1 check(s) failed" in out, out

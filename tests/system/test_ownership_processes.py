@@ -5,7 +5,6 @@ owner paused past its lease comes back fenced (none of its reports is recorded).
 from __future__ import annotations
 
 import signal
-import socket
 import urllib.error
 import urllib.request
 
@@ -14,7 +13,7 @@ import redis
 from faultkit import MakeLookupClient, StartRank, alive, answer, beat, config, prompt
 from helpers import RealServer, wait_until
 
-from broker_lookup.processes import ExitCode
+from broker_lookup.processes import ExitCode, free_port
 from broker_lookup.protocol.keys import KeySpace
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
@@ -23,12 +22,6 @@ PROMPT = prompt(5000, chunks=256)  # 1,024 tokens at the tests' chunk size
 FULL = len(PROMPT)
 SLOW = prompt(9000)  # on disk: 8 chunks x 250 ms of loading
 CLAIM_WAIT_S = 8.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _readyz(port: int) -> tuple[int, str]:
@@ -53,7 +46,7 @@ def test_a_duplicated_rank_never_answers_waits_exits_4_then_takes_over(
     conn = redis.Redis.from_url(real_server.url)
     owner = rank_procs(real_server.url, engine_id, 1, 0, [{"tokens": PROMPT}])
     wait_until(lambda: _holder_pid(conn, ks) == owner.pid, timeout=90, message="owner serving")
-    port = _free_port()
+    port = free_port()
     options = {"claim-timeout": CLAIM_WAIT_S, "metrics-port": port}
     newcomer = rank_procs(real_server.url, engine_id, 1, 0, [], options=options)
     wait_until(lambda: "already served by" in newcomer.log(), timeout=90, message="its ERROR")
@@ -92,7 +85,7 @@ def test_an_owner_paused_past_its_lease_comes_back_fenced(
     ks = KeySpace(engine_id)
     conn = redis.Redis.from_url(real_server.url)
     prompts = [{"tokens": SLOW, "tier": "disk"}]
-    port = _free_port()
+    port = free_port()
     # A heartbeat that outlives the pause: the client keeps waiting for the paused rank
     # (no dead-rank 0), so only the fence stands between its late report and the answer.
     timers = {"heartbeat_ttl_ms": 30_000, "owner_lease_ms": 1500}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import redis
+from faultkit import alive
 from helpers import RealServer, gone, wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.ops.metrics import ClientCollector
-from broker_lookup.processes import child_env, python_module, spawn, terminate
+from broker_lookup.processes import child_env, free_port, python_module, spawn, terminate
 from broker_lookup.protocol.keys import KeySpace
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -113,10 +113,6 @@ def _beating(redis_client: redis.Redis, keys: KeySpace, *ranks: int) -> None:
     )
 
 
-def _alive(client: RedisAsyncLookupClient) -> None:
-    wait_until(lambda: not client.stats()["dead_ranks"], timeout=10, message="ranks alive")
-
-
 def _result(client: RedisAsyncLookupClient, tokens: list[int], lookup_id: str) -> int:
     assert client.lookup(tokens, lookup_id) is None
     value = wait_until(lambda: client.lookup_cache(lookup_id) is not None, timeout=15)
@@ -138,7 +134,7 @@ def test_full_partial_zero_across_two_rank_processes(
     start_rank(rank=1)
     _beating(redis_client, keys, 0, 1)
     client = make_client(2)
-    _alive(client)
+    alive(client, timeout=10)
     assert _result(client, FULL, "full") == len(FULL)
     assert _result(client, PARTIAL, "partial") == len(PARTIAL) // 2  # min over ranks
     fields = redis_client.hgetall(keys.lookup("partial"))
@@ -181,7 +177,7 @@ def test_killed_rank_is_dead_fast_and_recovers_after_restart(
     victim = start_rank(rank=1)
     _beating(redis_client, keys, 0, 1)
     client = make_client(2)
-    _alive(client)
+    alive(client, timeout=10)
     assert _result(client, FULL, "before") == len(FULL)
 
     victim.kill()
@@ -196,7 +192,7 @@ def test_killed_rank_is_dead_fast_and_recovers_after_restart(
 
     start_rank(rank=1)  # same consumer name: replays its own pending entries first
     _beating(redis_client, keys, 1)
-    _alive(client)
+    alive(client, timeout=10)
     assert _result(client, FULL, "after") == len(FULL)
 
 
@@ -225,12 +221,6 @@ def test_supervisor_exits_with_the_failure_of_a_child(
     os.kill(child, signal.SIGKILL)
     assert supervisor.wait(timeout=30) == 1  # it stopped rank 0 too, so the pod restarts
     assert redis_client.exists(keys.heartbeat(0)) == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 _ONE_RANK = ["--engine-id", "e", "--world-size", "1", "--rank", "0"]
@@ -297,7 +287,7 @@ def test_a_bad_value_in_the_config_file_names_the_file(tmp_path: Path) -> None:
 
 
 def test_unreachable_redis_at_startup_exits_3(engine_id: str) -> None:
-    url = f"redis://127.0.0.1:{_free_port()}/0"  # nothing listens there
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     argv = ["--engine-id", engine_id, "--world-size", "1", "--rank", "0", "--metrics-port", "0"]
     proc = subprocess.run(
         python_module("workers", [*argv, "--redis-url", url, "--connect-timeout", "1"]),

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import redis
 from faultkit import (
-    CHUNK,
     MakeLookupClient,
     StartRank,
     alive,
@@ -24,10 +23,9 @@ from faultkit import (
     prompt,
     second_scheduler,
 )
-from helpers import RealServer, stream_fields, wait_until
+from helpers import RealServer, epoch_ms, lookup_request, request_entry, wait_until
 
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import LookupRequest, request_fields
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -73,17 +71,9 @@ def test_kill9_mid_prefetch_then_restart_replays_pending(
     ranks[0].kill9()  # mid-prefetch: rank 0 never reports "slow"
     assert long.lookup(HOT, "live") is None  # sent while rank 0 is down
     # The crashed rank had read "live" and an already-expired lookup, and acked neither.
-    dead = LookupRequest(
-        lookup_id="expired",
-        gen=1,
-        hashes=[1, 2],
-        offsets=[CHUNK, CHUNK],
-        expected=[0, 1],
-        deadline_ms=int(time.time() * 1000) - 1000,
-        tokens=2 * CHUNK,
-    )
+    dead = lookup_request("expired", expected=[0, 1], deadline_ms=epoch_ms() - 1000)
     wait_until(lambda: _pending(conn, ks, 0)[1] >= 1, message="'live' queued for rank 0")
-    conn.xadd(ks.requests, stream_fields(request_fields(dead)))
+    conn.xadd(ks.requests, request_entry(dead))
     conn.xreadgroup(ks.group(0), ks.consumer(0), {ks.requests: ">"})
     assert _pending(conn, ks, 0)[0] >= 2
     assert answer(short, "slow", timeout=10) == 0  # the timeout; never rank 1's 32 alone
@@ -150,6 +140,6 @@ def test_stalled_rank_fails_fast_with_one_error_then_recovers(
     assert len(errors) == 1, [r.getMessage() for r in caplog.records]
     assert ks.heartbeat(1) in errors[0].getMessage()
     ranks[1].signal(signal.SIGCONT)
-    wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+    alive(client, timeout=10)
     client.lookup(HOT, "after")
     assert answer(client, "after", timeout=10) == FULL

@@ -4,35 +4,30 @@ bounded, everything recovers by itself, and close() leaves no connection open.""
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 import pytest
 import redis
-from faultkit import config, ready
-from helpers import Backend, MakeServer, RealServer, stream_fields, wait_until
+from faultkit import config, hold_reports, ready
+from helpers import (
+    Backend,
+    MakeServer,
+    RealServer,
+    epoch_ms,
+    lookup_request,
+    request_entry,
+    wait_until,
+)
 from redis.typing import EncodableT, FieldT
 
 from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import LookupRequest, request_fields
 from broker_lookup.stub_engine import StubEngine
 from faultproxy.proxy import FaultProxy
 from workers.server import RedisAsyncLookupServer
 
 
 def _entry(lookup_id: str, budget_ms: int = 60_000) -> dict[FieldT, EncodableT]:
-    req = LookupRequest(
-        lookup_id=lookup_id,
-        gen=1,
-        hashes=[1, 2],
-        offsets=[4, 4],
-        expected=[0],
-        deadline_ms=int(time.time() * 1000) + budget_ms,
-        tokens=8,
-        budget_ms=budget_ms,
-    )
-    return stream_fields(request_fields(req))
+    req = lookup_request(lookup_id, deadline_ms=epoch_ms() + budget_ms, budget_ms=budget_ms)
+    return request_entry(req)
 
 
 def _names(conn: redis.Redis, engine_id: str) -> list[str]:
@@ -85,14 +80,7 @@ def test_reports_beyond_the_bounded_queue_are_released(
     ready(server)
     reporter = server._reporter
     monkeypatch.setattr(reporter, "_max_queue", 2)
-    gate, send = [False], reporter._send_batch
-
-    # A Redis that does not answer: the first batch hangs.
-    def gated(client: Any, batch: Any) -> None:
-        wait_until(lambda: gate[0], timeout=20, message="the gate opened")
-        send(client, batch)
-
-    monkeypatch.setattr(reporter, "_send_batch", gated)
+    gate = hold_reports(server, monkeypatch)  # a Redis that does not answer: the first batch hangs
     conn = backend.factory()
     ids = [f"q{i}" for i in range(5)]
     for lookup_id in ids:
@@ -105,6 +93,6 @@ def test_reports_beyond_the_bounded_queue_are_released(
     # q1 and q2 wait in the queue; q3 and q4 do not fit: released at once, not queued.
     assert server.stats()["counts"]["report_overflow"] == reporter.overflows == 2
     assert sorted(engine.released) == ["q3", "q4"]
-    gate[0] = True
+    gate.set()
     wait_until(lambda: sorted(engine.released) == ids)  # no hash: "dropped", released
     assert server.stats()["reporting"] == 0

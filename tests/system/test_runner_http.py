@@ -17,7 +17,7 @@ from helpers import RealServer, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker_lookup.ops.metrics import METRIC_NAMES
-from broker_lookup.processes import child_env, python_module, spawn, terminate
+from broker_lookup.processes import child_env, free_port, python_module, spawn, terminate
 from broker_lookup.tools.embedded import EmbeddedServer
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -29,12 +29,10 @@ WORKER_NAMES = {n for n in METRIC_NAMES if n.startswith("broker_lookup_worker_")
 }
 
 
-def _free_port(span: int = 2) -> int:
+def _free_ports(span: int = 2) -> int:
     """A port P such that P .. P+span-1 are all free now (supervised ranks use P+rank)."""
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
+        port = free_port()
         if port + span <= 65536 and all(_bindable(p) for p in range(port + 1, port + span)):
             return port
 
@@ -66,7 +64,7 @@ def start_worker(
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(url: str, *args: str) -> tuple[subprocess.Popen[bytes], int]:
-        port = _free_port()
+        port = _free_ports()
         argv = ["--engine-id", engine_id, "--world-size", "2", "--metrics-port", str(port)]
         env = child_env(
             os.environ,

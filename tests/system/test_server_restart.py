@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from faultkit import config, eventually_right, prompt, settle
+from faultkit import alive, config, eventually_right, prompt, settle
 from helpers import wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
@@ -70,7 +70,7 @@ class Stack:
 def stack(fresh_real_server: EmbeddedServer, engine_id: str) -> Iterator[Stack]:
     st = Stack(config(fresh_real_server.url, lookup_timeout_ms=1500), engine_id)
     try:
-        wait_until(lambda: not st.client.stats()["dead_ranks"], timeout=10)
+        alive(st.client, timeout=10)
         yield st
     finally:
         st.close()

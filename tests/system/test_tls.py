@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -21,12 +20,14 @@ from typing import Any
 
 import pytest
 import redis
+from faultkit import alive
 from helpers import wait_until
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
+from broker_lookup.processes import free_port
 from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.connection import make_factory
 from workers.server import RedisAsyncLookupServer
@@ -138,12 +139,6 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _tls_client(port: int, certs: Certs) -> redis.Redis:
     return redis.Redis(
         host="127.0.0.1",
@@ -180,7 +175,7 @@ def tls_port(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     """A TLS-only redis-server requiring client certificates; always stopped."""
     if not Path(BINARY).exists():
         _unavailable(f"no {BINARY}")
-    port, workdir = _free_port(), tmp_path_factory.mktemp("tls-server")
+    port, workdir = free_port(), tmp_path_factory.mktemp("tls-server")
     argv = [
         BINARY,
         "--port",
@@ -244,7 +239,7 @@ def test_lookup_over_mutual_tls(tls_port: int, certs: Certs, engine_id: str) -> 
     )
     client = RedisAsyncLookupClient(cfg, LookupMetadata(engine_id=engine_id, world_size=1))
     try:
-        wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+        alive(client, timeout=10)
         client.lookup(TOKENS, "tls-1")
         wait_until(lambda: client.lookup_cache("tls-1") == 28, timeout=10)
         assert client.stats()["redis_errors"] == 0 and rank.stats()["reporter_errors"] == 0

@@ -7,18 +7,20 @@ import logging
 from typing import Any
 
 import pytest
+from helpers import lookup_request
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.histogram import LATENCY_BUCKETS
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import Abort, Keep, LookupRequest, Request
+from broker_lookup.protocol.messages import Abort, Keep, Request
 from workers.pipeline import dispatch as dispatch_module
 from workers.pipeline.dispatch import Dispatcher
 from workers.pipeline.lifecycle import Lifecycle
 from workers.pipeline.reporter import Report
 
 RANK = 1
-TOKENS = 8
+EXPECTED = [0, RANK]  #: the ranks of every lookup
+TOKENS = 8  #: of every lookup: lookup_request's two chunks of 4
 GRACE_S = 0.5
 PIN_TTL_S = 4.0
 
@@ -92,7 +94,7 @@ class Rank:
 
     def start(self, lookup_id: str, mode: str = "later", budget_ms: float = 1_000.0) -> None:
         self.engine.modes[lookup_id] = mode
-        self.dispatcher.handle(_req(lookup_id, 0), budget_ms)
+        self.dispatcher.handle(lookup_request(lookup_id, 0, expected=EXPECTED), budget_ms)
 
     def sweep_at(self, dt: float) -> None:
         """Move the clock ``dt`` seconds on, then sweep."""
@@ -102,18 +104,6 @@ class Rank:
 
 def _no_connection() -> Any:
     raise AssertionError("the reporter's thread is not started in these tests")
-
-
-def _req(lookup_id: str, gen: int) -> Request:
-    return LookupRequest(
-        lookup_id=lookup_id,
-        gen=gen,
-        hashes=[11, 12],
-        offsets=[TOKENS // 2, TOKENS - TOKENS // 2],
-        expected=[0, RANK],
-        deadline_ms=0,
-        tokens=TOKENS,
-    )
 
 
 def test_an_engine_that_raises_is_answered_0_with_its_traceback_logged(
@@ -137,7 +127,7 @@ def test_a_base_exception_from_the_engine_is_not_swallowed() -> None:
 
     rank.engine.async_lookup_and_prefetch = interrupted  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
-        rank.dispatcher.handle(_req("a", 0), 250.0)
+        rank.dispatcher.handle(lookup_request("a", 0, expected=EXPECTED), 250.0)
     assert "engine_errors" not in rank.dispatcher.counts()
 
 
@@ -153,7 +143,9 @@ def test_a_batch_that_raises_queues_its_reports() -> None:
         original(lookup_id, *args, **kw)
 
     rank.engine.async_lookup_and_prefetch = interrupted  # type: ignore[method-assign]
-    batch = [(_req(i, 0), 250.0) for i in ("a", "b", "c")]
+    batch: list[tuple[Request, float]] = [
+        (lookup_request(i, 0, expected=EXPECTED), 250.0) for i in ("a", "b", "c")
+    ]
     with pytest.raises(KeyboardInterrupt):
         rank.dispatcher.serve(batch)
     assert rank.queued() == [Report("a", 0, TOKENS)]

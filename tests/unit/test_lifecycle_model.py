@@ -14,11 +14,11 @@ time against a model of the engine (plain dicts), checking after every step that
 
 from __future__ import annotations
 
+from helpers import lookup_request
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from broker_lookup.protocol.messages import LookupRequest
 from workers.pipeline.lifecycle import Lifecycle, Step
 
 IDS = ("a", "b")
@@ -28,18 +28,6 @@ BUDGET = st.floats(min_value=0.1, max_value=5.0)
 MEMO_TTL = 6.0  # >= any budget: an entry older than its memo is dropped as expired first
 PIN_TTL = 8.0
 GRACE = 1.0
-
-
-def _req(lookup_id: str, gen: int) -> LookupRequest:
-    return LookupRequest(
-        lookup_id=lookup_id,
-        gen=gen,
-        hashes=[1],
-        offsets=[4],
-        expected=[0],
-        deadline_ms=0,
-        tokens=4,
-    )
 
 
 class LifecycleModel(RuleBasedStateMachine):
@@ -85,7 +73,9 @@ class LifecycleModel(RuleBasedStateMachine):
         if self.now >= expires:
             return  # the server drops it as expired before the lifecycle sees it
         was = self.phase.get(lookup_id)
-        decision, step = self.life.on_request(_req(lookup_id, gen), self.now, expires)
+        decision, step = self.life.on_request(
+            lookup_request(lookup_id, gen, chunks=1), self.now, expires
+        )
         if decision == "release_then_start":
             assert was == "held", f"released a {was} generation for a new one"
         if decision in ("start", "release_then_start"):
@@ -203,6 +193,6 @@ test_lifecycle_against_model = LifecycleModel.TestCase
 def test_close_releases_every_generation_the_engine_holds() -> None:
     life = Lifecycle(CAPACITY, PIN_TTL, MEMO_TTL, GRACE)
     for lookup_id in IDS:
-        life.on_request(_req(lookup_id, 1), 0.0, 3.0)
+        life.on_request(lookup_request(lookup_id, 1, chunks=1), 0.0, 3.0)
     life.on_report("b", 0.1)
     assert sorted(life.release_all(0.2)) == list(IDS)

@@ -3,28 +3,16 @@ engine; what each input decides and which engine step follows."""
 
 from __future__ import annotations
 
-from broker_lookup.protocol.messages import LookupRequest
+from helpers import lookup_request
+
 from workers.pipeline.lifecycle import NOTHING, Lifecycle, Step
 
 PIN_TTL = 10.0
 
 
-def req(lookup_id: str = "a", gen: int = 1, tokens: int = 16) -> LookupRequest:
-    chunks = tokens // 4
-    return LookupRequest(
-        lookup_id=lookup_id,
-        gen=gen,
-        hashes=list(range(chunks)),
-        offsets=[4] * chunks,
-        expected=[0],
-        deadline_ms=0,
-        tokens=tokens,
-    )
-
-
 def running(lookup_id: str = "a", gen: int = 1) -> Lifecycle:
     t = Lifecycle(capacity=100, pin_ttl_s=PIN_TTL, memo_ttl_s=5.0, grace_s=2.0)
-    decision, step = t.on_request(req(lookup_id, gen), 0.0, 3.0)
+    decision, step = t.on_request(lookup_request(lookup_id, gen, chunks=4), 0.0, 3.0)
     assert decision == "start" and step.start is not None
     return t
 

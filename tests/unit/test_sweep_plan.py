@@ -8,9 +8,8 @@ import itertools
 import math
 import time
 
-from helpers import wait_until
+from helpers import lookup_request, wait_until
 
-from broker_lookup.protocol.messages import LookupRequest
 from workers.pipeline.lifecycle import Lifecycle
 from workers.pipeline.watchdog import Sweeper
 
@@ -18,18 +17,6 @@ PIN_TTL = 10.0
 GRACE = 2.0
 MEMO_TTL = 5.0
 DELAY = 0.05
-
-
-def req(lookup_id: str = "a", gen: int = 1) -> LookupRequest:
-    return LookupRequest(
-        lookup_id=lookup_id,
-        gen=gen,
-        hashes=[1, 2],
-        offsets=[4, 4],
-        expected=[0],
-        deadline_ms=0,
-        tokens=8,
-    )
 
 
 def lifecycle(capacity: int = 100) -> tuple[Lifecycle, list[int]]:
@@ -46,7 +33,7 @@ def test_nothing_tracked_plans_the_longest_sleep() -> None:
 
 def test_the_plan_is_the_earliest_timer_hold_or_memo_within_its_bounds() -> None:
     t, _ = lifecycle()
-    t.on_request(req(), 0.0, 3.0)  # watchdog at 3 + GRACE; seen memo until MEMO_TTL
+    t.on_request(lookup_request(), 0.0, 3.0)  # watchdog at 3 + GRACE; seen memo until MEMO_TTL
     assert t.plan_sweep(0.05, 100.0) == 3.0 + GRACE
     assert t.plan_sweep(0.05, 1.0) == 1.0  # never past the latest
     assert t.plan_sweep(6.0, 100.0) == 6.0  # never before the soonest
@@ -60,7 +47,7 @@ def test_the_plan_is_the_earliest_timer_hold_or_memo_within_its_bounds() -> None
 
 def test_progress_is_due_once_it_is_as_old_as_the_delay() -> None:
     t, _ = lifecycle()
-    t.on_request(req(), 0.0, 3.0)
+    t.on_request(lookup_request(), 0.0, 3.0)
     assert t.on_progress("a", 4, 1.0)
     assert t.on_progress("a", 6, 1.02)  # the oldest progress not taken sets the time
     assert t.plan_sweep(0.05, 100.0) == 1.0 + DELAY
@@ -71,7 +58,7 @@ def test_progress_is_due_once_it_is_as_old_as_the_delay() -> None:
 def test_holds_beyond_capacity_are_due_at_once() -> None:
     t, _ = lifecycle(capacity=1)
     for i, lookup_id in enumerate(("a", "b")):
-        t.on_request(req(lookup_id), float(i), 30.0)
+        t.on_request(lookup_request(lookup_id), float(i), 30.0)
         t.on_report(lookup_id, float(i))
         t.on_settled(lookup_id, 1, keep=True, now=float(i))
     assert t.plan_sweep(0.05, 100.0) == 0.05
@@ -82,10 +69,10 @@ def test_holds_beyond_capacity_are_due_at_once() -> None:
 def test_a_timer_due_before_a_long_sleep_rings_the_sweeper_once() -> None:
     t, rings = lifecycle()
     assert t.plan_sweep(0.05, 100.0) == 100.0  # nothing tracked: the sweeper sleeps long
-    t.on_request(req("a"), 0.0, 3.0)  # its watchdog at 5 is due before 100: ring
+    t.on_request(lookup_request("a"), 0.0, 3.0)  # its watchdog at 5 is due before 100: ring
     assert rings == [1]
-    t.on_request(req("b"), 0.0, 2.0)  # due at 4: sooner still, ring again
-    t.on_request(req("c"), 0.0, 9.0)  # due at 11: after the wake now planned, no ring
+    t.on_request(lookup_request("b"), 0.0, 2.0)  # due at 4: sooner still, ring again
+    t.on_request(lookup_request("c"), 0.0, 9.0)  # due at 11: after the wake now planned, no ring
     assert rings == [1, 1]
     assert t.plan_sweep(0.05, 100.0) == 2.0 + GRACE
 
@@ -93,12 +80,12 @@ def test_a_timer_due_before_a_long_sleep_rings_the_sweeper_once() -> None:
 def test_steady_traffic_never_rings() -> None:
     """Each new timer falls after the earliest one, which the sweeper already plans for."""
     t, rings = lifecycle()
-    t.on_request(req("first"), 0.0, 3.0)
+    t.on_request(lookup_request("first"), 0.0, 3.0)
     rings.clear()
     for i in range(50):
         now = 0.01 * i
         assert t.plan_sweep(now + 0.05, now + 1.0) == now + 1.0
-        t.on_request(req(f"l{i}"), now, now + 3.0)
+        t.on_request(lookup_request(f"l{i}"), now, now + 3.0)
         t.on_report(f"l{i}", now)
         t.on_settled(f"l{i}", 1, keep=True, now=now)
     assert rings == []
@@ -106,7 +93,7 @@ def test_steady_traffic_never_rings() -> None:
 
 def test_progress_rings_a_sleeping_sweeper_once_per_sweep() -> None:
     t, rings = lifecycle()
-    t.on_request(req(), 0.0, 30.0)
+    t.on_request(lookup_request(), 0.0, 30.0)
     assert t.plan_sweep(0.05, 100.0) == MEMO_TTL  # the seen memo, before the watchdog
     rings.clear()
     t.on_progress("a", 4, 1.0)

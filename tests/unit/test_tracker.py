@@ -5,23 +5,12 @@ from __future__ import annotations
 
 import gc
 
-from broker_lookup.protocol.messages import LookupRequest
+from helpers import lookup_request as req
+
 from workers.pipeline.lifecycle import NOTHING, Job, Lifecycle, Step
 
 PIN_TTL = 10.0
 GRACE = 2.0
-
-
-def req(lookup_id: str = "a", gen: int = 1) -> LookupRequest:
-    return LookupRequest(
-        lookup_id=lookup_id,
-        gen=gen,
-        hashes=[1, 2],
-        offsets=[4, 4],
-        expected=[0],
-        deadline_ms=0,
-        tokens=8,
-    )
 
 
 def lifecycle(capacity: int = 100) -> Lifecycle:

@@ -31,7 +31,6 @@ from vllm_harness import (
     REQUIRE_ENV,
     ROOT,
     engine_env,
-    free_port,
     healthy,
     in_ci,
     installed,
@@ -39,7 +38,7 @@ from vllm_harness import (
     scenario,
 )
 
-from broker_lookup.processes import end_group
+from broker_lookup.processes import end_group, free_port
 from broker_lookup.tools.embedded import EmbeddedServer
 
 #: How long ``vllm serve`` may take to answer /health.

@@ -14,7 +14,6 @@ from __future__ import annotations
 import http.client
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 from vllm_harness import ROOT
 
-from broker_lookup.processes import end_group
+from broker_lookup.processes import end_group, free_port
 from broker_lookup.tools.embedded import EmbeddedServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -42,12 +41,6 @@ def readme_blocks() -> list[tuple[str, str]]:
 def block(language: str, marker: str) -> str:
     (found,) = [body for lang, body in readme_blocks() if lang == language and marker in body]
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _healthy(port: int) -> bool:
@@ -73,7 +66,7 @@ def test_the_readme_recipe_serves_a_repeated_prompt(tiny_model: Path, tmp_path: 
     broker = EmbeddedServer().start()
     config = tmp_path / "lmcache.yaml"
     config.write_text(block("yaml", "chunk_size").replace(README_URL, broker.url))
-    port = _free_port()
+    port = free_port()
     serve = block("bash", "api_server")
     serve = serve.replace("$PWD/lmcache.yaml", str(config))
     serve = serve.replace(".venv-vllm/bin/python", sys.executable)

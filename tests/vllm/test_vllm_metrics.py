@@ -25,9 +25,9 @@ from promkit import (
     wait_for,
 )
 from scenario import prompt_ids
-from vllm_harness import ROOT, free_port, healthy, post
+from vllm_harness import ROOT, healthy, post
 
-from broker_lookup.processes import end_group
+from broker_lookup.processes import end_group, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 

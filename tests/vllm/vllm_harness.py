@@ -10,7 +10,6 @@ import http.client
 import importlib.metadata
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -27,12 +26,6 @@ CHUNK = 256
 LOGPROB_TOLERANCE = 0.02
 #: Noise (std 2.0) on the loaded KV must move the logprobs far beyond that.
 CORRUPTED_MIN_DIFF = 0.1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def post(port: int, body: dict[str, Any], request_id: bytes | None = None) -> tuple[int, Any]:
