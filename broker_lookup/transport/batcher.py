@@ -10,13 +10,13 @@ connections then, and nothing may connect again behind it (a stalled server woul
 otherwise keep it reconnecting long after).
 
 What a subclass gets and gives, in the order an item travels: its public methods
-queue with :meth:`Batcher._put` (any thread); this loop hands each batch to its one
-hook, ``_send_batch`` (this thread), which builds the script calls, runs them in
-``for attempt in self._attempts(n): with attempt: ...`` (the retries, their backoff
-and the stop's grace are this class's; the round trip is written where it is read),
-then settles each item. Around the batches, a subclass may say how long the thread
-sleeps (``_tick``), work on each wake-up (``_idle``) and as the thread ends
-(``_closing``).
+queue with :meth:`Batcher._put` (any thread); this loop hands each batch to the one
+hook on an item's way, ``_send_batch`` (this thread), which builds the script calls,
+runs them in ``for attempt in self._attempts(n): with attempt: ...`` (the retries,
+their backoff and the stop's grace are this class's; the round trip is written where
+it is read), then settles each item. Off that way, a subclass may say how long the
+thread sleeps (``_tick``), and work on each wake-up (``_idle``) and as the thread
+ends (``_closing``).
 """
 
 from __future__ import annotations
