@@ -183,7 +183,17 @@ class RedisAsyncLookupClient(LookupClientInterface):
 
         Never raises on request data: what cannot be looked up is answered 0.
         """
-        entry = self._start(token_ids, lookup_id, request_configs, with_event=False)
+        # A bug of ours must not kill the scheduler's engine: answered 0 and counted.
+        entry = self._guard.call(
+            "internal_error",
+            lookup_id,
+            0,
+            self._submit,
+            token_ids,
+            lookup_id,
+            request_configs,
+            with_event=False,
+        )
         return entry if isinstance(entry, int) else None
 
     def validate(
@@ -196,25 +206,6 @@ class RedisAsyncLookupClient(LookupClientInterface):
         request breaks (``lookup`` itself answers such a request 0 instead)."""
         self._admission.check(token_ids, lookup_id, request_configs)
 
-    def _start(
-        self,
-        token_ids: list[int] | torch.Tensor,
-        lookup_id: str,
-        request_configs: dict[str, Any] | None,
-        with_event: bool,
-    ) -> Entry | int:
-        # A bug of ours must not kill the scheduler's engine: answered 0 and counted.
-        return self._guard.call(
-            "internal_error",
-            lookup_id,
-            0,
-            self._submit,
-            token_ids,
-            lookup_id,
-            request_configs,
-            with_event,
-        )
-
     def _submit(
         self,
         token_ids: list[int] | torch.Tensor,
@@ -222,6 +213,8 @@ class RedisAsyncLookupClient(LookupClientInterface):
         request_configs: dict[str, Any] | None,
         with_event: bool,
     ) -> Entry | int:
+        """Admit the lookup and hand it to the sender (``Sender.submit``): its entry, or
+        the answer given without Redis (0). ``with_event``: the caller waits on it."""
         admitted = self._admission.admit(token_ids, lookup_id, request_configs)
         if isinstance(admitted, Rejected):
             if isinstance(lookup_id, str):
@@ -391,7 +384,17 @@ class RedisLookupClient(RedisAsyncLookupClient):
         request_configs: dict[str, Any] | None = None,
     ) -> int:
         """Hit tokens on every expected rank (min), or 0 on timeout, miss or error."""
-        entry = self._start(token_ids, lookup_id, request_configs, with_event=True)
+        # A bug of ours must not kill the scheduler's engine: answered 0 and counted.
+        entry = self._guard.call(
+            "internal_error",
+            lookup_id,
+            0,
+            self._submit,
+            token_ids,
+            lookup_id,
+            request_configs,
+            with_event=True,
+        )
         if isinstance(entry, int):
             return entry
         assert entry.event is not None  # created with_event=True above

@@ -6,8 +6,9 @@ lookups costs one round trip, not N. The queue is bounded (``max_pending``), eve
 round trip is tracked by the circuit breaker, and every script is idempotent per
 (lookup id, generation), so re-sending a batch whose reply was lost changes nothing.
 
-A lookup's way out, in order: :meth:`Sender.submit` queues it (the caller's thread);
-the :class:`~broker_lookup.transport.batcher.Batcher` loop hands a batch to
+A lookup's way out, in order: :meth:`Sender.submit` writes it on the caller's thread
+where it can without waiting (below), else queues it; the
+:class:`~broker_lookup.transport.batcher.Batcher` loop hands a batch to
 :meth:`Sender._send_batch`, which builds each script call next to its Lua
 (:func:`~broker_lookup.protocol.scripts.submit_call`, ``cancel_call``), runs them in
 one retried round trip, and settles each lookup in the table. The round trip goes over
@@ -19,15 +20,14 @@ gives one, else through redis-py's pipeline (Redis Cluster: routing by slot is i
 for the hand-off and one for the reply, each several times the write itself. So once a
 round trip proved the connection (a plain TCP or unix socket), ``submit()`` writes the
 submit on the caller's thread with a write that never waits
-(:meth:`~broker_lookup.transport.link.LeanLink.send_nowait`), and this thread reads its
+(:class:`~broker_lookup.client.caller_writes.CallerWrites`), and this thread reads its
 reply later: every :data:`DIRECT_CHECK_S` while any is unread, or first thing in its
 next round trip. The reply only confirms (or, an error, answers 0); the ranks and the
-listener need nothing from it. One lock (``_wire``) orders every write on the
-connection with the records of the replies to expect; the caller only *tries* it, and
-anything it cannot write at once (the lock busy, something queued, a full socket
-buffer) takes the queue as before, and so does a burst (a submit within
-:data:`DIRECT_GAP_S` of the last one while that one is unanswered), which stays one
-pipelined batch. A torn write, a reset or a reply overdue by ``socket_timeout_ms``
+listener need nothing from it. The caller only *tries* the lock that orders the writes
+(``CallerWrites.wire``), and anything it cannot write at once (the lock busy, something
+queued, a full socket buffer) takes the queue as before, and so does a burst (a submit
+within :data:`DIRECT_GAP_S` of the last one while that one is unanswered), which stays
+one pipelined batch. A torn write, a reset or a reply overdue by ``socket_timeout_ms``
 drops the connection, and the unanswered submits go back to the head of the queue:
 they are idempotent per (lookup id, generation), and one that finished meanwhile is
 not sent again.
@@ -37,17 +37,15 @@ not sent again.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgspec
 import redis
-from redis.exceptions import RedisError
 
 from broker_lookup.client.breaker import Breaker
+from broker_lookup.client.caller_writes import CallerWrites
 from broker_lookup.client.insights import RankInsights
 from broker_lookup.client.table import Entry, LookupTable
 from broker_lookup.config import LookupConfig
@@ -112,13 +110,6 @@ class Deadline(NamedTuple):
     answer: bool = True
 
 
-class Written(NamedTuple):
-    """A submit the caller wrote itself, whose reply this thread has not read yet."""
-
-    item: Submit
-    at: float  #: monotonic seconds when it was written
-
-
 #: What the sender's queue holds: a lookup to submit, a generation to cancel, a
 #: deadline's partial answer to ask for, or a partial answer's prefix for ranks to keep.
 Item = Submit | Abort | Deadline | Keep
@@ -156,80 +147,59 @@ class Sender(Batcher[Item]):
         #: The lean connection, made on the thread's first round trip (None: redis-py's).
         self._link: LeanLink | None = None
         self._link_checked = False
+        #: The submits the caller wrote itself on ``_link``; its lock orders every write
+        #: there (the caller's and this thread's round trips) with the replies to read.
+        self._writes: CallerWrites[Submit] = CallerWrites(
+            config.max_pending, config.socket_timeout_ms
+        )
         self.batches = 0
         self.lost_cancels = 0
         self.lost_keeps = 0
         self.dropped = 0
         self._warn_lost = RateLimitedLog(logger)  # an outage loses them by the thousand
-        #: Orders every write on the lean connection (the caller's own submits and this
-        #: thread's round trips) with ``_written``, the replies still to read.
-        self._wire = threading.Lock()
-        self._written: deque[Written] = deque()
-        #: The caller may write submits itself (set by this thread once a round trip
-        #: proved the connection; cleared at any failure and at stop).
-        self._direct = False
-        #: The caller's write was torn: this thread must drop the connection.
-        self._torn = False
-        self._last_direct = 0.0
-        #: The entry of the caller's last submit, written or queued as part of a burst.
-        #: A submit soon after it is only a burst while it is unanswered: one lookup at
-        #: a time, each answered within DIRECT_GAP_S, is still written directly.
-        self._last_entry: Entry | None = None
-        self._overdue_s = config.socket_timeout_ms / 1000
-        self.direct_submits = 0
         self._warn_rewired = RateLimitedLog(logger)
+
+    @property
+    def direct_submits(self) -> int:
+        """Submits the caller wrote itself."""
+        return self._writes.count
 
     def start(self, expected: str = "") -> None:
         """Start the thread; ``expected`` is the comma-separated rank list of every lookup."""
         self._expected = expected
         super().start()
 
+    # -- the caller's thread ------------------------------------------------------------
+
     def submit(self, entry: Entry, request: LookupRequest) -> bool:
         """Send a lookup: written on the caller's thread where it can be without waiting,
         else queued (an append and maybe a bell). False if the queue is full."""
         item = Submit(entry, request)
-        if self._direct and not self._queue and self._write_direct(item):
-            return True
+        writes = self._writes
+        # A busy wire: this thread is in a round trip, and the queue is as quick.
+        if writes.open and not self._queue and writes.wire.acquire(blocking=False):
+            try:
+                now = time.monotonic()
+                link = self._link
+                if link is not None and writes.takes(entry, now, DIRECT_GAP_S):
+                    call = self._call_for(item)
+                    if call is None:
+                        return True  # finished before it was sent: nothing to send
+                    written = writes.try_write(link, item, self._scripts.command(call), now)
+                    if written is not None:
+                        # A thread in its long idle sleep would read the reply up to a
+                        # tick late; a torn write it must drop at once.
+                        if not written or self._sleep_s > DIRECT_CHECK_S:
+                            self._wake()
+                        return True
+            except Exception:  # a bug: never into the scheduler; the queue path logs it
+                pass
+            finally:
+                writes.wire.release()
         if self._put(item):
             return True
         self.dropped += 1
         return False
-
-    def _write_direct(self, item: Submit) -> bool:
-        """Write ``item``'s submit now, on the caller's thread; False: queue it instead."""
-        wire = self._wire
-        if not wire.acquire(blocking=False):
-            return False  # this thread is in a round trip: the queue is as quick
-        try:
-            link = self._link
-            if not self._direct or link is None or len(self._written) >= self._config.max_pending:
-                return False
-            now = time.monotonic()
-            last = self._last_entry
-            self._last_entry = item.entry
-            if now - self._last_direct < DIRECT_GAP_S and last is not None and last.result is None:
-                self._last_direct = now  # a burst: the rest of it is queued too
-                return False
-            call = self._call_for(item)
-            if call is None:
-                return True  # finished before it was sent: nothing to send
-            done = link.send_nowait([self._scripts.command(call)])
-            if done is None:
-                return False  # nothing written
-            self._written.append(Written(item, now))
-            self._last_direct = now
-            self.direct_submits += 1
-            if not done:
-                self._direct = False
-                self._torn = True
-            # A thread in its long idle sleep would read the reply up to a tick late.
-            if not done or self._sleep_s > DIRECT_CHECK_S:
-                self._wake()
-            return True
-        except Exception:  # a bug: never into the scheduler; the queue path logs it
-            return False
-        finally:
-            wire.release()
 
     def cancel(self, lookup_id: str, gen: int) -> None:
         """Queue a cancel of one generation that was sent (dropped, counted, if full)."""
@@ -250,119 +220,64 @@ class Sender(Batcher[Item]):
 
     def stop(self, timeout_s: float) -> bool:
         """Stop writing on the caller's thread, send what is queued, stop, join."""
-        self._direct = False
+        self._writes.open = False
         return super().stop(timeout_s)
 
-    def _closing(self) -> None:
-        # Under the lock the caller writes under: its socket is never closed (and its
-        # descriptor never reused) beneath a write. The client's close follows.
-        link = self._link
-        if link is not None:
-            with self._wire:
-                self._direct = False
-                # What has been answered is settled; the rest only confirmed lookups
-                # that closing abandons anyway, so a stalled server cannot stall close().
-                self._settle_written(link, wait=False, final=True)
-                link.close()
+    # -- this thread ----------------------------------------------------------------
+
+    def _send_batch(self, client: redis.Redis, batch: list[Item]) -> None:
+        """One round trip for ``batch``: build the calls, run them, settle each item."""
+        writes = self._writes
+        with writes.wire:  # the insights sampler is the caller's too
+            pairs = [(item, call) for item in batch if (call := self._call_for(item)) is not None]
+        if not pairs:
+            return
+        link = self._lean(client)
+        calls = [call for _, call in pairs]
+        results: list[Any] | None = None
+        try:
+            with self._breaker.track("sender"):
+                for attempt in self._attempts(len(calls)):
+                    with attempt:
+                        if link is None:
+                            results = self._scripts.run(client, calls)
+                        else:
+                            with writes.wire:
+                                # The caller's submits went out first: their replies too.
+                                self._read_written(link, wait=True)
+                                self._check_attempt()
+                                results = self._scripts.run_link(link, client, calls)
+                if results is None:
+                    raise BrokerUnavailable("Redis unavailable after retries")
+        except BrokerUnavailable as exc:
+            writes.open = False
+            results = [exc] * len(calls)
+        else:
+            if link is not None:
+                writes.open = (
+                    self._config.submit_on_caller_thread
+                    and link.accepts_direct
+                    and not self._stop.is_set()
+                )
+        self.batches += 1
+        now = time.monotonic()
+        for (item, _), res in zip(pairs, results, strict=True):
+            self._settle(item, res, now)
 
     def _tick(self) -> float:
-        if self._written or time.monotonic() - self._last_direct < DIRECT_LINGER_S:
+        writes = self._writes
+        if writes.owed or time.monotonic() - writes.last_at < DIRECT_LINGER_S:
             return DIRECT_CHECK_S
-        if self._torn or self._breaker.is_open():
+        if writes.torn or self._breaker.is_open():
             return super()._tick()
         return HEALTHY_IDLE_S
 
-    def _settle_written(self, link: LeanLink, wait: bool, final: bool = False) -> None:
-        """Read the replies of the caller's submits (those there, or all: ``wait``) and
-        settle each; a torn write, a transport error or an overdue reply re-sends the rest.
-
-        Holds ``_wire`` (the caller's).
-        """
-        if self._torn:
-            self._torn = False
-            self._rewire(link, "a submit was only partly written", final)
-            return
-        if not self._written:
-            return
-        try:
-            replies = link.replies(len(self._written), wait)
-        except RedisError as exc:
-            self._rewire(link, str(exc), final)
-            return
-        now = time.monotonic()
-        again: list[Item] = []
-        for reply in replies:
-            item = self._written.popleft().item
-            if is_noscript(reply):
-                again.append(item)  # did not run: the batch path reloads the scripts
-            else:
-                self._settle(item, reply, now)
-        self._queue.extendleft(reversed(again))
-        if self._written and now - self._written[0].at > self._overdue_s:
-            late = f"no reply within socket_timeout_ms={self._config.socket_timeout_ms}"
-            self._rewire(link, late, final)
-
-    def _rewire(self, link: LeanLink, why: str, final: bool) -> None:
-        """Drop the connection; the submits whose replies it owed go to the queue's head.
-
-        They were written before anything now queued (the caller writes only while the
-        queue is empty), so the order on the wire is kept. Holds ``_wire``.
-        """
-        self._direct = False
-        link.drop()
-        items = [w.item for w in self._written]
-        self._written.clear()
-        self.errors += 1
-        if final:  # stopping: nothing will send them; their lookups answer 0 at close
-            return
-        self._queue.extendleft(reversed(items))
-        self._warn_rewired(
-            logging.WARNING,
-            "client sender: reconnecting, %d submit(s) written without a reply will be "
-            "sent again: %s",
-            len(items),
-            why,
-        )
-
-    def _lean(self, client: redis.Redis) -> LeanLink | None:
-        if not self._link_checked:
-            self._link_checked = True
-            link = open_link(client)
-            self._link = link if isinstance(link, LeanLink) else None
-        return self._link
-
-    def _run_calls(self, client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
-        link = self._lean(client)
-        if link is None:
-            return super()._run_calls(client, calls)
-        with self._wire:
-            # The caller's submits went out first, so their replies come first.
-            self._settle_written(link, wait=True)
-            self._check_attempt()
-            return self._scripts.run_link(link, client, calls)
-
-    def _ping(self, client: redis.Redis) -> None:
-        link = self._lean(client)
-        if link is None:
-            client.ping()
-        else:
-            with self._wire:
-                self._settle_written(link, wait=True)
-                self._check_attempt()
-                link.call([_PING])
-
-    def _check_attempt(self) -> None:
-        """Raise BrokerUnavailable if stopping has ended what this round trip may do: a
-        wait for the caller's replies can outlast close()'s grace, whose end closes the
-        connection under it, and the link would connect again."""
-        if not self.may_attempt():
-            raise BrokerUnavailable("the client is closing: no new round trip")
-
     def _idle(self, client: redis.Redis) -> None:
         link = self._link
-        if link is not None and (self._written or self._torn):
-            with self._wire:
-                self._settle_written(link, wait=False)
+        writes = self._writes
+        if link is not None and (writes.owed or writes.torn):
+            with writes.wire:
+                self._read_written(link, wait=False)
         self._breaker.poll()
         # While the breaker is open because of us, nothing is queued to tell us when
         # Redis is back: probe it, twice a second.
@@ -378,24 +293,71 @@ class Sender(Batcher[Item]):
         except BrokerLookupError:
             pass  # still down: the breaker stays open; probes are not counted as errors
 
-    def _send_batch(self, client: redis.Redis, batch: list[Item]) -> None:
-        """One round trip for ``batch``: build the calls, run them, settle each item."""
-        with self._wire:  # the insights sampler is the caller's too
-            pairs = [(item, call) for item in batch if (call := self._call_for(item)) is not None]
-        if not pairs:
-            return
-        results = self._round_trip(client, [call for _, call in pairs])
-        self.batches += 1
+    def _closing(self) -> None:
+        # Under the lock the caller writes under: its socket is never closed (and its
+        # descriptor never reused) beneath a write. The client's close follows.
         link = self._link
-        if link is not None and not isinstance(results[0], BrokerUnavailable):
-            self._direct = (
-                self._config.submit_on_caller_thread
-                and link.accepts_direct
-                and not self._stop.is_set()
-            )
+        if link is not None:
+            with self._writes.wire:
+                self._writes.open = False
+                # What has been answered is settled; the rest only confirmed lookups
+                # that closing abandons anyway, so a stalled server cannot stall close().
+                self._read_written(link, wait=False, final=True)
+                link.close()
+
+    def _read_written(self, link: LeanLink, wait: bool, final: bool = False) -> None:
+        """Settle the caller's submits answered so far (all of them: ``wait``); a torn
+        write, a transport error or an overdue reply drops the connection and queues the
+        rest again (``final``: stopping, nothing will send them). Holds the wire."""
+        answered, broken = self._writes.replies(link, wait)
         now = time.monotonic()
-        for (item, _), res in zip(pairs, results, strict=True):
-            self._settle(item, res, now)
+        again: list[Item] = []
+        for item, reply in answered:
+            if is_noscript(reply):
+                again.append(item)  # did not run: the batch path reloads the scripts
+            else:
+                self._settle(item, reply, now)
+        self._queue.extendleft(reversed(again))
+        if broken is None:
+            return
+        # Written before anything now queued (the caller writes only while the queue is
+        # empty): at the queue's head, the order on the wire is kept.
+        items = self._writes.rewire(link)
+        self.errors += 1
+        if final:  # stopping: nothing will send them; their lookups answer 0 at close
+            return
+        self._queue.extendleft(reversed(items))
+        self._warn_rewired(
+            logging.WARNING,
+            "client sender: reconnecting, %d submit(s) written without a reply will be "
+            "sent again: %s",
+            len(items),
+            broken,
+        )
+
+    def _lean(self, client: redis.Redis) -> LeanLink | None:
+        if not self._link_checked:
+            self._link_checked = True
+            link = open_link(client)
+            self._link = link if isinstance(link, LeanLink) else None
+        return self._link
+
+    def _ping(self, client: redis.Redis) -> None:
+        link = self._lean(client)
+        if link is None:
+            client.ping()
+        else:
+            with self._writes.wire:
+                self._read_written(link, wait=True)
+                self._check_attempt()
+                link.call([_PING])
+
+    def _check_attempt(self) -> None:
+        """Raise BrokerUnavailable if stopping has ended what this round trip may do: a
+        wait for the caller's replies can outlast close()'s grace, whose end closes the
+        connection under it, and the link would connect again."""
+        if not self.may_attempt():
+            raise BrokerUnavailable("the client is closing: no new round trip")
 
     def _settle(self, item: Item, res: Any, now: float) -> None:
         """One script's answer for ``item``, sent in a batch or by the caller itself."""
@@ -471,18 +433,6 @@ class Sender(Batcher[Item]):
             engine_ttl_ms=cfg.engine_ttl_ms,
             insights=entry.weight > 0,
         )
-
-    def _round_trip(self, client: redis.Redis, calls: list[Call]) -> list[Any]:
-        """Each call's result, or for all of them the error that made Redis unavailable."""
-        try:
-            with self._breaker.track("sender"):
-                results = self._run_with_retries(client, calls)
-                if results is None:
-                    raise BrokerUnavailable("Redis unavailable after retries")
-                return results
-        except BrokerUnavailable as exc:
-            self._direct = False
-            return [exc] * len(calls)
 
     def _failed(self, item: Item, exc: Exception) -> None:
         if isinstance(item, Submit):

@@ -10,10 +10,13 @@ connections then, and nothing may connect again behind it (a stalled server woul
 otherwise keep it reconnecting long after).
 
 What a subclass gets and gives, in the order an item travels: its public methods
-queue with :meth:`Batcher._put` (any thread); this loop hands each batch to its
-``_send_batch`` (this thread), which builds the script calls and runs them with
-:meth:`Batcher._run_with_retries` (through ``_run_calls``, which a subclass may send
-another way), then settles each item. Nothing else calls back.
+queue with :meth:`Batcher._put` (any thread); this loop hands each batch to the one
+hook on an item's way, ``_send_batch`` (this thread), which builds the script calls,
+runs them in ``for attempt in self._attempts(n): with attempt: ...`` (the retries,
+their backoff and the stop's grace are this class's; the round trip is written where
+it is read), then settles each item. Off that way, a subclass may say how long the
+thread sleeps (``_tick``), and work on each wake-up (``_idle``) and as the thread
+ends (``_closing``).
 """
 
 from __future__ import annotations
@@ -23,17 +26,17 @@ import math
 import queue
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Generic, TypeVar
 
 import redis
 
 from broker_lookup.errors import BrokerLookupError
-from broker_lookup.protocol.scripts import Call
 from broker_lookup.threads import LoopThread
 from broker_lookup.transport.script_runner import ScriptSet
 
-__all__ = ["Batcher"]
+__all__ = ["Attempt", "Batcher"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class Batcher(LoopThread, Generic[T]):
         retries: int,
         max_batch: int,
         max_queue: int | None = None,
+        idle_tick_s: float = IDLE_TICK_S,
     ) -> None:
         super().__init__(name)
         self.name = name
@@ -62,6 +66,7 @@ class Batcher(LoopThread, Generic[T]):
         self._retries = retries
         self._max_batch = max_batch
         self._max_queue = max_queue  #: None: unbounded (the caller bounds what it queues)
+        self._idle_tick_s = idle_tick_s
         self._queue: deque[T] = deque()
         #: Rung (a token put) to wake the thread; only while it sleeps, see _put.
         self._bell: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -108,7 +113,7 @@ class Batcher(LoopThread, Generic[T]):
 
     def _tick(self) -> float:
         """How long the next sleep may last without a bell (the idle tick)."""
-        return IDLE_TICK_S
+        return self._idle_tick_s
 
     def _sleep(self) -> None:
         """Wait for the bell, at most :meth:`_tick`, unless items already wait."""
@@ -149,14 +154,12 @@ class Batcher(LoopThread, Generic[T]):
             self._send_batch(client, batch)
 
     def _send_batch(self, client: redis.Redis, batch: list[T]) -> None:
+        """The subclass's hook: send ``batch`` in one round trip (see :meth:`_attempts`)
+        and settle each item (this thread)."""
         raise NotImplementedError
 
     def _idle(self, client: redis.Redis) -> None:
         """Called on every wake-up before draining (a probe of a failing server)."""
-
-    def _run_calls(self, client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
-        """One round trip of ``calls`` (per-call errors as values); raises BrokerLookupError."""
-        return self._scripts.run(client, calls)
 
     def may_attempt(self) -> bool:
         """Whether a round trip may start: always, except while stopping, where only
@@ -165,28 +168,54 @@ class Batcher(LoopThread, Generic[T]):
             return True
         return not self._stop_failed and time.monotonic() < self._stop_by
 
-    def _run_with_retries(self, client: redis.Redis, calls: Sequence[Call]) -> list[Any] | None:
-        """Script results, or None once ``retries`` attempts failed (each counted and
-        logged), or once :meth:`may_attempt` says no more (stopping)."""
+    def _attempts(self, n: int) -> Iterator[Attempt]:
+        """Up to ``retries`` tries at a round trip of ``n`` calls, each run as
+        ``with attempt: ...``; it ends after the first that raised no BrokerLookupError,
+        or once :meth:`may_attempt` says no more (stopping). A failed one is counted and
+        logged, and the next waits a backoff (on this thread only: never a caller's)."""
         delay = 0.01
-        for attempt in range(1, self._retries + 1):
+        for number in range(1, self._retries + 1):
             if not self.may_attempt():
-                return None
-            try:
-                return self._run_calls(client, calls)
-            except BrokerLookupError as exc:
-                self.errors += 1
-                if self._stop.is_set():
-                    self._stop_failed = True
-                logger.warning(
-                    "%s: %d operation(s) failed (attempt %d/%d): %s",
-                    self.name,
-                    len(calls),
-                    attempt,
-                    self._retries,
-                    exc,
-                )
-                if attempt < self._retries:
-                    self._stop.wait(delay)  # this thread only: never a caller's
-                    delay *= 4
-        return None
+                return
+            attempt = Attempt()
+            yield attempt
+            if attempt.error is None:
+                return
+            self.errors += 1
+            if self._stop.is_set():
+                self._stop_failed = True
+            logger.warning(
+                "%s: %d operation(s) failed (attempt %d/%d): %s",
+                self.name,
+                n,
+                number,
+                self._retries,
+                attempt.error,
+            )
+            if number < self._retries:
+                self._stop.wait(delay)
+                delay *= 4
+
+
+class Attempt:
+    """One try of :meth:`Batcher._attempts`: a BrokerLookupError raised inside
+    ``with attempt:`` is kept in :attr:`error`, not raised; anything else is raised."""
+
+    __slots__ = ("error",)
+
+    def __init__(self) -> None:
+        self.error: BrokerLookupError | None = None
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if isinstance(exc, BrokerLookupError):
+            self.error = exc
+            return True
+        return False

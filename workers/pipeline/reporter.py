@@ -111,6 +111,7 @@ class Reporter(Batcher[Report]):
             config.redis_retries,
             MAX_BATCH,
             MAX_QUEUED,
+            idle_tick_s=IDLE_TICK_S,
         )
         self._config = config
         self._keys = keys
@@ -127,12 +128,15 @@ class Reporter(Batcher[Report]):
         self.overflows = 0
 
     def put(self, report: Report) -> None:
-        """Send ``report`` (any thread): with the batch being served, else queued."""
+        """Send ``report`` (any thread): with the batch being served (the read loop sends
+        it with :meth:`send_with_ack`), else queued for this reporter's thread
+        (:meth:`_send_batch`)."""
         with self._lock:
             if self._riding is not None:
                 self._riding.append(report)
                 return
-        self._enqueue(report)
+        if not self._put(report):
+            self._overflow(report)
 
     def riding(self) -> _Window:
         """On the read loop, around serving one batch: collects the reports made meanwhile.
@@ -160,7 +164,8 @@ class Reporter(Batcher[Report]):
         """
         reports = batch.reports
         try:
-            replies, ahead = self._write(link, batch, read)
+            commands, ahead = self._commands(batch)
+            replies = link.call(commands, read)
             for reply in replies[:ahead]:
                 if isinstance(reply, ResponseError):
                     raise reply
@@ -180,25 +185,26 @@ class Reporter(Batcher[Report]):
         for report, result in zip(reports, results, strict=True):
             settle(report, result.decode() if type(result) is bytes else self._answer(result))
 
-    def _write(self, link: Link, batch: Served, read: Command | None) -> tuple[list[Any], int]:
-        """Write ``batch`` and ``read`` on ``link``: the replies, and how many of them come
-        before the reports' (the dead letters' and the XACK's)."""
+    def _commands(self, batch: Served) -> tuple[list[Command], int]:
+        """``batch``'s commands in the order they are written, and how many of them come
+        before the reports' (the dead letters and the XACK)."""
         ahead = len(batch.dead) + (1 if batch.ack_ids else 0)
         commands: list[Command] = list(batch.dead)
         if batch.ack_ids:
             commands.append(("XACK", self._stream, self._group, *batch.ack_ids))
         commands += [self._scripts.command(self._call(r)) for r in batch.reports]
-        return link.call(commands, read), ahead
+        return commands, ahead
 
     # -- the queued path (this reporter's thread) -----------------------------------
 
-    def _tick(self) -> float:
-        return IDLE_TICK_S
-
     def _enqueue(self, report: Report) -> None:
         if not self._put(report):
-            self.overflows += 1
-            self._settle(report, "overflow")
+            self._overflow(report)
+
+    def _overflow(self, report: Report) -> None:
+        """The queue is full: answer ``report`` at once, so its lookup is released."""
+        self.overflows += 1
+        self._settle(report, "overflow")
 
     def _open_window(self) -> list[Report]:
         riding: list[Report] = []
@@ -215,7 +221,11 @@ class Reporter(Batcher[Report]):
             riding.clear()
 
     def _send_batch(self, client: redis.Redis, batch: list[Report]) -> None:
-        results = self._run_with_retries(client, [self._call(r) for r in batch])
+        calls = [self._call(r) for r in batch]
+        results: list[Any] | None = None
+        for attempt in self._attempts(len(calls)):
+            with attempt:
+                results = self._scripts.run(client, calls)
         answers = ["error"] * len(batch) if results is None else [self._answer(r) for r in results]
         for report, answer in zip(batch, answers, strict=True):
             self._settle(report, answer)
