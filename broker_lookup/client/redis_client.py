@@ -82,9 +82,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             writer = make_factory(config, name, own_retries=True)
             # A stalled server must cost the listener at most BLOCK plus the breaker's
             # threshold, so its timeout sweeps never pause for a full socket timeout.
-            reader = make_factory(
-                config, name, socket_timeout_s=(config.block_ms + config.breaker_open_ms) / 1000
-            )
+            reader = make_factory(config, name, socket_timeout_s=config.loop_timeout_s)
             self._factories = [writer, reader]
         else:
             writer = reader = connection_factory
@@ -345,7 +343,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             # One grace for both threads, not one each. Past it the sender makes no
             # attempt (nor reconnects) and the pools below are closed under whatever
             # round trip still waits on a stalled server.
-            grace = (self.config.block_ms + self.config.breaker_open_ms) / 1000 + 2.0
+            grace = self.config.loop_timeout_s + 2.0
             deadline = time.monotonic() + grace
             self._listener.stop(0.0)  # it ends its read while the sender drains
             ok = self._sender.stop(grace)

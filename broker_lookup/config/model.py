@@ -359,6 +359,15 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         return self.owner_lease_ms if self.owner_lease_ms is not None else self.heartbeat_ttl_ms
 
     @property
+    def loop_timeout_s(self) -> float:
+        """Socket timeout, in seconds, of every connection a blocking-read loop uses (the
+        client's listener, each rank's connections): BLOCK plus ``breaker_open_ms``. It
+        bounds how long a stalled Redis can pause one of those loops (their timeout
+        sweeps, heartbeats and watchdog run on after it, never after the general
+        ``socket_timeout_ms``), and so how long ``close()`` waits for such a loop to end."""
+        return (self.block_ms + self.breaker_open_ms) / 1000
+
+    @property
     def metrics_ttl_ms(self) -> int:
         """PX of a published metrics snapshot: 3 intervals, so a late publish never
         blinks a live process's series out and a gone process's vanish soon; at most
