@@ -78,7 +78,7 @@ class RedisAsyncLookupServer:
             cfg, f"bl-worker-{metadata.engine_id}-{self.rank}", connection_factory
         )
         #: The one owner of every lookup id's lifecycle on this rank.
-        self.tracker = Lifecycle(
+        self.lifecycle = Lifecycle(
             cfg.worker_dedupe_capacity,
             cfg.worker_pin_ttl_ms / 1000,
             cfg.key_ttl_ms / 1000,
@@ -99,17 +99,17 @@ class RedisAsyncLookupServer:
         )
         self._factory = factory
         self._dispatcher = Dispatcher(
-            engine, self.tracker, cfg, self.keys, self.rank, factory, lease=self.lease
+            engine, self.lifecycle, cfg, self.keys, self.rank, factory, lease=self.lease
         )
         self._reporter = self._dispatcher.reporter
         self._sweeper = Sweeper(
             f"rank {self.rank} sweeper",
             self._dispatcher.sweep,
-            self.tracker.plan_sweep,
+            self.lifecycle.plan_sweep,
             SWEEP_EVERY_S,
             SWEEP_IDLE_S,
         )
-        self.tracker.ring_sweeper(self._sweeper.ring)
+        self.lifecycle.ring_sweeper(self._sweeper.ring)
         self._loop = RankLoop(
             cfg,
             self.keys,
@@ -207,8 +207,8 @@ class RedisAsyncLookupServer:
         loop = self._loop
         return {
             "rank": self.rank,
-            "counts": {**self._dispatcher.counts(), **self.tracker.events()},
-            **self.tracker.sizes(),
+            "counts": {**self._dispatcher.counts(), **self.lifecycle.events()},
+            **self.lifecycle.sizes(),
             "consumer": dict(loop.reader.stats),
             "reporter_errors": self._reporter.errors,
             "unexpected_errors": (

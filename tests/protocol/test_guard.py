@@ -29,16 +29,16 @@ def test_rank_loop_survives_an_unexpected_error(
     server = make_server(StubEngine("instant", hits=20))
     client = make_client()
     _ready(server, client)
-    original = server.tracker.on_request  # the first step of every lookup
+    original = server.lifecycle.on_request  # the first step of every lookup
     calls = {"n": 0}
 
     def flaky(*args: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 1:
-            raise RuntimeError("bug in the tracker")
+            raise RuntimeError("bug in the lifecycle")
         return original(*args)
 
-    monkeypatch.setattr(server.tracker, "on_request", flaky)
+    monkeypatch.setattr(server.lifecycle, "on_request", flaky)
     with caplog.at_level(logging.ERROR):
         client.lookup(TOKENS, "first")
         wait_until(lambda: server.stats()["unexpected_errors"] == 1)

@@ -160,7 +160,7 @@ def test_reports_that_a_slow_link_delivers_after_the_partial_answer_keep_it(
             message="every report answered after its partial answer",
         )
         assert engine.broken(answers) == []
-        assert server.tracker.sizes()["held"] == len(answers)
+        assert server.lifecycle.sizes()["held"] == len(answers)
     finally:
         fault_proxy.clear()
         server.close()
