@@ -37,7 +37,7 @@ from workers.pipeline.connections import rank_factories
 from workers.pipeline.dispatch import Dispatcher
 from workers.pipeline.lifecycle import Lifecycle
 from workers.pipeline.loop import RankLoop
-from workers.pipeline.watchdog import Sweeper
+from workers.pipeline.sweeper import Sweeper
 
 __all__ = ["RedisAsyncLookupServer"]
 

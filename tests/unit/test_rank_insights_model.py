@@ -264,7 +264,7 @@ def test_inspect_renders_the_rank_latency_table() -> None:
 
 def test_rate_limited_log_lives_in_broker_lookup() -> None:
     from broker_lookup.ratelimit import RateLimitedLog
-    from workers.pipeline import watchdog
+    from workers.pipeline import sweeper
 
     assert RateLimitedLog.__module__ == "broker_lookup.ratelimit"
-    assert not hasattr(watchdog, "RateLimitedLog")  # one owner, used by both sides
+    assert not hasattr(sweeper, "RateLimitedLog")  # one owner, used by both sides

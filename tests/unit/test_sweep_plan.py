@@ -12,7 +12,7 @@ from helpers import wait_until
 
 from broker_lookup.protocol.messages import LookupRequest
 from workers.pipeline.lifecycle import Lifecycle
-from workers.pipeline.watchdog import Sweeper
+from workers.pipeline.sweeper import Sweeper
 
 PIN_TTL = 10.0
 GRACE = 2.0
