@@ -24,8 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from broker_lookup.config import env_name
+
 #: Set (by :func:`main`, inherited by vLLM's processes) where there is no GPU.
-CPU_ENV = "BROKER_LOOKUP_DEMO_CPU_CONNECTOR"
+CPU_ENV = env_name("demo_cpu_connector")
 #: Prompt tokens: one full LMCache chunk (256) and a tail that is always computed.
 PROMPT_TOKENS = 360
 CHUNK = 256
