@@ -172,7 +172,7 @@ def store(engine: Any, metadata: Any, tokens: list[int]) -> None:
 
 
 def alive(client: Any) -> None:
-    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the worker rank")
+    wait_until(lambda: not client.stats().dead_ranks, message="client sees the worker rank")
 
 
 def test_async_lookup_answered_by_a_real_engine(lmc: SimpleNamespace, deploy: Any) -> None:

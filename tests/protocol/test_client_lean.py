@@ -33,9 +33,9 @@ real_only = pytest.mark.parametrize("backend", ["real"], indirect=True)
 def _ready_pair(make_server: MakeServer, make_client: MakeClient, **overrides: Any) -> Any:
     engine = StubEngine()
     server = make_server(engine)
-    wait_until(lambda: server.ready and server.stats()["last_heartbeat"], message="rank ready")
+    wait_until(lambda: server.ready and server.stats().last_heartbeat, message="rank ready")
     client = make_client(**overrides)
-    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the rank")
+    wait_until(lambda: not client.stats().dead_ranks, message="client sees the rank")
     return engine, client
 
 
@@ -84,7 +84,7 @@ def test_lookups_complete_over_the_link_and_survive_a_killed_connection(
     assert wait_until(lambda: client.lookup_cache("w1") == 12)
     assert client._sender._link is not None and client._listener._link is not None
     backend.factory().client_kill_filter(_type="normal", skipme=True)
-    wait_until(lambda: not client.stats()["breaker_open"], timeout=10)
+    wait_until(lambda: not client.stats().breaker_open, timeout=10)
     client.lookup(TOKENS, "w2")  # the sender's first write finds its connection dead
     wait_until(lambda: "w2" in engine.started_ids(), timeout=10, message="w2 reached the rank")
     engine.report("w2", 8)
@@ -97,13 +97,13 @@ def test_resp3_replies_are_read_too(
 ) -> None:
     engine = StubEngine()
     server = make_server(engine)
-    wait_until(lambda: server.ready and server.stats()["last_heartbeat"], message="rank ready")
+    wait_until(lambda: server.ready and server.stats().last_heartbeat, message="rank ready")
     assert backend.url is not None
     sep = "&" if "?" in backend.url else "?"
     url = f"{backend.url}{sep}protocol=3"
     meta = LookupMetadata(engine_id=engine_id, world_size=1)
     with RedisAsyncLookupClient(config(url), meta) as client:
-        wait_until(lambda: not client.stats()["dead_ranks"], message="client sees the rank")
+        wait_until(lambda: not client.stats().dead_ranks, message="client sees the rank")
         client.lookup(TOKENS, "r3")
         wait_until(lambda: engine.started_ids() == ["r3"])
         engine.report("r3", 16)

@@ -27,7 +27,7 @@ real_only = pytest.mark.parametrize("backend", ["real"], indirect=True)
 
 def _breaker_closed(client: RedisAsyncLookupClient) -> None:
     """Until the client's loops answered again: meanwhile lookups answer 0 by design."""
-    wait_until(lambda: not client.stats()["breaker_open"], timeout=10, message="breaker closed")
+    wait_until(lambda: not client.stats().breaker_open, timeout=10, message="breaker closed")
 
 
 def _started(engine: StubEngine, lookup_id: str) -> None:
@@ -42,27 +42,27 @@ def test_connection_lost_during_a_report(
     server = make_server(engine)
     ready(server)
     client = make_client(lookup_timeout_ms=800)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    wait_until(lambda: not client.stats().dead_ranks)
     client.lookup(TOKENS, "r1")
     _started(engine, "r1")
     backend.fake.connected = False
     engine.report("r1", 24)
     retries = server.config.redis_retries
-    wait_until(lambda: server.stats()["counts"].get("report_error") == 1, timeout=10)
-    assert server.stats()["reporter_errors"] == retries  # bounded: one batch, N attempts
+    wait_until(lambda: server.stats().counts.get("report_error") == 1, timeout=10)
+    assert server.stats().reporter_errors == retries  # bounded: one batch, N attempts
     assert engine.released == ["r1"]  # an unsent report releases its pins
     assert answer(client, "r1", timeout=5) == 0  # its timeout fires without Redis
     backend.fake.connected = True
     key = KeySpace(engine_id).lookup("r1")
     fields = backend.factory().hgetall(key)
     assert b"r0" not in fields  # nothing half-applied
-    assert server.stats()["reporter_errors"] == retries
+    assert server.stats().reporter_errors == retries
     _breaker_closed(client)
     client.lookup(TOKENS, "r2")
     _started(engine, "r2")
     engine.report("r2", 24)
     assert answer(client, "r2", timeout=10) == 24
-    assert server.stats()["alive"]
+    assert server.stats().alive
 
 
 @fake_only
@@ -73,7 +73,7 @@ def test_connection_lost_during_a_cancel(
     server = make_server(engine)
     ready(server)
     client = make_client(lookup_timeout_ms=5000)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    wait_until(lambda: not client.stats().dead_ranks)
     client.lookup(TOKENS, "r1")
     _started(engine, "r1")
     ks = KeySpace(engine_id)
@@ -89,7 +89,7 @@ def test_connection_lost_during_a_cancel(
     assert (conn.hgetall(ks.lookup("r1")), conn.xlen(ks.requests)) == before
     assert conn.pttl(ks.lookup("r1")) > 0  # and the hash still expires by itself
     assert client._sender.errors == retries  # no retry after giving up
-    assert client.stats()["redis_errors"] >= retries
+    assert client.stats().redis_errors >= retries
     engine.report("r1", 40)  # the undelivered cancel: the rank finishes normally
     _breaker_closed(client)
     client.lookup(TOKENS, "r2")
@@ -106,19 +106,19 @@ def test_connection_lost_during_blocking_reads(
     server = make_server(engine)
     ready(server)
     client = make_client()
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    wait_until(lambda: not client.stats().dead_ranks)
     backend.fake.connected = False
-    wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 2, timeout=10)
+    wait_until(lambda: server.stats().consumer.redis_errors >= 2, timeout=10)
     wait_until(lambda: client._listener.errors >= 2, timeout=10)
     backend.fake.connected = True
     wait_until(lambda: server.ready, timeout=10)
-    wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+    wait_until(lambda: not client.stats().dead_ranks, timeout=10)
     _breaker_closed(client)
     client.lookup(TOKENS, "r1")
     _started(engine, "r1")
     engine.report("r1", 8)
     assert answer(client, "r1", timeout=10) == 8
-    assert server.stats()["alive"]
+    assert server.stats().alive
 
 
 @real_only
@@ -129,17 +129,17 @@ def test_connections_killed_mid_read(
     server = make_server(engine)
     ready(server)
     client = make_client()
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    wait_until(lambda: not client.stats().dead_ranks)
     admin = backend.factory()
     # Every other connection drops: the rank's blocked XREADGROUP, the client's XREAD, ...
     assert admin.client_kill_filter(_type="normal", skipme=True) >= 2
-    wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=10)
+    wait_until(lambda: server.stats().consumer.redis_errors >= 1, timeout=10)
     _breaker_closed(client)
     client.lookup(TOKENS, "r1")
     _started(engine, "r1")
     engine.report("r1", 16)
     assert answer(client, "r1", timeout=10) == 16
-    assert server.stats()["alive"]
+    assert server.stats().alive
 
 
 @real_only
@@ -154,16 +154,16 @@ def test_blocking_read_times_out_then_recovers(
     with RedisAsyncLookupServer(engine, meta, cfg) as server:
         ready(server)
         client = make_client()
-        wait_until(lambda: not client.stats()["dead_ranks"])
+        wait_until(lambda: not client.stats().dead_ranks)
         backend.factory().execute_command(  # type: ignore[no-untyped-call]
             "CLIENT", "PAUSE", 4500, "WRITE"
         )
-        wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=10)
+        wait_until(lambda: server.stats().consumer.redis_errors >= 1, timeout=10)
         wait_until(lambda: server.ready, timeout=10)
-        wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+        wait_until(lambda: not client.stats().dead_ranks, timeout=10)
         _breaker_closed(client)
         client.lookup(TOKENS, "r1")
         _started(engine, "r1")
         engine.report("r1", 4)
         assert answer(client, "r1", timeout=10) == 4
-        assert server.stats()["alive"]
+        assert server.stats().alive

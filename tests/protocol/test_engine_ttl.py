@@ -50,7 +50,7 @@ def test_every_key_of_a_run_expires_within_the_engine_ttl(
         make_server(slow, rank=1, world_size=2, engine_ttl_ms=TTL_MS),
     )
     client = make_client(world_size=2, engine_ttl_ms=TTL_MS)
-    wait_until(lambda: not client.stats()["dead_ranks"], timeout=10)
+    wait_until(lambda: not client.stats().dead_ranks, timeout=10)
     client.lookup(TOKENS, "hit")
     wait_until(lambda: "hit" in slow.started_ids())
     slow.report("hit", 40)
@@ -156,5 +156,5 @@ def test_a_rank_recreates_its_group_when_the_streams_expired(
     wait_until(lambda: not any(conn.exists(key) for key in ks.lasting), message="streams gone")
     client.lookup(TOKENS, "after")
     assert answer(client, "after", timeout=10) == 24
-    assert server.stats()["consumer"]["nogroup"] >= 1
+    assert server.stats().consumer.nogroup >= 1
     assert 0 < conn.pttl(ks.requests) <= client.config.engine_ttl_ms

@@ -44,7 +44,7 @@ def test_every_engine_with_owners_inflight_conflicts_and_expiry(
         ready(owner)
         newcomer = _server(backend, live)
         wait_until(lambda: newcomer.lease.counts["conflicts"] >= 1)
-        wait_until(lambda: not client.stats()["dead_ranks"])
+        wait_until(lambda: not client.stats().dead_ranks)
         client.lookup(prompt(0), "in-flight")  # the manual stub engine never answers it
         wait_until(lambda: owner.engine.started_ids() == ["in-flight"])  # type: ignore[attr-defined]
         # A stale engine: what a dead one leaves, a lookup hash with its TTL.

@@ -16,8 +16,8 @@ TOKENS = list(range(40))
 
 
 def _ready(server: RedisAsyncLookupServer, client: RedisAsyncLookupClient) -> None:
-    wait_until(lambda: server.ready and server.stats()["last_heartbeat"])
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    wait_until(lambda: server.ready and server.stats().last_heartbeat)
+    wait_until(lambda: not client.stats().dead_ranks)
 
 
 def test_rank_loop_survives_an_unexpected_error(
@@ -41,9 +41,9 @@ def test_rank_loop_survives_an_unexpected_error(
     monkeypatch.setattr(server.lifecycle, "on_request", flaky)
     with caplog.at_level(logging.ERROR):
         client.lookup(TOKENS, "first")
-        wait_until(lambda: server.stats()["unexpected_errors"] == 1)
+        wait_until(lambda: server.stats().unexpected_errors == 1)
     assert any("unexpected error #1" in r.getMessage() for r in caplog.records)
-    assert server.stats()["alive"]
+    assert server.stats().alive
     client.lookup(TOKENS, "second")
     assert wait_until(lambda: client.lookup_cache("second") == 20)
 
@@ -66,7 +66,7 @@ def test_client_listener_survives_an_unexpected_error(
 
     monkeypatch.setattr(table, "finish", flaky)
     client.lookup(TOKENS, "first")
-    wait_until(lambda: client.stats()["unexpected_errors"] == 1)
+    wait_until(lambda: client.stats().unexpected_errors == 1)
     client.lookup(TOKENS, "second")
     assert wait_until(lambda: client.lookup_cache("second") == 20)
     assert client._listener._thread.is_alive()

@@ -28,7 +28,7 @@ def _one_answered_lookup(make_server: MakeServer, make_client: MakeClient) -> in
     server = make_server(StubEngine("instant", hits=HITS))
     wait_until(lambda: server.ready)
     client = make_client()
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    wait_until(lambda: not client.stats().dead_ranks)
     client.lookup(prompt(1024), LONG_ID)
     return answer(client, LONG_ID, timeout=10)
 

@@ -57,7 +57,7 @@ def _hash(conn: redis.Redis, ks: KeySpace, lookup_id: str) -> dict[str, str]:
 
 
 def _counts(server: RedisAsyncLookupServer) -> dict[str, int]:
-    counts: dict[str, int] = server.stats()["counts"]
+    counts: dict[str, int] = server.stats().counts
     return counts
 
 
@@ -68,14 +68,14 @@ def test_engine_that_never_reports_is_answered_zero_released_and_the_id_reused(
     server = make_server(engine, worker_watchdog_grace_ms=300)
     ready(server)
     client = make_client(lookup_timeout_ms=800)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    wait_until(lambda: not client.stats().dead_ranks)
     client.lookup(TOKENS, "never")
     wait_until(lambda: engine.started_ids() == ["never"])
     assert answer(client, "never", timeout=10) == 0  # the timeout: an answer, not a hang
     # The engine never reports: the watchdog releases its memory after deadline + grace.
     wait_until(lambda: _counts(server).get("watchdog") == 1, timeout=10)
     assert engine.released == ["never"]
-    assert server.stats()["running"] == 0
+    assert server.stats().running == 0
     client.clear_lookup_status("never")
     client.lookup(TOKENS, "never")  # a later generation of the same id is served normally
     wait_until(lambda: engine.started_ids() == ["never", "never"])
@@ -160,7 +160,7 @@ def test_stale_answer_of_an_old_generation_never_releases_the_new_one(
     wait_until(lambda: _hash(conn, ks, "race").get("result") == "8")
     assert _hash(conn, ks, "race")["gen"] == "2"
     assert engine.released == ["race"]  # gen 2 is held, not freed by gen 1's answer
-    assert server.stats()["held"] == 1
+    assert server.stats().held == 1
 
 
 def test_clock_skew_between_client_and_rank_does_not_drop_work(
@@ -197,7 +197,7 @@ def test_group_recreated_after_nogroup_starts_at_zero(
     _submit(pipe, ks, "window", gen=1)
     pipe.execute()
     wait_until(lambda: engine.started_ids() == ["window"], timeout=10)
-    assert server.stats()["consumer"]["nogroup"] >= 1
+    assert server.stats().consumer.nogroup >= 1
     engine.report("window", 8)
     wait_until(lambda: _hash(conn, ks, "window").get("result") == "8")
     wait_until(lambda: conn.xpending(ks.requests, ks.group(0))["pending"] == 0)

@@ -78,7 +78,7 @@ def _started(
     client = make_client(world_size=2, cls=cls, **settings)
     _stage(client, engines)
     _ranks(make_server, engines, **settings)
-    wait_until(lambda: not client.stats()["dead_ranks"], message="client sees both ranks")
+    wait_until(lambda: not client.stats().dead_ranks, message="client sees both ranks")
     return client
 
 
@@ -93,7 +93,7 @@ def test_the_deadline_answers_the_prefix_every_rank_confirmed_and_ranks_keep_exa
     assert client.lookup(TOKENS, "long") is None
     got = answer(client, "long", timeout=10)
     assert MEMORY_PREFIX <= got < FULL and got % CHUNK == 0
-    assert client.stats()["outcomes"]["partial"] == 1
+    assert client.stats().outcomes["partial"] == 1
     raw: Any = backend.factory().hgetall(KeySpace(engine_id).lookup("long"))
     fields = lookup_hash.decode(raw)
     assert (fields.state, fields.result, fields.partial) == ("done", got, True)
@@ -146,7 +146,7 @@ def test_without_partial_answers_the_deadline_answers_0_and_releases_everything(
     client = _started(make_server, make_client, engines, partial_answers=False)
     client.lookup(TOKENS, "long")
     assert answer(client, "long", timeout=10) == 0
-    assert client.stats()["outcomes"]["timeout"] == 1
+    assert client.stats().outcomes["timeout"] == 1
     wait_until(lambda: [_pinned(e) for e in engines] == [0, 0], message="everything released")
 
 
@@ -162,10 +162,10 @@ def test_a_rank_that_confirmed_nothing_makes_it_0(
         make_server(once, rank=1, world_size=2, **PARTIAL),
     ]
     wait_until(lambda: all(s.ready for s in servers))
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    wait_until(lambda: not client.stats().dead_ranks)
     client.lookup(TOKENS, "long")
     assert answer(client, "long", timeout=10) == 0
-    assert client.stats()["outcomes"]["timeout"] == 1
+    assert client.stats().outcomes["timeout"] == 1
     wait_until(lambda: _pinned(engines[0]) == 0, message="the full rank released its pins")
     wait_until(lambda: "long" in once.released, message="the mute rank released too")
 
@@ -320,12 +320,14 @@ def test_the_rank_that_missed_the_deadline_is_counted(
     servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]
     wait_until(lambda: all(s.ready for s in servers))
     client = make_client(world_size=2, lookup_timeout_ms=500)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    wait_until(lambda: not client.stats().dead_ranks)
     client.lookup(TOKENS, "late")
     assert answer(client, "late", timeout=5) == 0  # rank 1 never reports
 
     def late() -> dict[int, int]:
-        return {r: v["late"] for r, v in client.stats()["rank_insights"]["ranks"].items()}
+        ins = client.stats().rank_insights
+        assert ins is not None
+        return {r: v.late for r, v in ins.ranks.items()}
 
     wait_until(lambda: late() == {0: 0, 1: 1}, message="rank 1 counted late")
     wait_until(lambda: "late" in engines[1].released, message="the cancel still released it")
@@ -341,7 +343,7 @@ def test_a_long_prompt_gets_a_longer_deadline_on_the_wire_and_in_the_key_ttl(
     server = make_server(engine, lookup_timeout_per_1k_tokens_ms=500)
     wait_until(lambda: server.ready)
     client = make_client(lookup_timeout_ms=1000, lookup_timeout_per_1k_tokens_ms=500)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    wait_until(lambda: not client.stats().dead_ranks)
     long = list(range(4000))  # 1,000 chunks: 1000 + 4 x 500 = 3000 ms
     client.lookup(long, "long")
     client.lookup(list(range(32)), "short")
@@ -390,7 +392,7 @@ def test_a_partial_answer_read_by_reconciliation_counts_as_partial(
     servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]
     wait_until(lambda: all(s.ready for s in servers))
     client = make_client(world_size=2, lookup_timeout_ms=5000)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    wait_until(lambda: not client.stats().dead_ranks)
     client.lookup(TOKENS, "r")
     ks = KeySpace(engine_id)
     conn = backend.factory()
@@ -401,4 +403,4 @@ def test_a_partial_answer_read_by_reconciliation_counts_as_partial(
     abort = Abort(lookup_id="r", gen=gen)
     ScriptSet().call(conn, deadline_call(ks, abort, maxlen=100, ttl_ms=5000, engine_ttl_ms=60_000))
     assert answer(client, "r", timeout=3) == 4  # well before its own 5 s deadline
-    assert client.stats()["outcomes"]["partial"] == 1
+    assert client.stats().outcomes["partial"] == 1

@@ -70,7 +70,7 @@ def test_reports_landing_after_the_partial_answer_never_release_it(
     broken = late_engine.broken(answers)
     assert broken == [], f"{len(broken)} of {partial} partial answers broken: {broken[:5]}"
     # Not vacuous: reports did land after the partial answer, and were held.
-    assert server.stats()["counts"].get("report_settled", 0) > 0
+    assert server.stats().counts.get("report_settled", 0) > 0
 
 
 @pytest.fixture
@@ -164,7 +164,7 @@ def test_what_the_engine_pins_after_the_watchdog_is_released_by_its_report_and_c
     wait_until(lambda: server.lifecycle.events().get("watchdog") == 3, timeout=10)
     engine.finish("reports")  # after the watchdog's release: its late report releases
     assert engine.pinned == {}
-    assert server.stats()["counts"]["report_late"] == 1
+    assert server.stats().counts["report_late"] == 1
     engine.finish("silent", report=False)  # pinned, and never reports
     client.lookup(TOKENS, "running")
     wait_until(lambda: server.lifecycle.sizes()["running"] == 1)

@@ -88,7 +88,7 @@ def test_valid_lookups_survive_any_junk(
     engines = _engines(client.hasher)
     servers = [make_server(e, rank=r, world_size=2) for r, e in enumerate(engines)]
     ready(*servers)
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    wait_until(lambda: not client.stats().dead_ranks)
     conn = backend.factory()
     serial = iter(range(10**9))
 
@@ -110,7 +110,7 @@ def test_valid_lookups_survive_any_junk(
         assert got == want
         for lookup_id in want:
             client.clear_lookup_status(lookup_id)
-        assert all(s.stats()["alive"] for s in servers)
+        assert all(s.stats().alive for s in servers)
         wait_until(lambda: all(_caught_up(conn, ks, r) for r in (0, 1)), timeout=10)
 
     try:
@@ -118,7 +118,7 @@ def test_valid_lookups_survive_any_junk(
     finally:
         for engine in engines:
             engine.close()
-    letters = sum(s.stats()["consumer"]["dead_letters"] for s in servers)
+    letters = sum(s.stats().consumer.dead_letters for s in servers)
     assert letters > 0  # the junk was seen, refused and parked, not silently swallowed
     assert conn.xlen(ks.dead) > 0
 

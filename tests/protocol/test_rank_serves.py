@@ -14,8 +14,8 @@ TOKENS = list(range(40))  # 10 chunks of 4 tokens
 
 
 def _ready(client: RedisAsyncLookupClient, *servers: RedisAsyncLookupServer) -> None:
-    wait_until(lambda: all(s.ready and s.stats()["last_heartbeat"] for s in servers))
-    wait_until(lambda: not client.stats()["dead_ranks"])
+    wait_until(lambda: all(s.ready and s.stats().last_heartbeat for s in servers))
+    wait_until(lambda: not client.stats().dead_ranks)
 
 
 def _answer(client: RedisAsyncLookupClient, lookup_id: str) -> int:
@@ -47,7 +47,7 @@ def test_a_rank_serves_every_case(make_server: MakeServer, make_client: MakeClie
     engines[0].fail_start = True
     client.lookup(TOKENS, "broken")
     assert _answer(client, "broken") == 0
-    assert servers[0].stats()["counts"]["engine_errors"] == 1
+    assert servers[0].stats().counts["engine_errors"] == 1
     engines[0].fail_start = False
     # Hits held until the scheduler is done, then released on a cancel.
     client.lookup(TOKENS, "held")
@@ -67,4 +67,4 @@ def test_a_rank_answers_an_out_of_range_report_with_0(
     wait_until(lambda: engine.started_ids() == ["r1"])
     engine.report("r1", len(TOKENS) + 1)
     assert _answer(client, "r1") == 0
-    assert server.stats()["counts"]["engine_invalid_hits"] == 1
+    assert server.stats().counts["engine_invalid_hits"] == 1
