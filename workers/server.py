@@ -21,7 +21,6 @@ released, one generation at a time); the dispatcher only carries out its steps.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.engine import LookupEngine
@@ -30,6 +29,7 @@ from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace, rank_role
 from broker_lookup.protocol.snapshot import MetricsPublisher
+from broker_lookup.protocol.stats import RankStats
 from broker_lookup.transport.connection import ConnectionFactory, close_factory
 from broker_lookup.transport.lease import Lease
 from broker_lookup.transport.script_runner import ScriptSet
@@ -37,7 +37,7 @@ from workers.pipeline.connections import rank_factories
 from workers.pipeline.dispatch import Dispatcher
 from workers.pipeline.lifecycle import Lifecycle
 from workers.pipeline.loop import RankLoop
-from workers.pipeline.watchdog import Sweeper
+from workers.pipeline.sweeper import Sweeper
 
 __all__ = ["RedisAsyncLookupServer"]
 
@@ -78,7 +78,7 @@ class RedisAsyncLookupServer:
             cfg, f"bl-worker-{metadata.engine_id}-{self.rank}", connection_factory
         )
         #: The one owner of every lookup id's lifecycle on this rank.
-        self.tracker = Lifecycle(
+        self.lifecycle = Lifecycle(
             cfg.worker_dedupe_capacity,
             cfg.worker_pin_ttl_ms / 1000,
             cfg.key_ttl_ms / 1000,
@@ -99,17 +99,17 @@ class RedisAsyncLookupServer:
         )
         self._factory = factory
         self._dispatcher = Dispatcher(
-            engine, self.tracker, cfg, self.keys, self.rank, factory, lease=self.lease
+            engine, self.lifecycle, cfg, self.keys, self.rank, factory, lease=self.lease
         )
         self._reporter = self._dispatcher.reporter
         self._sweeper = Sweeper(
             f"rank {self.rank} sweeper",
             self._dispatcher.sweep,
-            self.tracker.plan_sweep,
+            self.lifecycle.plan_sweep,
             SWEEP_EVERY_S,
             SWEEP_IDLE_S,
         )
-        self.tracker.ring_sweeper(self._sweeper.ring)
+        self.lifecycle.ring_sweeper(self._sweeper.ring)
         self._loop = RankLoop(
             cfg,
             self.keys,
@@ -126,7 +126,7 @@ class RedisAsyncLookupServer:
                 self.keys,
                 rank_role(self.rank),
                 "server",
-                self._published_stats,
+                self.stats,
                 interval_ms=cfg.metrics_period_ms,
                 ttl_ms=cfg.metrics_ttl_ms,
                 configured_engine_id=metadata.configured_engine_id,
@@ -192,41 +192,36 @@ class RedisAsyncLookupServer:
 
     # -- observability --------------------------------------------------------------
 
-    @property
-    def engine_seconds(self) -> list[int]:
-        """Engine time from start to report, per latency bucket (+ overflow)."""
-        return self._dispatcher.engine_seconds
-
-    @property
-    def engine_seconds_sum(self) -> float:
-        """Total engine time from start to report, in seconds."""
-        return self._dispatcher.engine_seconds_sum
-
-    def stats(self) -> dict[str, Any]:
-        """Counters and map sizes for metrics, heartbeats and tests."""
+    def stats(self) -> RankStats:
+        """Counters, map sizes and engine time for metrics, health, the metrics snapshot
+        and tests."""
         loop = self._loop
-        return {
-            "rank": self.rank,
-            "counts": {**self._dispatcher.counts(), **self.tracker.events()},
-            **self.tracker.sizes(),
-            "consumer": dict(loop.reader.stats),
-            "reporter_errors": self._reporter.errors,
-            "unexpected_errors": (
+        dispatcher = self._dispatcher
+        sizes = self.lifecycle.sizes()
+        return RankStats(
+            rank=self.rank,
+            counts={**dispatcher.counts(), **self.lifecycle.events()},
+            running=sizes["running"],
+            reporting=sizes["reporting"],
+            held=sizes["held"],
+            waiting=sizes["waiting"],
+            seen=sizes["seen"],
+            aborted=sizes["aborted"],
+            late=sizes["late"],
+            timers=sizes["timers"],
+            progressed=sizes["progressed"],
+            engine_seconds=tuple(dispatcher.engine_seconds),
+            engine_seconds_sum=dispatcher.engine_seconds_sum,
+            consumer=loop.reader.consumer_stats(),
+            reporter_errors=self._reporter.errors,
+            unexpected_errors=(
                 loop.guard.count + self._reporter.guard.count + self._sweeper.guard.count
             ),
-            "last_heartbeat": loop.heartbeat.last_beat,
-            "ready": self.ready,
-            "ownership": self.lease.state(),
-            "alive": loop.alive() and self._sweeper.alive(),
-        }
-
-    def _published_stats(self) -> dict[str, Any]:
-        """What the rank's metrics snapshot holds: :meth:`stats` and the engine time."""
-        return {
-            **self.stats(),
-            "engine_seconds": list(self.engine_seconds),
-            "engine_seconds_sum": self.engine_seconds_sum,
-        }
+            last_heartbeat=loop.heartbeat.last_beat,
+            ready=self.ready,
+            alive=loop.alive() and self._sweeper.alive(),
+            ownership=self.lease.state(),
+        )
 
     @property
     def ready(self) -> bool:

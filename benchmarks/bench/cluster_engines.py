@@ -65,11 +65,11 @@ def _engine_main(url: str, engine_id: str, window: int, duration_s: float, pipe:
     engine = StubEngine("instant", record=False)  # a full hit at once, on the consumer thread
     server = LookupClientFactory.create_lookup_server(engine, meta, config)
     deadline = time.monotonic() + _READY_TIMEOUT_S
-    while not server.stats()["last_heartbeat"] and time.monotonic() < deadline:
+    while not server.stats().last_heartbeat and time.monotonic() < deadline:
         time.sleep(0.02)  # the client would log the rank dead if it started first
     client = RedisAsyncLookupClient(config, meta)
     try:
-        while client.stats()["dead_ranks"] or not server.ready:
+        while client.stats().dead_ranks or not server.ready:
             if time.monotonic() > deadline:
                 raise BrokerLookupError(f"engine {engine_id}: rank not alive")
             time.sleep(0.02)

@@ -75,8 +75,8 @@ def _round(
         meter = CpuMeter(pids, server)
         tput = closed_loop(client, prompts, opts.window, opts.duration_s, opts.poll_s, tag + "-tp")
         run["inflight"] = {**tput, "cpu_per_1000": meter.per_1000(tput["completed"])}
-        insights = client.stats()["rank_insights"]
-        run["recorded"] = insights.get("recorded", 0) if insights else 0
+        insights = client.stats().rank_insights
+        run["recorded"] = insights.recorded if insights is not None else 0
         return run
     finally:
         client.close()

@@ -128,7 +128,7 @@ def client_for(url: str, eid: str, world: int, **fields: Any) -> RedisAsyncLooku
     client = RedisAsyncLookupClient(
         LookupConfig(redis_url=url, **fields), LookupMetadata(engine_id=eid, world_size=world)
     )
-    dead = client.stats()["dead_ranks"]
+    dead = client.stats().dead_ranks
     if dead:
         client.close()
         raise BenchError(f"engine {eid}: ranks {dead} have no heartbeat")
@@ -150,7 +150,7 @@ def _world_run(
             tput["cpu_per_1000"] = meter.per_1000(tput["completed"])
             tput["world"] = world
             run["throughput"] = tput
-        run["client_stats"] = client.stats()["outcomes"]
+        run["client_stats"] = client.stats().outcomes
         return run
     finally:
         client.close()

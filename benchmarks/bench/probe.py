@@ -56,7 +56,7 @@ def _key_bytes(server: redis.Redis, keys: list[str]) -> int:
 
 
 def _all_read(client: RedisAsyncLookupClient, server: redis.Redis) -> bool:
-    if client.stats()["queued"]:
+    if client.stats().queued:
         return False
     stream = client.keys.requests
     info: Any = server.xinfo_stream(stream)
@@ -107,5 +107,5 @@ def pending_probe(
     out["stream_entry_bytes"] = stream / n
     out["key_bytes_per_lookup"] = (hashes + stream) / n
     stats = client.stats()
-    out["still_pending"] = stats["inflight"]
+    out["still_pending"] = stats.inflight
     return out

@@ -98,7 +98,7 @@ class Chaos:
         # listener, all of a rank's) BLOCK + the breaker's threshold.
         self._hang_s = {
             "writer": config.socket_timeout_ms / 1000,
-            "loop": (config.block_ms + config.breaker_open_ms) / 1000,
+            "loop": config.loop_timeout_s,
         }
         self._kinds = [k for k in KINDS if server is not None or k != "server_restart"]
         self._deck: list[str] = []

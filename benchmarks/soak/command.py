@@ -112,7 +112,7 @@ def _drive(traffic: Traffic, chaos: Chaos, until: float, calm_s: float) -> None:
 
 def _wait_alive(client: RedisAsyncLookupClient, ranks: Ranks, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while client.stats()["dead_ranks"]:
+    while client.stats().dead_ranks:
         failed = [p.returncode for p in ranks.procs if p.poll() is not None]
         if failed or time.monotonic() > deadline:
             raise RuntimeError(f"ranks did not start (exit codes {failed}); see their logs")

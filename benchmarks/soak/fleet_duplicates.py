@@ -128,7 +128,7 @@ class Duplicates:
         if self.rank is None:
             return {"ran": False}
         counts = self.traffic.counts if self.traffic is not None else Counter[str]()
-        outcomes = self.client.stats()["outcomes"] if self.client is not None else {}
+        outcomes = self.client.stats().outcomes if self.client is not None else {}
         exit_code, exited_at = self.rank_exit or (None, None)
         return {
             "ran": True,

@@ -154,7 +154,7 @@ class Engine:
         self._until = now + self.setup.timeout_ms / 1000 + _DRAIN_GRACE_S
 
     def _check_started(self, now: float) -> None:
-        if not self.client.stats()["dead_ranks"]:
+        if not self.client.stats().dead_ranks:
             self.state, self.ready_at = "running", now
             if self.chaos is not None:
                 self.chaos.start(now)

@@ -11,6 +11,7 @@ from typing import Any
 
 from benchmarks.soak.faults import FaultLog
 from benchmarks.soak.traffic import Traffic
+from broker_lookup.protocol.stats import ClientStats
 
 __all__ = ["COUNTS", "MUST_BE_ZERO", "format_summary", "passed", "summarize"]
 
@@ -21,7 +22,7 @@ COUNTS = ("lookups", "right", "zero", "cancels", "reused_ids", "quiet_hits", *MU
 
 
 def summarize(
-    traffic: Traffic, log: FaultLog, stats: dict[str, Any], leaked: list[str]
+    traffic: Traffic, log: FaultLog, stats: ClientStats, leaked: list[str]
 ) -> dict[str, Any]:
     """The traffic's counts, the faults, and the client's ``stats()`` that tell how it coped."""
     out: dict[str, Any] = {k: traffic.counts[k] for k in COUNTS}
@@ -31,10 +32,10 @@ def summarize(
         leaked_keys=len(leaked),
         leaked_examples=leaked[:5],
         p99_latency_ms=traffic.p99_ms(),
-        breaker_openings=stats["breaker_openings"],
-        rejected=stats["rejected"],
-        client_outcomes=stats["outcomes"],
-        client_redis_errors=stats["redis_errors"],
+        breaker_openings=stats.breaker_openings,
+        rejected=stats.rejected,
+        client_outcomes=stats.outcomes,
+        client_redis_errors=stats.redis_errors,
         slowest_recovery=traffic.slowest_recovery,
         quiet_s=log.quiet_s,
         diagnosis=log.examples,

@@ -161,8 +161,8 @@ class Traffic:
             "stored": lookup.prompt.stored,
             "tier": lookup.prompt.tier,
             "reused_id": lookup.reused,
-            "client_dead_ranks": stats["dead_ranks"],
-            "client_breaker_open": stats["breaker_open"],
+            "client_dead_ranks": list(stats.dead_ranks),
+            "client_breaker_open": stats.breaker_open,
         }
         self.faults.diagnose(verdict, facts, lookup.started, now)
 

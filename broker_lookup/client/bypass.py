@@ -16,6 +16,7 @@ from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.engine import SyncLookupEngine
 from broker_lookup.interface import LookupClientInterface
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
+from broker_lookup.protocol.stats import ClientStats
 
 if TYPE_CHECKING:
     import torch
@@ -114,13 +115,14 @@ class BypassLookupClient(LookupClientInterface):
         if callable(release):
             self._guard.call("engine_error", lookup_id, None, release, lookup_id)
 
-    def stats(self) -> dict[str, Any]:
-        """What was answered without the engine (``rejected``, by kind), and the map's size."""
-        return {
-            "rejected": dict(self._guard.counts),
-            "truncated": self._admission.truncated,
-            "entries": len(self._results),
-        }
+    def stats(self) -> ClientStats:
+        """What was answered without the engine (``rejected``, by kind), and the map's size
+        (``entries``); no Redis, so the rest stays at zero."""
+        return ClientStats(
+            rejected=dict(self._guard.counts),
+            truncated=self._admission.truncated,
+            entries=len(self._results),
+        )
 
     def close(self) -> None:
         self._results.clear()

@@ -59,7 +59,7 @@ class CallerWrites(Generic[T]):
         self.torn = False
         #: When the caller last wrote a submit or queued one as part of a burst.
         self.last_at = 0.0
-        #: Submits written so far (``stats()["direct_submits"]``).
+        #: Submits written so far (``stats().direct_submits``).
         self.count = 0
         self._owed: deque[Written[T]] = deque()
         #: The entry of the caller's last submit, written or queued as part of a burst.

@@ -33,10 +33,10 @@ Memory is bounded: a fixed set of counters per expected rank, nothing per lookup
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from broker_lookup.histogram import Histogram
 from broker_lookup.protocol.messages import DoneEvent
+from broker_lookup.protocol.stats import InsightsStats, RankInsightRow
 from broker_lookup.ratelimit import RateLimitedLog
 
 __all__ = ["SPREAD_BUCKETS", "RankInsights", "Sampler"]
@@ -161,23 +161,23 @@ class RankInsights:
             if rank in self.late:
                 self.late[rank] += 1
 
-    def snapshot(self) -> dict[str, Any]:
-        """JSON-able copies for ``stats()`` and the metrics: per rank (as ints) and spread."""
-        return {
-            "recorded": self.recorded,
-            "represented": self.represented,
-            "ranks": {
-                r: {
-                    "report_counts": list(self.latency[r].counts),
-                    "report_sum": self.latency[r].total,
-                    "last": self.last[r],
-                    "excess_lookups": self.excess_lookups[r],
-                    "excess_tokens": self.excess_tokens[r],
-                    "late": self.late[r],
-                }
+    def snapshot(self) -> InsightsStats:
+        """Copies for ``stats()`` and the metrics: per rank and spread."""
+        return InsightsStats(
+            recorded=self.recorded,
+            represented=self.represented,
+            ranks={
+                r: RankInsightRow(
+                    report_counts=tuple(self.latency[r].counts),
+                    report_sum=self.latency[r].total,
+                    last=self.last[r],
+                    excess_lookups=self.excess_lookups[r],
+                    excess_tokens=self.excess_tokens[r],
+                    late=self.late[r],
+                )
                 for r in self.expected
             },
-            "spread_counts": list(self.spread.counts),
-            "spread_sum": self.spread.total,
-            "spread_warnings": self.warnings,
-        }
+            spread_counts=tuple(self.spread.counts),
+            spread_sum=self.spread.total,
+            spread_warnings=self.warnings,
+        )

@@ -34,6 +34,7 @@ from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace
 from broker_lookup.protocol.messages import LookupRequest
 from broker_lookup.protocol.snapshot import MetricsPublisher
+from broker_lookup.protocol.stats import ClientStats
 from broker_lookup.transport.connection import ConnectionFactory, close_factory, make_factory
 from broker_lookup.transport.lease import Lease
 from broker_lookup.transport.script_runner import ScriptSet
@@ -82,9 +83,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             writer = make_factory(config, name, own_retries=True)
             # A stalled server must cost the listener at most BLOCK plus the breaker's
             # threshold, so its timeout sweeps never pause for a full socket timeout.
-            reader = make_factory(
-                config, name, socket_timeout_s=(config.block_ms + config.breaker_open_ms) / 1000
-            )
+            reader = make_factory(config, name, socket_timeout_s=config.loop_timeout_s)
             self._factories = [writer, reader]
         else:
             writer = reader = connection_factory
@@ -295,36 +294,32 @@ class RedisAsyncLookupClient(LookupClientInterface):
 
     # -- observability and shutdown ---------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ClientStats:
         """Counters for metrics and tests; cheap, takes no lock."""
         t = self._table
         insights = self.insights
-        return {
-            "outcomes": dict(t.counts),
-            "hit_tokens": t.hit_tokens,
-            "inflight": len(t.inflight),
-            "entries": len(t.entries),
-            "queued": self._sender.queued,
-            "rejected": dict(self._guard.counts),
-            "truncated": self._admission.truncated,
-            "breaker_open": self._breaker.is_open(),
-            "breaker_openings": self._breaker.openings,
-            "send_queue_full": self._sender.dropped,
-            # Submits written on the caller's thread (the rest went through the queue).
-            "direct_submits": self._sender.direct_submits,
-            "stale_events": t.stale_events,
-            "redis_errors": self._sender.errors + self._listener.errors,
-            "unexpected_errors": self._sender.guard.count + self._listener.guard.count,
-            "dead_ranks": sorted(self._listener.dead),
-            # One scheduler per engine: whether this one holds the lease, conflicts seen.
-            "ownership": self.lease.state(),
-            # False until the first heartbeat read: dead_ranks is then a guess.
-            "liveness_known": self._listener.checked,
-            "latency_counts": list(t.latency.counts),
-            "latency_sum": t.latency.total,
-            # Per-rank latency, last to report, disagreement (empty: rank_insights off).
-            "rank_insights": insights.snapshot() if insights is not None else {},
-        }
+        return ClientStats(
+            outcomes=dict(t.counts),
+            hit_tokens=t.hit_tokens,
+            rejected=dict(self._guard.counts),
+            truncated=self._admission.truncated,
+            stale_events=t.stale_events,
+            latency_counts=tuple(t.latency.counts),
+            latency_sum=t.latency.total,
+            inflight=len(t.inflight),
+            entries=len(t.entries),
+            queued=self._sender.queued,
+            breaker_open=self._breaker.is_open(),
+            breaker_openings=self._breaker.openings,
+            send_queue_full=self._sender.dropped,
+            direct_submits=self._sender.direct_submits,
+            redis_errors=self._sender.errors + self._listener.errors,
+            unexpected_errors=self._sender.guard.count + self._listener.guard.count,
+            dead_ranks=tuple(sorted(self._listener.dead)),
+            liveness_known=self._listener.checked,
+            ownership=self.lease.state(),
+            rank_insights=insights.snapshot() if insights is not None else None,
+        )
 
     def close(self) -> None:
         """Cancel what is in flight, flush the queue, stop both threads (bounded), and
@@ -338,7 +333,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             # One grace for both threads, not one each. Past it the sender makes no
             # attempt (nor reconnects) and the pools below are closed under whatever
             # round trip still waits on a stalled server.
-            grace = (self.config.block_ms + self.config.breaker_open_ms) / 1000 + 2.0
+            grace = self.config.loop_timeout_s + 2.0
             deadline = time.monotonic() + grace
             self._listener.stop(0.0)  # it ends its read while the sender drains
             ok = self._sender.stop(grace)

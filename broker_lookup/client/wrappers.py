@@ -16,10 +16,13 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from broker_lookup.client.guard import Guard
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.interface import LookupClientInterface
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
+from broker_lookup.protocol.stats import ClientStats
 
 if TYPE_CHECKING:
     import torch
@@ -79,16 +82,17 @@ class _Forwarding(LookupClientInterface):
     def close(self) -> None:
         self._guard.call("close_error", None, None, self.inner.close)
 
-    def stats(self) -> dict[str, Any]:
-        """The wrapped client's ``stats()`` (if it has one), with this wrapper's counts
-        added to ``rejected``."""
+    def stats(self) -> ClientStats:
+        """The wrapped client's ``stats()`` (where it returns :class:`ClientStats`; else
+        one at zero), with this wrapper's counts added to ``rejected``."""
         inner = getattr(self.inner, "stats", None)  # the interface does not require it
-        merged: dict[str, Any] = dict(inner()) if callable(inner) else {}
-        rejected = dict(merged.get("rejected", {}))
+        base = inner() if callable(inner) else None
+        if not isinstance(base, ClientStats):  # a client of another kind: none of ours
+            base = ClientStats()
+        rejected = dict(base.rejected)
         for kind, count in self._guard.counts.items():
             rejected[kind] = rejected.get(kind, 0) + count
-        merged["rejected"] = rejected
-        return merged
+        return msgspec.structs.replace(base, rejected=rejected)
 
     def _lookup(
         self,

@@ -1,18 +1,17 @@
-"""Configuration: typed, validated structs (``model``) and where they come from (``sources``)."""
+"""Configuration: typed, validated structs (``model``), where they come from (``sources``),
+and the Redis URL's schemes (``urls``)."""
 
-from broker_lookup.config.model import (
-    LookupConfig,
-    LookupMetadata,
-    expected_ranks,
-    redact_url,
-)
+from broker_lookup.config.model import LookupConfig, LookupMetadata, expected_ranks
 from broker_lookup.config.sources import ENV_PREFIX, env_name
+from broker_lookup.config.urls import Scheme, redact_url, url_scheme
 
 __all__ = [
     "ENV_PREFIX",
     "LookupConfig",
     "LookupMetadata",
+    "Scheme",
     "env_name",
     "expected_ranks",
     "redact_url",
+    "url_scheme",
 ]

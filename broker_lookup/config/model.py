@@ -32,6 +32,7 @@ from broker_lookup.config.sources import (
     read_file,
     unknown_variables,
 )
+from broker_lookup.config.urls import Scheme, redact_url, scheme_hint, url_scheme
 from broker_lookup.errors import ConfigError
 from broker_lookup.protocol.keys import validate_engine_id
 
@@ -41,12 +42,9 @@ __all__ = [
     "LookupConfig",
     "LookupMetadata",
     "expected_ranks",
-    "redact_url",
 ]
 
 
-_URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "redis+cluster://")
-_NETLOC_END = re.compile(r"[/?#]")
 _AT_FIELD = re.compile(r" - at `\$\.([a-z_]+)`")
 #: Fields that must be > 0.
 _POSITIVE = (
@@ -58,25 +56,6 @@ _POSITIVE = (
 ).split()
 #: The longest an engine's keys may outlive its last process (``engine_ttl_ms``).
 ENGINE_TTL_MAX_MS = 3_600_000
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``; never raises.
-
-    The password runs to the netloc's last ``@``, as redis-py (``urllib``) reads it, so an
-    unencoded ``@`` inside a password does not leave its tail in a log line.
-    """
-    head, sep, rest = url.partition("://")
-    found = _NETLOC_END.search(rest)
-    cut = rest.rfind("@", 0, found.start() if found else len(rest))
-    if cut < 0:
-        # No '@' in the netloc: a password holding an unencoded '/', '?' or '#' would
-        # show through, so hide up to the last '@' anywhere (at worst too much is hidden).
-        cut = rest.rfind("@")
-    user, colon, _ = rest[: max(cut, 0)].partition(":")
-    if not (sep and cut >= 0 and colon):
-        return url
-    return f"{head}://{user}:***{rest[cut:]}"
 
 
 class DeadlineRule(NamedTuple):
@@ -123,13 +102,6 @@ def _require(ok: bool, field: str, value: object, rule: str) -> None:
         raise _bad(field, _shown(field, value), f"is invalid: {rule}")
 
 
-def _url_example(url: str) -> str:
-    """``: e.g. redis://HOST:PORT/0`` for a URL given without its scheme."""
-    if "://" in url or not url:
-        return ""
-    return f" (e.g. {redact_url('redis://' + url.rstrip('/'))}/0)"
-
-
 def _bad(field: str, shown: str, problem: str, origin: str | None = None) -> ConfigError:
     """The error of ``field``'s value: ``origin`` is where it came from; unknown (the
     object was built directly), the variable that would set it."""
@@ -161,7 +133,7 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     enable_chunk_statistics: bool = False  #: count total and unique chunks seen
     pre_caching_hash_algorithm: str = "builtin"  #: chunk hash function (LMCache's setting)
     # The broker's own knobs.
-    redis_url: str = "redis://127.0.0.1:6379/0"  #: see connection.py for schemes
+    redis_url: str = "redis://127.0.0.1:6379/0"  #: see config.urls.Scheme for schemes
     redis_username: str | None = None  #: ACL user; overrides the URL's
     redis_password: str | None = None  #: overrides the URL's; never logged
     ssl_ca_certs: str | None = None  #: CA bundle for rediss://
@@ -248,10 +220,12 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             _require(value > 0, name, value, "must be > 0")
         _require(self.key_grace_ms >= 0, "key_grace_ms", self.key_grace_ms, "must be >= 0")
         _require(
-            self.redis_url.startswith(_URL_SCHEMES),
+            url_scheme(self.redis_url) is not None,
             "redis_url",
             self.redis_url,
-            "must start with one of " + ", ".join(_URL_SCHEMES) + _url_example(self.redis_url),
+            "must start with one of "
+            + ", ".join(s.prefix for s in Scheme)
+            + scheme_hint(self.redis_url),
         )
         _require(
             self.block_ms + 1000 <= self.socket_timeout_ms,
@@ -357,6 +331,15 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     def lease_ms(self) -> int:
         """The lease of one role: ``owner_lease_ms``, or ``heartbeat_ttl_ms`` by default."""
         return self.owner_lease_ms if self.owner_lease_ms is not None else self.heartbeat_ttl_ms
+
+    @property
+    def loop_timeout_s(self) -> float:
+        """Socket timeout, in seconds, of every connection a blocking-read loop uses (the
+        client's listener, each rank's connections): BLOCK plus ``breaker_open_ms``. It
+        bounds how long a stalled Redis can pause one of those loops (their timeout
+        sweeps, heartbeats and watchdog run on after it, never after the general
+        ``socket_timeout_ms``), and so how long ``close()`` waits for such a loop to end."""
+        return (self.block_ms + self.breaker_open_ms) / 1000
 
     @property
     def metrics_ttl_ms(self) -> int:

@@ -43,8 +43,17 @@ __all__ = [
 
 #: Environment variables are ``BROKER_LOOKUP_<FIELD>``.
 ENV_PREFIX = "BROKER_LOOKUP_"
+
+
+def env_name(name: str) -> str:
+    """The environment variable of ``name``: a config field's (it sets that field), or
+    one of :data:`OTHER_VARIABLES`' (``env_name("rank")``: ``BROKER_LOOKUP_RANK``). Every
+    variable name is made here, never spelt by hand."""
+    return ENV_PREFIX + name.upper()
+
+
 #: Names a YAML or TOML file that ``LookupConfig.load`` reads before the variables.
-CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG_FILE"
+CONFIG_FILE_ENV = env_name("config_file")
 
 
 #: Every ``BROKER_LOOKUP_*`` variable that is not a config field, and what reads it. Any
@@ -52,20 +61,20 @@ CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG_FILE"
 #: added here; a test checks that every name the repository uses is a field or listed).
 OTHER_VARIABLES: dict[str, str] = {
     CONFIG_FILE_ENV: "a YAML/TOML file of config fields, read before the variables",
-    ENV_PREFIX + "ENGINE_ID": "python -m workers --engine-id",
-    ENV_PREFIX + "WORLD_SIZE": "python -m workers --world-size",
-    ENV_PREFIX + "RANK": "python -m workers --rank",
-    ENV_PREFIX + "METRICS_PORT": "python -m workers --metrics-port",
-    ENV_PREFIX + "LOG_LEVEL": "python -m workers --log-level",
-    ENV_PREFIX + "LMCACHE": "1: the LMCache plugin takes over LMCache's lookup in vLLM",
-    ENV_PREFIX + "PURE_HASHING": "1: chunk hashing in Python, not the C extension",
-    ENV_PREFIX + "TEST_REDIS_URL": "tests: run the real-server tests against this server",
-    ENV_PREFIX + "TEST_SERVER_BINARY": "tests: the server binary embedded servers run",
-    ENV_PREFIX + "TEST_VLLM": "tests: the vLLM tests must run (CI)",
-    ENV_PREFIX + "TEST_LMCACHE": "tests: the LMCache tests must run on this LMCache version (CI)",
-    ENV_PREFIX + "HELM": "tests: the helm binary",
-    ENV_PREFIX + "TEST_PROMETHEUS": "tests: the prometheus binary the scrape tests run",
-    ENV_PREFIX + "DEMO_CPU_CONNECTOR": "demo --vllm: 1 in its vLLM child: the CPU connector",
+    env_name("engine_id"): "python -m workers --engine-id",
+    env_name("world_size"): "python -m workers --world-size",
+    env_name("rank"): "python -m workers --rank",
+    env_name("metrics_port"): "python -m workers --metrics-port",
+    env_name("log_level"): "python -m workers --log-level",
+    env_name("lmcache"): "1: the LMCache plugin takes over LMCache's lookup in vLLM",
+    env_name("pure_hashing"): "1: chunk hashing in Python, not the C extension",
+    env_name("test_redis_url"): "tests: run the real-server tests against this server",
+    env_name("test_server_binary"): "tests: the server binary embedded servers run",
+    env_name("test_vllm"): "tests: the vLLM tests must run (CI)",
+    env_name("test_lmcache"): "tests: the LMCache tests must run on this LMCache version (CI)",
+    env_name("helm"): "tests: the helm binary",
+    env_name("test_prometheus"): "tests: the prometheus binary the scrape tests run",
+    env_name("demo_cpu_connector"): "demo --vllm: 1 in its vLLM child: the CPU connector",
 }
 
 # Kubernetes "service links" put <SERVICE>_SERVICE_HOST, <SERVICE>_PORT=tcp://... and the like
@@ -73,11 +82,6 @@ OTHER_VARIABLES: dict[str, str] = {
 # are never settings of ours, so they are not refused.
 _SERVICE_LINK_NAME = re.compile(r"_SERVICE_(HOST|PORT)(_\w+)?$|_PORT_\d+_(TCP|UDP|SCTP)(_\w+)?$")
 _SERVICE_LINK_VALUE = re.compile(r"^(tcp|udp|sctp)://")
-
-
-def env_name(field: str) -> str:
-    """Environment variable that sets ``field``."""
-    return ENV_PREFIX + field.upper()
 
 
 def env_origin(field: str) -> str:

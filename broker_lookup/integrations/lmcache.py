@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 
 from broker_lookup.client.factory import LookupClientFactory
-from broker_lookup.config import ENV_PREFIX, LookupConfig, LookupMetadata
+from broker_lookup.config import LookupConfig, LookupMetadata, env_name
 from broker_lookup.config.sources import environment
 from broker_lookup.errors import ConfigError
 from broker_lookup.integrations import lmcache_guard, lmcache_layout
@@ -65,8 +65,8 @@ logger = logging.getLogger(__name__)
 
 #: ``1`` makes :func:`vllm_plugin` install, and (with ``BROKER_LOOKUP_REDIS_URL``) asks
 #: for the broker for every LMCache config.
-ENV_SWITCH = "BROKER_LOOKUP_LMCACHE"
-ENV_URL = ENV_PREFIX + "REDIS_URL"
+ENV_SWITCH = env_name("lmcache")
+ENV_URL = env_name("redis_url")
 #: ``extra_config`` keys with this prefix are broker settings: ``lookup_broker_url`` is
 #: ``redis_url``, ``lookup_broker_engine_id`` overrides the engine id, any other
 #: ``lookup_broker_<field>`` sets that broker field of :class:`LookupConfig`.

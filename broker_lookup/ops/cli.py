@@ -22,12 +22,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from broker_lookup.config import env_name
 from broker_lookup.processes import ExitCode, child_env, python_module
 
 if TYPE_CHECKING:
     from broker_lookup.config import LookupConfig
 
 __all__ = ["COMMANDS", "Subcommand", "build_parser", "main"]
+
+_URL_HELP = f"Redis URL (default: {env_name('redis_url')})"
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,7 @@ def _run_server(args: argparse.Namespace) -> int:
 
 
 def _setup_inspect(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", help="Redis URL (default: BROKER_LOOKUP_REDIS_URL)")
+    p.add_argument("--redis-url", help=_URL_HELP)
     p.add_argument(
         "--engine-id", help="engine whose keys to show (default: every engine on the server)"
     )
@@ -191,7 +194,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _setup_doctor(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", help="Redis URL (default: BROKER_LOOKUP_REDIS_URL)")
+    p.add_argument("--redis-url", help=_URL_HELP)
     p.add_argument("--engine-id", help="check this engine only (default: every engine)")
 
 
@@ -219,7 +222,7 @@ def _setup_exporter(p: argparse.ArgumentParser) -> None:
         "(no port per process). Labels: engine, configured_engine_id, role (scheduler, "
         "worker), host, plus each metric's own."
     )
-    p.add_argument("--redis-url", help="Redis URL (default: BROKER_LOOKUP_REDIS_URL)")
+    p.add_argument("--redis-url", help=_URL_HELP)
     p.add_argument("--engine-id", help="this engine and its vLLM instances only (default: all)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument(
@@ -232,7 +235,7 @@ def _run_exporter(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from broker_lookup.config import LookupConfig, env_name, redact_url
+    from broker_lookup.config import LookupConfig, redact_url
     from broker_lookup.errors import REDIS_ERRORS, ConfigError
     from broker_lookup.ops.exporter import FleetCollector, render_once, serve
     from broker_lookup.protocol.keys import validate_engine_id

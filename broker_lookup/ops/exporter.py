@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -39,6 +39,7 @@ from broker_lookup.errors import REDIS_ERRORS, BrokerLookupError, MalformedMessa
 from broker_lookup.ops.metrics import EXPORTER_METRICS, ClientCollector, ServerCollector
 from broker_lookup.protocol.keys import METRICS_FLEET_PATTERN, KeySpace, engine_of
 from broker_lookup.protocol.snapshot import MetricsSnapshot, decode_snapshot
+from broker_lookup.protocol.stats import ClientStats, RankStats, client_stats, rank_stats
 from broker_lookup.ratelimit import RateLimitedLog
 
 __all__ = [
@@ -55,6 +56,7 @@ logger = logging.getLogger(__name__)
 #: The labels the exporter adds to every series of a process, in this order.
 PROCESS_LABELS = ("engine", "configured_engine_id", "role", "host")
 _ROLE = {"client": "scheduler", "server": "worker"}
+_S = TypeVar("_S", ClientStats, RankStats)
 
 
 def read_snapshots(
@@ -88,24 +90,28 @@ def read_snapshots(
     return out, malformed
 
 
-class _Published:
-    """A snapshot standing in for the process it came from, for the collectors."""
+class _Published(Generic[_S]):
+    """A snapshot's stats standing in for the process it came from, for the collectors."""
 
-    def __init__(self, snapshot: MetricsSnapshot) -> None:
-        self._stats = snapshot.stats
-        self.engine_seconds: list[int] = list(snapshot.stats.get("engine_seconds", ()))
-        self.engine_seconds_sum = float(snapshot.stats.get("engine_seconds_sum", 0.0))
+    def __init__(self, stats: _S) -> None:
+        self._stats: _S = stats
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> _S:
         return self._stats
 
 
-def _families(snapshot: MetricsSnapshot, clock: Callable[[], float]) -> Iterator[Metric]:
+def _families(snapshot: MetricsSnapshot, clock: Callable[[], float]) -> list[Metric]:
+    """The families of one snapshot.
+
+    Raises:
+        MalformedMessage: its ``stats`` do not read as its kind's stats.
+    """
     version = snapshot.lmcache
-    published = _Published(snapshot)
     if snapshot.kind == "client":
-        return ClientCollector(published, lambda: version).collect()
-    return ServerCollector(published, clock, lambda: version).collect()
+        client = _Published(client_stats(snapshot.stats))
+        return list(ClientCollector(client, lambda: version).collect())
+    server = _Published(rank_stats(snapshot.stats))
+    return list(ServerCollector(server, clock, lambda: version).collect())
 
 
 class FleetCollector(Collector):
@@ -151,35 +157,49 @@ class FleetCollector(Collector):
         """
         snapshots, malformed = read_snapshots(self.client(), self._engine_id)
         merged: dict[str, Metric] = {}
+        read = 0
         for engine, snapshot in snapshots:
-            extra = {
-                "engine": engine,
-                "configured_engine_id": snapshot.configured_engine_id or engine,
-                "role": _ROLE[snapshot.kind],
-                "host": snapshot.host,
-            }
-            for family in _families(snapshot, self._clock):
-                into = merged.get(family.name)
-                if into is None:
-                    into = merged[family.name] = Metric(
-                        family.name, family.documentation, family.type, family.unit
-                    )
-                for sample in family.samples:
-                    labels = {**extra, **sample.labels}
-                    if snapshot.kind == "server":
-                        # Ranks of one pod share engine and host: each series names its rank
-                        # (broker_lookup_lmcache_info has none of its own).
-                        labels.setdefault("rank", snapshot.role)
-                    into.add_sample(sample.name, labels, sample.value)
+            try:
+                families = _families(snapshot, self._clock)
+            except MalformedMessage:  # stats of the wrong shape: as an undecodable one
+                malformed += 1
+                continue
+            read += 1
+            _merge(merged, engine, snapshot, families)
         yield from merged.values()
-        read = GaugeMetricFamily(
+        state = GaugeMetricFamily(
             "broker_lookup_exporter_snapshots",
             EXPORTER_METRICS["broker_lookup_exporter_snapshots"][1],
             labels=["state"],
         )
-        read.add_metric(["read"], float(len(snapshots)))
-        read.add_metric(["malformed"], float(malformed))
-        yield read
+        state.add_metric(["read"], float(read))
+        state.add_metric(["malformed"], float(malformed))
+        yield state
+
+
+def _merge(
+    merged: dict[str, Metric], engine: str, snapshot: MetricsSnapshot, families: list[Metric]
+) -> None:
+    """Add one snapshot's samples to ``merged``, labelled with the process they came from."""
+    extra = {
+        "engine": engine,
+        "configured_engine_id": snapshot.configured_engine_id or engine,
+        "role": _ROLE[snapshot.kind],
+        "host": snapshot.host,
+    }
+    for family in families:
+        into = merged.get(family.name)
+        if into is None:
+            into = merged[family.name] = Metric(
+                family.name, family.documentation, family.type, family.unit
+            )
+        for sample in family.samples:
+            labels = {**extra, **sample.labels}
+            if snapshot.kind == "server":
+                # Ranks of one pod share engine and host: each series names its rank
+                # (broker_lookup_lmcache_info has none of its own).
+                labels.setdefault("rank", snapshot.role)
+            into.add_sample(sample.name, labels, sample.value)
 
 
 class _Handler(BaseHTTPRequestHandler):

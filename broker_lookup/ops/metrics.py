@@ -33,6 +33,7 @@ from broker_lookup.client.insights import SPREAD_BUCKETS
 from broker_lookup.client.table import OUTCOMES
 from broker_lookup.histogram import Histogram
 from broker_lookup.lmcache_version import running_lmcache_version
+from broker_lookup.protocol.stats import ClientStats, InsightsStats, RankStats
 
 __all__ = [
     "CLIENT_METRICS",
@@ -241,19 +242,14 @@ _DROP_REASONS = {
     "report_unknown": "unknown",
     "report_after_keep": "kept",
 }
-_LOOKUP_STATES = ("running", "waiting", "held")
 
 
-class _HasStats(Protocol):
-    def stats(self) -> dict[str, Any]: ...
+class _ClientLike(Protocol):
+    def stats(self) -> ClientStats: ...
 
 
-class _ServerLike(_HasStats, Protocol):
-    @property
-    def engine_seconds(self) -> Sequence[int]: ...
-
-    @property
-    def engine_seconds_sum(self) -> float: ...
+class _ServerLike(Protocol):
+    def stats(self) -> RankStats: ...
 
 
 def _help(name: str) -> str:
@@ -294,10 +290,10 @@ def _add_histogram(family: HistogramMetricFamily, hist: Histogram, values: list[
     family.add_metric(values, buckets, hist.total)
 
 
-def _rank_families(insights: Mapping[str, Any]) -> Iterator[Metric]:
-    """The ``rank_*`` families from ``stats()["rank_insights"]`` (empty when it is off)."""
-    ranks: Mapping[Any, Mapping[str, Any]] = insights.get("ranks", {})
-    order = sorted(ranks, key=int)
+def _rank_families(insights: InsightsStats | None) -> Iterator[Metric]:
+    """The ``rank_*`` families from ``stats().rank_insights`` (empty when it is off)."""
+    ranks = insights.ranks if insights is not None else {}
+    order = sorted(ranks)
     report = HistogramMetricFamily(
         "broker_lookup_client_rank_report_seconds",
         _help("broker_lookup_client_rank_report_seconds"),
@@ -305,28 +301,28 @@ def _rank_families(insights: Mapping[str, Any]) -> Iterator[Metric]:
     )
     for rank in order:
         row = ranks[rank]
-        hist = Histogram.of(row.get("report_counts", ()), row.get("report_sum", 0.0))
-        _add_histogram(report, hist, [str(rank)])
+        _add_histogram(report, Histogram.of(row.report_counts, row.report_sum), [str(rank)])
     yield report
-    for name, key in (
-        ("broker_lookup_client_rank_last_total", "last"),
-        ("broker_lookup_client_rank_excess_lookups_total", "excess_lookups"),
-        ("broker_lookup_client_rank_excess_tokens_total", "excess_tokens"),
-        ("broker_lookup_client_rank_late_total", "late"),
+    labels = [str(rank) for rank in order]
+    rows = [ranks[rank] for rank in order]
+    for name, values in (
+        ("broker_lookup_client_rank_last_total", [row.last for row in rows]),
+        ("broker_lookup_client_rank_excess_lookups_total", [row.excess_lookups for row in rows]),
+        ("broker_lookup_client_rank_excess_tokens_total", [row.excess_tokens for row in rows]),
+        ("broker_lookup_client_rank_late_total", [row.late for row in rows]),
     ):
         family = _counter(name, ["rank"])
-        for rank in order:
-            family.add_metric([str(rank)], float(ranks[rank].get(key, 0)))
+        for label, value in zip(labels, values, strict=True):
+            family.add_metric([label], float(value))
         yield family
     spread = HistogramMetricFamily(
         "broker_lookup_client_rank_spread_tokens",
         _help("broker_lookup_client_rank_spread_tokens"),
         labels=[],
     )
-    if insights:
-        hist = Histogram.of(
-            insights.get("spread_counts", ()), insights.get("spread_sum", 0.0), SPREAD_BUCKETS
-        )
+    # A snapshot of an older client says "off" with no ranks rather than None.
+    if insights is not None and ranks:
+        hist = Histogram.of(insights.spread_counts, insights.spread_sum, SPREAD_BUCKETS)
         _add_histogram(spread, hist, [])
     yield spread
 
@@ -335,12 +331,12 @@ class ClientCollector(Collector):
     """Exports a lookup client's ``stats()`` (scheduler process) at scrape time.
 
     Args:
-        client: anything with ``stats()`` shaped like ``RedisAsyncLookupClient.stats()``.
+        client: anything whose ``stats()`` returns :class:`ClientStats`.
         lmcache_version: which LMCache the client's process runs (default: this one's).
     """
 
     def __init__(
-        self, client: _HasStats, lmcache_version: VersionSource = running_lmcache_version
+        self, client: _ClientLike, lmcache_version: VersionSource = running_lmcache_version
     ) -> None:
         self._client = client
         self._version = lmcache_version
@@ -349,38 +345,35 @@ class ClientCollector(Collector):
         """Yield one family per name of :data:`CLIENT_METRICS`."""
         st = self._client.stats()
         lookups = _counter("broker_lookup_client_lookups_total", ["outcome"])
-        outcomes: Mapping[str, int] = st.get("outcomes", {})
+        outcomes = st.outcomes
         for outcome in sorted({*OUTCOMES, *outcomes}):
             lookups.add_metric([outcome], float(outcomes.get(outcome, 0)))
         yield lookups
-        latency = Histogram.of(st.get("latency_counts", ()), st.get("latency_sum", 0.0))
+        latency = Histogram.of(st.latency_counts, st.latency_sum)
         yield _histogram("broker_lookup_client_latency_seconds", latency, {})
         rejected = _counter("broker_lookup_client_rejected_total", ["reason"])
-        for kind, count in sorted(st.get("rejected", {}).items()):
+        for kind, count in sorted(st.rejected.items()):
             rejected.add_metric([kind], float(count))
         yield rejected
-        for name, key in (
-            ("broker_lookup_client_hit_tokens_total", "hit_tokens"),
-            ("broker_lookup_client_redis_errors_total", "redis_errors"),
-            ("broker_lookup_client_truncated_total", "truncated"),
-            ("broker_lookup_client_breaker_openings_total", "breaker_openings"),
+        for name, value in (
+            ("broker_lookup_client_hit_tokens_total", st.hit_tokens),
+            ("broker_lookup_client_redis_errors_total", st.redis_errors),
+            ("broker_lookup_client_truncated_total", st.truncated),
+            ("broker_lookup_client_breaker_openings_total", st.breaker_openings),
+            ("broker_lookup_client_owner_conflicts_total", st.ownership.conflicts),
         ):
             family = _counter(name)
-            family.add_metric([], float(st.get(key, 0)))
+            family.add_metric([], float(value))
             yield family
-        own: Mapping[str, Any] = st.get("ownership") or {}
-        conflicts = _counter("broker_lookup_client_owner_conflicts_total")
-        conflicts.add_metric([], float(own.get("conflicts", 0)))
-        yield conflicts
         for name, value in (
-            ("broker_lookup_client_inflight", st.get("inflight", 0)),
-            ("broker_lookup_client_breaker_open", st.get("breaker_open", 0)),
-            ("broker_lookup_client_owner", own.get("owner", 0)),
+            ("broker_lookup_client_inflight", st.inflight),
+            ("broker_lookup_client_breaker_open", st.breaker_open),
+            ("broker_lookup_client_owner", st.ownership.owner),
         ):
             gauge = _gauge(name)
             gauge.add_metric([], float(value))
             yield gauge
-        yield from _rank_families(st.get("rank_insights") or {})
+        yield from _rank_families(st.rank_insights)
         yield _lmcache_info(self._version)
 
 
@@ -388,7 +381,7 @@ class ServerCollector(Collector):
     """Exports one worker rank's ``RedisAsyncLookupServer.stats()`` at scrape time.
 
     Args:
-        server: the rank's server (``stats()``, ``engine_seconds``, ``engine_seconds_sum``).
+        server: the rank's server (anything whose ``stats()`` returns :class:`RankStats`).
         clock: wall clock for the heartbeat age (tests pass their own).
         lmcache_version: which LMCache the rank's process runs (default: this one's).
     """
@@ -406,11 +399,11 @@ class ServerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """Yield one family per name of :data:`WORKER_METRICS`, each labelled ``rank``."""
         st = self._server.stats()
-        rank = str(st.get("rank", 0))
-        counts: Mapping[str, int] = st.get("counts", {})
-        consumer: Mapping[str, Any] = st.get("consumer", {})
-        yield from self._simple(rank, counts, st, consumer)
-        engine = Histogram.of(self._server.engine_seconds, self._server.engine_seconds_sum)
+        rank = str(st.rank)
+        counts = st.counts
+        consumer = st.consumer
+        yield from self._simple(rank, st)
+        engine = Histogram.of(st.engine_seconds, st.engine_seconds_sum)
         yield _histogram("broker_lookup_worker_engine_seconds", engine, {"rank": rank})
         yield self._by_label(
             "broker_lookup_worker_reports_total",
@@ -432,40 +425,31 @@ class ServerCollector(Collector):
         )
         keeps = {r: counts.get("keep_" + r, 0) for r in _KEEP_RESULTS}
         yield self._by_label("broker_lookup_worker_keeps_total", "result", rank, keeps)
-        by_reason: Mapping[str, int] = consumer.get("dead_letter_reasons") or {
-            "all": consumer.get("dead_letters", 0)
-        }
+        by_reason = consumer.dead_letter_reasons or {"all": consumer.dead_letters}
         yield self._by_label("broker_lookup_worker_dead_letters_total", "reason", rank, by_reason)
         yield self._by_label(
             "broker_lookup_worker_lookups",
             "state",
             rank,
-            {s: st.get(s, 0) for s in _LOOKUP_STATES},
+            {"running": st.running, "waiting": st.waiting, "held": st.held},
             gauge=True,
         )
         yield _lmcache_info(self._version)
 
-    def _simple(
-        self,
-        rank: str,
-        counts: Mapping[str, int],
-        st: Mapping[str, Any],
-        consumer: Mapping[str, Any],
-    ) -> Iterator[Metric]:
-        beat = float(st.get("last_heartbeat") or 0.0)
-        own: Mapping[str, Any] = st.get("ownership") or {}
+    def _simple(self, rank: str, st: RankStats) -> Iterator[Metric]:
+        beat = st.last_heartbeat
+        own, counts, consumer = st.ownership, st.counts, st.consumer
         values: dict[str, float] = {
-            "broker_lookup_worker_owner": float(own.get("owner", 0)),
-            "broker_lookup_worker_owner_conflicts_total": own.get("conflicts", 0),
-            "broker_lookup_worker_owner_lost_total": own.get("lost", 0),
+            "broker_lookup_worker_owner": float(own.owner),
+            "broker_lookup_worker_owner_conflicts_total": own.conflicts,
+            "broker_lookup_worker_owner_lost_total": own.lost,
             "broker_lookup_worker_requests_total": counts.get("requests", 0),
             "broker_lookup_worker_expired_total": counts.get("expired", 0),
             "broker_lookup_worker_aborts_total": counts.get("aborts", 0),
             "broker_lookup_worker_engine_errors_total": counts.get("engine_errors", 0),
-            "broker_lookup_worker_redis_errors_total": consumer.get("redis_errors", 0)
-            + st.get("reporter_errors", 0),
-            "broker_lookup_worker_group_pending": consumer.get("pending", 0),
-            "broker_lookup_worker_group_lag": consumer.get("lag", 0),
+            "broker_lookup_worker_redis_errors_total": consumer.redis_errors + st.reporter_errors,
+            "broker_lookup_worker_group_pending": consumer.pending,
+            "broker_lookup_worker_group_lag": consumer.lag,
             # Never beaten yet: infinitely old, so the staleness alert sees it.
             "broker_lookup_worker_heartbeat_age_seconds": (
                 max(0.0, self._clock() - beat) if beat else math.inf

@@ -3,21 +3,23 @@
 vLLM runs an API server, an EngineCore (the scheduler's lookup client) and one worker
 per GPU (a rank's server) in one pod: a metrics port per process would collide, and
 nothing would scrape them. Instead the holder of each role (the scheduler, each rank)
-writes its ``stats()`` as one JSON string, ``bl:{E}:metrics:<role>``, with a PX of three
-publish intervals (``metrics_interval_ms``), from the thread that already renews its
-lease (the rank's read loop, the client's listener), in the same round trip as the
-engine's key refresh. The exporter reads every snapshot on the server and renders it
-with the same collectors a process's own ``/metrics`` uses, so names and meanings are
-one. A restarted process starts from zero (Prometheus reads that as a counter reset); a
-gone process's snapshot expires, and its series with it.
+writes its ``stats()`` (:mod:`broker_lookup.protocol.stats`) as one JSON string,
+``bl:{E}:metrics:<role>``, with a PX of three publish intervals (``metrics_interval_ms``),
+from the thread that already renews its lease (the rank's read loop, the client's
+listener), in the same round trip as the engine's key refresh. The exporter reads every
+snapshot on the server and renders it with the same collectors a process's own
+``/metrics`` uses, so names and meanings are one. A restarted process starts from zero
+(Prometheus reads that as a counter reset); a gone process's snapshot expires, and its
+series with it.
 
 A snapshot is bounded (:data:`MAX_SNAPSHOT_BYTES`): ``stats()`` holds counters keyed by
 fixed sets of outcomes and reasons and, with ``rank_insights``, one row per expected
 rank. One that grows past the bound is not written (logged once), never truncated.
 
 Schema evolution as for the wire messages: new fields get defaults, unknown ones are
-ignored, the collectors read ``stats`` with defaults, so an exporter and processes of
-neighbouring versions share a server.
+ignored (``stats`` too: :func:`~broker_lookup.protocol.stats.client_stats` and
+:func:`~broker_lookup.protocol.stats.rank_stats` read it back), so an exporter and
+processes of neighbouring versions share a server.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from broker_lookup.errors import MalformedMessage
 from broker_lookup.lmcache_version import running_lmcache_version
 from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.stats import ClientStats, RankStats, as_json_object
 
 __all__ = [
     "MAX_SNAPSHOT_BYTES",
@@ -64,7 +67,7 @@ class MetricsSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     #: the engine id the operator configured, where the key namespace was derived from it
     configured_engine_id: str | None = None
     lmcache: str | None = None  #: the LMCache version the process runs (None: none)
-    #: the process's ``stats()`` (a rank's with ``engine_seconds`` and its sum added)
+    #: the process's ``stats()``, field name -> value (a ClientStats or a RankStats)
     stats: dict[str, Any] = {}
 
 
@@ -106,7 +109,7 @@ class MetricsPublisher:
         keys: KeySpace,
         role: str,
         kind: Kind,
-        stats: Callable[[], dict[str, Any]],
+        stats: Callable[[], ClientStats | RankStats],
         *,
         interval_ms: int,
         ttl_ms: int,
@@ -154,7 +157,7 @@ class MetricsPublisher:
                 ts_ms=int(time.time() * 1000),
                 configured_engine_id=self._configured,
                 lmcache=running_lmcache_version(),
-                stats=self._stats(),
+                stats=as_json_object(self._stats()),
             )
         )
 

@@ -146,7 +146,7 @@ class Demo:
         self.say(f"all {self.n} ranks alive (heartbeats {self.keys.heartbeat_pattern})")
         meta = LookupMetadata(engine_id=self.keys.engine_id, world_size=self.n)
         client = self.client = RedisAsyncLookupClient(self.config, meta)
-        return bool(_wait(lambda: not client.stats()["dead_ranks"], 30.0, 0.02))
+        return bool(_wait(lambda: not client.stats().dead_ranks, 30.0, 0.02))
 
     def _client(self) -> RedisAsyncLookupClient:
         if self.client is None:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
+from broker_lookup.config import env_name
 from broker_lookup.errors import BrokerUnavailable
 from broker_lookup.processes import ExitCode, child_env, python_module
 from broker_lookup.threads import set_from_signal
@@ -53,7 +54,7 @@ def run_server(port: int, host: str, out: TextIO | None = None) -> int:
     try:
         say = _printer(stream)
         say(f"listening on {server.url}")
-        say(f"  export BROKER_LOOKUP_REDIS_URL={server.url}")
+        say(f"  export {env_name('redis_url')}={server.url}")
         say(f"Stop it with Ctrl-C (or: kill {os.getpid()}). Nothing is saved to disk.")
         while not stop.wait(1.0):
             if not server.running:

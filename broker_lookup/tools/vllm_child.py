@@ -24,8 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from broker_lookup.config import env_name
+
 #: Set (by :func:`main`, inherited by vLLM's processes) where there is no GPU.
-CPU_ENV = "BROKER_LOOKUP_DEMO_CPU_CONNECTOR"
+CPU_ENV = env_name("demo_cpu_connector")
 #: Prompt tokens: one full LMCache chunk (256) and a tail that is always computed.
 PROMPT_TOKENS = 360
 CHUNK = 256
@@ -61,6 +63,7 @@ def _published(redis_url: str, engine_id: str, timeout_s: float) -> dict[str, An
     """The exporter's series of ``engine_id`` once the scheduler's snapshot shows the hit."""
     from broker_lookup.config import LookupConfig
     from broker_lookup.ops.exporter import FleetCollector, read_snapshots, render_once
+    from broker_lookup.protocol.stats import client_stats
     from broker_lookup.transport.connection import make_factory
 
     factory = make_factory(LookupConfig(redis_url=redis_url), "bl-demo-exporter")
@@ -70,7 +73,7 @@ def _published(redis_url: str, engine_id: str, timeout_s: float) -> dict[str, An
         while True:
             snaps, _ = read_snapshots(client, engine_id)
             clients = [(e, s) for e, s in snaps if s.kind == "client"]
-            hits = sum(s.stats.get("outcomes", {}).get("hit", 0) for _, s in clients)
+            hits = sum(client_stats(s.stats).outcomes.get("hit", 0) for _, s in clients)
             if hits or time.monotonic() > deadline:
                 break
             time.sleep(0.2)

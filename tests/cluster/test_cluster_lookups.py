@@ -90,7 +90,7 @@ def test_moved_slot_is_followed_without_wrong_or_lost_lookups(
     }
     # New lookups after the move: every one answered by the engine, on the new master.
     assert run_batch(unit, "after", 30) == [unit.expected] * 30
-    by_outcome = {k: v for k, v in unit.client.stats()["outcomes"].items() if v}
+    by_outcome = {k: v for k, v in unit.client.stats().outcomes.items() if v}
     print(
         f"\nslot {slot} moved {source}->{dest} ({moved} keys) under traffic: {dict(counts)}; "
         f"client outcomes {by_outcome}"

@@ -79,7 +79,7 @@ def test_ids_the_wire_cannot_carry_answer_zero(
         assert client.lookup_cache(lookup_id) == 0  # recorded like any answer
         client.clear_lookup_status(lookup_id)
         assert client.lookup_cache(lookup_id) == -1
-    assert client.stats()["rejected"] == {kind: 1}
+    assert client.stats().rejected == {kind: 1}
     assert not backend.factory().exists(KeySpace(engine_id).requests)
 
 
@@ -110,8 +110,8 @@ def test_bad_requests_answer_zero_count_and_log_once(
         for i in range(5):
             assert client.lookup(tokens, f"r{i}", configs) == 0
             assert client.lookup_cache(f"r{i}") == 0
-    assert client.stats()["rejected"] == {kind: 5}
-    assert client.stats()["outcomes"]["rejected"] == 5
+    assert client.stats().rejected == {kind: 5}
+    assert client.stats().outcomes["rejected"] == 5
     logged = [r for r in caplog.records if kind in r.getMessage()]
     assert len(logged) == 1, "logged once, not once per request"
     assert not backend.factory().exists(KeySpace(engine_id).requests)
@@ -123,7 +123,7 @@ def test_a_prompt_over_the_chunk_limit_is_looked_up_by_its_prefix(serve: Serve) 
     # The first 16 chunks are a prefix: a hit on them is a right answer, not a guess.
     assert answer(client, "long", timeout=10) == 16 * CHUNK
     assert len(engine.started[0][1]) == 16
-    assert client.stats()["truncated"] == 1
+    assert client.stats().truncated == 1
 
 
 def test_unhashable_ids_never_raise(make_client: MakeClient) -> None:
@@ -134,7 +134,7 @@ def test_unhashable_ids_never_raise(make_client: MakeClient) -> None:
     client.clear_lookup_status({"a": 1})  # type: ignore[arg-type]
     client.cancel_lookup(["x"])  # type: ignore[arg-type]
     # Each call counted once: the lookup and the lookup_cache as bad ids.
-    assert client.stats()["rejected"] == {"bad_id": 2, "bad_clear": 1, "bad_cancel": 1}
+    assert client.stats().rejected == {"bad_id": 2, "bad_clear": 1, "bad_cancel": 1}
 
 
 def test_an_internal_error_answers_zero(
@@ -147,7 +147,7 @@ def test_an_internal_error_answers_zero(
 
     monkeypatch.setattr(client._table, "add", broken)
     assert client.lookup(TOKENS, "r1") == 0
-    assert client.stats()["rejected"] == {"internal_error": 1}
+    assert client.stats().rejected == {"internal_error": 1}
 
 
 @pytest.mark.parametrize(
@@ -227,7 +227,7 @@ def test_rank_dead_letters_bad_entries_and_goes_on(
     conn = backend.factory()
     want = {conn.xadd(ks.requests, stream_fields(fields)): why for fields, why in BAD_ENTRIES}
     n = len(BAD_ENTRIES)
-    wait_until(lambda: all(s.stats()["consumer"]["dead_letters"] == n for s in servers))
+    wait_until(lambda: all(s.stats().consumer.dead_letters == n for s in servers))
     # A dead letter is counted when its XADD is queued; it lands with the batch's round trip.
     wait_until(lambda: len(stream_entries(conn.xrange(ks.dead))) >= 2 * n)
     letters = stream_entries(conn.xrange(ks.dead))
@@ -241,7 +241,7 @@ def test_rank_dead_letters_bad_entries_and_goes_on(
     alive(client)
     client.lookup(TOKENS, "good")
     assert answer(client, "good", timeout=10) == 24
-    assert all(s.stats()["alive"] for s in servers)
+    assert all(s.stats().alive for s in servers)
 
 
 def test_request_for_other_ranks_is_not_served(
@@ -252,9 +252,9 @@ def test_request_for_other_ranks_is_not_served(
     server = make_server(engine, rank=0, world_size=2)
     ready(server)
     backend.factory().xadd(ks.requests, {"m": _lookup(expected=[1])})
-    wait_until(lambda: server.stats()["counts"].get("not_expected") == 1)
+    wait_until(lambda: server.stats().counts.get("not_expected") == 1)
     assert engine.started_ids() == []
-    assert server.stats()["consumer"]["dead_letters"] == 0  # valid, just not for rank 0
+    assert server.stats().consumer.dead_letters == 0  # valid, just not for rank 0
 
 
 @pytest.mark.parametrize("hits", [-5, 10**9, 3.5, True, None, "12"])
@@ -267,7 +267,7 @@ def test_engine_reporting_nonsense_reports_zero(
     wait_until(lambda: engine.started_ids() == ["r1"])
     engine.report("r1", hits)
     assert answer(client, "r1", timeout=10) == 0
-    assert server.stats()["counts"]["engine_invalid_hits"] == 1
+    assert server.stats().counts["engine_invalid_hits"] == 1
     assert any("r1" in r.getMessage() and repr(hits) in r.getMessage() for r in caplog.records)
     client.lookup(TOKENS, "r2")
     wait_until(lambda: "r2" in engine.started_ids())

@@ -24,14 +24,14 @@ def test_a_failing_redis_answers_zero_at_once_then_recovers(
     _, _, client = serve(StubEngine("instant", hits=24), lookup_timeout_ms=30_000, cls=kind)
     backend.fake.connected = False
     client.lookup(TOKENS, "trips")  # the submit that finds Redis gone
-    wait_until(lambda: client.stats()["breaker_open"], message="the breaker opens")
+    wait_until(lambda: client.stats().breaker_open, message="the breaker opens")
     for i in range(200):
         assert client.lookup(TOKENS, f"down-{i}") == 0  # not after the 30 s timeout
         assert client.lookup_cache(f"down-{i}") == 0
     stats = client.stats()
-    assert stats["outcomes"]["unavailable"] >= 200 and stats["queued"] == 0
+    assert stats.outcomes["unavailable"] >= 200 and stats.queued == 0
     backend.fake.connected = True
-    wait_until(lambda: not client.stats()["breaker_open"], message="it closes by itself")
+    wait_until(lambda: not client.stats().breaker_open, message="it closes by itself")
 
     def served() -> bool:
         client.clear_lookup_status("up")

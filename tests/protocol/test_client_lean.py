@@ -75,7 +75,7 @@ def test_lookups_complete_over_the_link_and_survive_a_killed_connection(
     assert wait_until(lambda: client.lookup_cache("w1") == 12)
     assert client._sender._link is not None and client._listener._link is not None
     backend.factory().client_kill_filter(_type="normal", skipme=True)
-    wait_until(lambda: not client.stats()["breaker_open"], timeout=10)
+    wait_until(lambda: not client.stats().breaker_open, timeout=10)
     client.lookup(TOKENS, "w2")  # the sender's first write finds its connection dead
     wait_until(lambda: "w2" in engine.started_ids(), timeout=10, message="w2 reached the rank")
     engine.report("w2", 8)

@@ -27,7 +27,7 @@ real_only = pytest.mark.parametrize("backend", ["real"], indirect=True)
 
 def _breaker_closed(client: RedisAsyncLookupClient) -> None:
     """Until the client's loops answered again: meanwhile lookups answer 0 by design."""
-    wait_until(lambda: not client.stats()["breaker_open"], timeout=10, message="breaker closed")
+    wait_until(lambda: not client.stats().breaker_open, timeout=10, message="breaker closed")
 
 
 def _answered_again(
@@ -53,17 +53,17 @@ def test_connection_lost_during_a_report(serve: Serve, backend: Backend, engine_
     backend.fake.connected = False
     engine.report("r1", 24)
     retries = server.config.redis_retries
-    wait_until(lambda: server.stats()["counts"].get("report_error") == 1, timeout=10)
-    assert server.stats()["reporter_errors"] == retries  # bounded: one batch, N attempts
+    wait_until(lambda: server.stats().counts.get("report_error") == 1, timeout=10)
+    assert server.stats().reporter_errors == retries  # bounded: one batch, N attempts
     assert engine.released == ["r1"]  # an unsent report releases its pins
     assert answer(client, "r1", timeout=5) == 0  # its timeout fires without Redis
     backend.fake.connected = True
     key = KeySpace(engine_id).lookup("r1")
     fields = backend.factory().hgetall(key)
     assert b"r0" not in fields  # nothing half-applied
-    assert server.stats()["reporter_errors"] == retries
+    assert server.stats().reporter_errors == retries
     assert _answered_again(client, engine, "r2", 24) == 24
-    assert server.stats()["alive"]
+    assert server.stats().alive
 
 
 @fake_only
@@ -84,7 +84,7 @@ def test_connection_lost_during_a_cancel(serve: Serve, backend: Backend, engine_
     assert (conn.hgetall(ks.lookup("r1")), conn.xlen(ks.requests)) == before
     assert conn.pttl(ks.lookup("r1")) > 0  # and the hash still expires by itself
     assert client._sender.errors == retries  # no retry after giving up
-    assert client.stats()["redis_errors"] >= retries
+    assert client.stats().redis_errors >= retries
     engine.report("r1", 40)  # the undelivered cancel: the rank finishes normally
     assert _answered_again(client, engine, "r2", 12) == 12
 
@@ -93,13 +93,13 @@ def test_connection_lost_during_a_cancel(serve: Serve, backend: Backend, engine_
 def test_connection_lost_during_blocking_reads(serve: Serve, backend: Backend) -> None:
     engine, server, client = serve(StubEngine())
     backend.fake.connected = False
-    wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 2, timeout=10)
+    wait_until(lambda: server.stats().consumer.redis_errors >= 2, timeout=10)
     wait_until(lambda: client._listener.errors >= 2, timeout=10)
     backend.fake.connected = True
     wait_until(lambda: server.ready, timeout=10)
     alive(client, timeout=10)
     assert _answered_again(client, engine, "r1", 8) == 8
-    assert server.stats()["alive"]
+    assert server.stats().alive
 
 
 @real_only
@@ -108,9 +108,9 @@ def test_connections_killed_mid_read(serve: Serve, backend: Backend) -> None:
     admin = backend.factory()
     # Every other connection drops: the rank's blocked XREADGROUP, the client's XREAD, ...
     assert admin.client_kill_filter(_type="normal", skipme=True) >= 2
-    wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=10)
+    wait_until(lambda: server.stats().consumer.redis_errors >= 1, timeout=10)
     assert _answered_again(client, engine, "r1", 16) == 16
-    assert server.stats()["alive"]
+    assert server.stats().alive
 
 
 @real_only
@@ -129,8 +129,8 @@ def test_blocking_read_times_out_then_recovers(
         backend.factory().execute_command(  # type: ignore[no-untyped-call]
             "CLIENT", "PAUSE", 4500, "WRITE"
         )
-        wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=10)
+        wait_until(lambda: server.stats().consumer.redis_errors >= 1, timeout=10)
         wait_until(lambda: server.ready, timeout=10)
         alive(client, timeout=10)
         assert _answered_again(client, engine, "r1", 4) == 4
-        assert server.stats()["alive"]
+        assert server.stats().alive

@@ -39,7 +39,7 @@ def test_busygroup_on_restart_and_other_errors_surface(
     first.close()
     again = make_server(StubEngine())  # the group exists: BUSYGROUP is fine
     ready(again)
-    assert again.stats()["consumer"]["redis_errors"] == 0
+    assert again.stats().consumer.redis_errors == 0
     conn = backend.factory()
     assert ensure_group(conn, ks.requests, ks.group(0)) is False
     conn.set(ks.dead, "not a stream")
@@ -62,7 +62,7 @@ def test_entries_trimmed_while_pending_are_acked_and_dead_lettered(
     engine = StubEngine()
     server = make_server(engine)
     ready(server)
-    wait_until(lambda: server.stats()["consumer"]["dead_letters"] == 3)
+    wait_until(lambda: server.stats().consumer.dead_letters == 3)
     # Dead letters are counted before the batch's XACK goes out: wait for the ack itself.
     wait_until(lambda: conn.xpending(ks.requests, ks.group(0))["pending"] == 0)
     reasons = [f[b"reason"].decode() for _, f in stream_entries(conn.xrange(ks.dead))]
@@ -75,7 +75,7 @@ def test_entries_trimmed_while_pending_are_acked_and_dead_lettered(
     wait_until(lambda: engine.started_ids() == ["r1"])
     engine.report("r1", 8)
     assert answer(client, "r1", timeout=10) == 8
-    assert server.stats()["alive"]
+    assert server.stats().alive
 
 
 def test_duplicate_delivery_does_not_prefetch_twice(
@@ -89,12 +89,12 @@ def test_duplicate_delivery_does_not_prefetch_twice(
     [(_, fields)] = stream_entries(conn.xrange(ks.requests))
     # A retried XADD: the same lookup and generation again.
     conn.xadd(ks.requests, stream_fields(fields))
-    wait_until(lambda: server.stats()["counts"].get("duplicate") == 1)
+    wait_until(lambda: server.stats().counts.get("duplicate") == 1)
     assert engine.started_ids() == ["r1"]
     engine.report("r1", 20)
     assert answer(client, "r1", timeout=10) == 20
     conn.xadd(ks.requests, stream_fields(fields))  # and once more after it completed
-    wait_until(lambda: server.stats()["counts"].get("duplicate") == 2)
+    wait_until(lambda: server.stats().counts.get("duplicate") == 2)
     assert engine.started_ids() == ["r1"]
     assert client.lookup_cache("r1") == 20
 
@@ -118,7 +118,7 @@ def test_script_cache_flushed_mid_traffic(serve: Serve, backend: Backend, engine
     for lookup_id in more:
         engine.report(lookup_id, 4)
     assert [answer(client, i, timeout=10) for i in more] == [4] * 20
-    assert server.stats()["reporter_errors"] == 0 and client.stats()["redis_errors"] == 0
+    assert server.stats().reporter_errors == 0 and client.stats().redis_errors == 0
 
 
 def test_noscript_reload_in_one_pipeline(backend: Backend, engine_id: str) -> None:
@@ -157,7 +157,7 @@ def test_shutdown_while_idle_is_bounded_by_block(make_server: MakeServer) -> Non
     server.close()
     # One BLOCK to notice the flag, plus the documented grace; generous for a loaded box.
     assert time.monotonic() - started < 1.0 + 2.0
-    assert not server.stats()["alive"]
+    assert not server.stats().alive
 
 
 def test_block_not_under_socket_timeout_is_refused() -> None:

@@ -153,5 +153,5 @@ def test_a_rank_recreates_its_group_when_the_streams_expired(
     wait_until(lambda: not any(conn.exists(key) for key in ks.lasting), message="streams gone")
     client.lookup(TOKENS, "after")
     assert answer(client, "after", timeout=10) == 24
-    assert server.stats()["consumer"]["nogroup"] >= 1
+    assert server.stats().consumer.nogroup >= 1
     assert 0 < conn.pttl(ks.requests) <= client.config.engine_ttl_ms

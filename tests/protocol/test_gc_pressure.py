@@ -110,18 +110,18 @@ def test_lookups_in_flight_keep_nothing_tracked(
     # Warm: the first lookups' one-time objects (caches, the connections' buffers).
     for i, tokens in enumerate(prompts[:WARM]):
         assert client.lookup(tokens, f"warm-{i}") is None
-    wait_until(lambda: server.stats()["running"] == WARM, message="warm lookups running")
+    wait_until(lambda: server.stats().running == WARM, message="warm lookups running")
 
     def run() -> None:
         for i, tokens in enumerate(prompts[WARM:]):
             assert client.lookup(tokens, f"gc-{i}") is None
         wait_until(
-            lambda: server.stats()["running"] == WARM + LOOKUPS,
+            lambda: server.stats().running == WARM + LOOKUPS,
             message="every lookup running on the rank",
         )
 
     per_lookup = _tracked_per_lookup(run)
-    assert client.stats()["inflight"] == WARM + LOOKUPS
+    assert client.stats().inflight == WARM + LOOKUPS
     # The table's entry, the request (its lists go once the submit is written) and a
     # rank's running job are untracked; the code before kept 3.3 tracked objects each,
     # and an entry tracked again makes it 1.0.
@@ -143,11 +143,11 @@ def test_held_lookups_keep_nothing_tracked_on_the_rank(serve: Serve) -> None:
             client.clear_lookup_status(lookup_id)
 
     answer_and_clear([f"warm-{i}" for i in range(WARM)])  # the first lookups' one-time objects
-    wait_until(lambda: server.stats()["held"] == WARM, message="warm lookups held")
+    wait_until(lambda: server.stats().held == WARM, message="warm lookups held")
 
     def run() -> None:
         answer_and_clear([f"gc-{i}" for i in range(LOOKUPS)])
-        wait_until(lambda: server.stats()["held"] == WARM + LOOKUPS, message="all held")
+        wait_until(lambda: server.stats().held == WARM + LOOKUPS, message="all held")
 
     # Answered and cleared on the client; held on the rank (the pins' TTL is a minute).
     per_lookup = _tracked_per_lookup(run)

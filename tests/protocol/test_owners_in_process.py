@@ -31,7 +31,7 @@ def test_a_second_server_for_a_served_rank_never_answers(
     caplog.set_level(logging.ERROR)
     newcomer = make_server(newcomer_engine)
     wait_until(lambda: newcomer.lease.counts["conflicts"] == 1, message="the newcomer sees it")
-    assert not newcomer.ready and newcomer.stats()["ownership"]["owner"] is False
+    assert not newcomer.ready and newcomer.stats().ownership.owner is False
     errors = [r.getMessage() for r in caplog.records if "already served by" in r.getMessage()]
     assert len(errors) == 1
     # Both processes are named: the owner (its host, pid, start) and this one.
@@ -52,7 +52,7 @@ def test_a_second_server_for_a_served_rank_never_answers(
     wait_until(lambda: newcomer.ready, timeout=30, message="the newcomer took over")
     client.lookup(TOKENS, "after")
     assert answer(client, "after", timeout=30) == 0  # now the newcomer's engine answers
-    assert newcomer.stats()["ownership"]["epoch"] == 2
+    assert newcomer.stats().ownership.epoch == 2
 
 
 def test_a_second_scheduler_answers_zero_and_takes_over_after_the_first(
@@ -67,14 +67,14 @@ def test_a_second_scheduler_answers_zero_and_takes_over_after_the_first(
     assert first.lease.held()  # claimed at construction: its first lookup is served
     caplog.set_level(logging.ERROR)
     second = make_client()
-    assert not second.lease.held() and second.stats()["ownership"]["conflicts"] == 1
+    assert not second.lease.held() and second.stats().ownership.conflicts == 1
     conn = backend.factory()
     requests_before = conn.xlen(KeySpace(engine_id).requests)
     for i in range(10):
         assert second.lookup(TOKENS, f"s-{i}") == 0  # answered at once, never raised
         assert second.lookup_cache(f"s-{i}") == 0
     assert conn.xlen(KeySpace(engine_id).requests) == requests_before  # nothing submitted
-    assert second.stats()["outcomes"]["duplicate_scheduler"] == 10
+    assert second.stats().outcomes["duplicate_scheduler"] == 10
     errors = [r for r in caplog.records if "the scheduler of engine" in r.getMessage()]
     assert len(errors) == 1 and first.lease.identity.describe() in errors[0].getMessage()
     alive(first)

@@ -176,7 +176,7 @@ def test_lease_state_follows_the_replies(backend: Backend, engine_id: str) -> No
     b = Lease(ks, "0", "rank 0", LEASE_MS * 10, 60_000, clock=lambda: now[0])
     assert not a.held() and a.fence == (ks.owner("0"), "")
     assert a.on_reply(run_claim(scripts, conn, None, a.claim_call()), now[0])
-    assert a.held() and a.state()["epoch"] == 1 and a.fence[1].startswith("1.")
+    assert a.held() and a.state().epoch == 1 and a.fence[1].startswith("1.")
     assert not b.on_reply(run_claim(scripts, conn, None, b.claim_call()), now[0])
     assert b.counts["conflicts"] == 1 and b.holder is not None
     assert b.not_serving_reason().startswith(f"rank 0 of engine {engine_id} is held by")
@@ -192,6 +192,6 @@ def test_lease_state_follows_the_replies(backend: Backend, engine_id: str) -> No
     conn.delete(ks.owner("0"))
     assert b.on_reply(run_claim(scripts, conn, None, b.claim_call()), now[0])
     assert not a.on_reply(run_claim(scripts, conn, None, a.claim_call()), now[0])
-    assert a.counts["lost"] == 1 and a.token is None and b.state()["epoch"] == 2
+    assert a.counts["lost"] == 1 and a.token is None and b.state().epoch == 2
     holder = parse_holder(conn.get(ks.owner("0")))
     assert holder is not None and holder.token == b.token

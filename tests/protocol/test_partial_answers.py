@@ -93,7 +93,7 @@ def test_the_deadline_answers_the_prefix_every_rank_confirmed_and_ranks_keep_exa
     assert client.lookup(TOKENS, "long") is None
     got = answer(client, "long", timeout=10)
     assert MEMORY_PREFIX <= got < FULL and got % CHUNK == 0
-    assert client.stats()["outcomes"]["partial"] == 1
+    assert client.stats().outcomes["partial"] == 1
     raw: Any = backend.factory().hgetall(KeySpace(engine_id).lookup("long"))
     fields = lookup_hash.decode(raw)
     assert (fields.state, fields.result, fields.partial) == ("done", got, True)
@@ -146,7 +146,7 @@ def test_without_partial_answers_the_deadline_answers_0_and_releases_everything(
     client = _started(make_server, make_client, engines, partial_answers=False)
     client.lookup(TOKENS, "long")
     assert answer(client, "long", timeout=10) == 0
-    assert client.stats()["outcomes"]["timeout"] == 1
+    assert client.stats().outcomes["timeout"] == 1
     wait_until(lambda: [_pinned(e) for e in engines] == [0, 0], message="everything released")
 
 
@@ -165,7 +165,7 @@ def test_a_rank_that_confirmed_nothing_makes_it_0(
     alive(client)
     client.lookup(TOKENS, "long")
     assert answer(client, "long", timeout=10) == 0
-    assert client.stats()["outcomes"]["timeout"] == 1
+    assert client.stats().outcomes["timeout"] == 1
     wait_until(lambda: _pinned(engines[0]) == 0, message="the full rank released its pins")
     wait_until(lambda: "long" in once.released, message="the mute rank released too")
 
@@ -325,7 +325,9 @@ def test_the_rank_that_missed_the_deadline_is_counted(
     assert answer(client, "late", timeout=5) == 0  # rank 1 never reports
 
     def late() -> dict[int, int]:
-        return {r: v["late"] for r, v in client.stats()["rank_insights"]["ranks"].items()}
+        ins = client.stats().rank_insights
+        assert ins is not None
+        return {r: v.late for r, v in ins.ranks.items()}
 
     wait_until(lambda: late() == {0: 0, 1: 1}, message="rank 1 counted late")
     wait_until(lambda: "late" in engines[1].released, message="the cancel still released it")
@@ -401,4 +403,4 @@ def test_a_partial_answer_read_by_reconciliation_counts_as_partial(
     abort = Abort(lookup_id="r", gen=gen)
     ScriptSet().call(conn, deadline_call(ks, abort, maxlen=100, ttl_ms=5000, engine_ttl_ms=60_000))
     assert answer(client, "r", timeout=3) == 4  # well before its own 5 s deadline
-    assert client.stats()["outcomes"]["partial"] == 1
+    assert client.stats().outcomes["partial"] == 1

@@ -63,14 +63,14 @@ def test_reports_landing_after_the_partial_answer_never_release_it(
             break
     assert partial >= WANTED, f"only {partial} partial answers in {len(answers)} lookups"
     wait_until(
-        lambda: server.tracker.sizes()["running"] + server.tracker.sizes()["reporting"] == 0,
+        lambda: server.lifecycle.sizes()["running"] + server.lifecycle.sizes()["reporting"] == 0,
         timeout=30,
         message="every report answered",
     )
     broken = late_engine.broken(answers)
     assert broken == [], f"{len(broken)} of {partial} partial answers broken: {broken[:5]}"
     # Not vacuous: reports did land after the partial answer, and were held.
-    assert server.stats()["counts"].get("report_settled", 0) > 0
+    assert server.stats().counts.get("report_settled", 0) > 0
 
 
 @pytest.fixture
@@ -101,13 +101,13 @@ def test_the_watchdog_never_releases_the_prefix_a_partial_answer_kept(
     client.lookup(TOKENS, "long")
     assert answer(client, "long", timeout=10) == 2 * CHUNK
     wait_until(
-        lambda: slow.stats()["inflight"] == 0 and servers[1].tracker.sizes()["running"] == 0,
+        lambda: slow.stats()["inflight"] == 0 and servers[1].lifecycle.sizes()["running"] == 0,
         timeout=10,
         message="the slow engine reported",
     )
     assert [e.stats()["pinned_chunks"] for e in engines] == [2, 2]
-    assert servers[1].tracker.sizes()["held"] == 1
-    assert "watchdog" not in servers[1].tracker.events()
+    assert servers[1].lifecycle.sizes()["held"] == 1
+    assert "watchdog" not in servers[1].lifecycle.events()
     assert client.lookup_cache("long") == 2 * CHUNK
     client.cancel_lookup("long")
     wait_until(lambda: [e.stats()["pinned_chunks"] for e in engines] == [0, 0])
@@ -161,13 +161,13 @@ def test_what_the_engine_pins_after_the_watchdog_is_released_by_its_report_and_c
     alive(client)
     for lookup_id in ("reports", "silent", "at-close"):
         client.lookup(TOKENS, lookup_id)
-    wait_until(lambda: server.tracker.events().get("watchdog") == 3, timeout=10)
+    wait_until(lambda: server.lifecycle.events().get("watchdog") == 3, timeout=10)
     engine.finish("reports")  # after the watchdog's release: its late report releases
     assert engine.pinned == {}
-    assert server.stats()["counts"]["report_late"] == 1
+    assert server.stats().counts["report_late"] == 1
     engine.finish("silent", report=False)  # pinned, and never reports
     client.lookup(TOKENS, "running")
-    wait_until(lambda: server.tracker.sizes()["running"] == 1)
+    wait_until(lambda: server.lifecycle.sizes()["running"] == 1)
     server.close()
     assert engine.pinned == {}  # close released what the watchdog could not
     engine.finish("at-close")  # a report after close releases what it pinned

@@ -110,7 +110,7 @@ def test_valid_lookups_survive_any_junk(
         assert got == want
         for lookup_id in want:
             client.clear_lookup_status(lookup_id)
-        assert all(s.stats()["alive"] for s in servers)
+        assert all(s.stats().alive for s in servers)
         wait_until(lambda: all(_caught_up(conn, ks, r) for r in (0, 1)), timeout=10)
 
     try:
@@ -118,7 +118,7 @@ def test_valid_lookups_survive_any_junk(
     finally:
         for engine in engines:
             engine.close()
-    letters = sum(s.stats()["consumer"]["dead_letters"] for s in servers)
+    letters = sum(s.stats().consumer.dead_letters for s in servers)
     assert letters > 0  # the junk was seen, refused and parked, not silently swallowed
     assert conn.xlen(ks.dead) > 0
 

@@ -23,6 +23,7 @@ from broker_lookup.ops.inspect import render, snapshot
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, submit_args
+from broker_lookup.protocol.stats import InsightsStats
 from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.script_runner import ScriptSet
 
@@ -62,8 +63,9 @@ def _written(redis: Any, key: str, field: str) -> None:
     wait_until(lambda: redis.hget(key, field) is not None, message=f"{field} written")
 
 
-def _insights(client: RedisAsyncLookupClient) -> dict[str, Any]:
-    stats: dict[str, Any] = client.stats()["rank_insights"]
+def _insights(client: RedisAsyncLookupClient) -> InsightsStats:
+    stats = client.stats().rank_insights
+    assert stats is not None, "rank_insights is on"
     return stats
 
 
@@ -79,11 +81,11 @@ def test_per_rank_latency_and_last_to_report(
     assert int(fields[lookup_hash.SUBMITTED_US.encode()]) > 1_600_000_000 * 10**6
     for rank in range(3):
         assert int(fields[lookup_hash.latency_field(rank).encode()]) >= 0
-    wait_until(lambda: _insights(client).get("recorded") == 1)
+    wait_until(lambda: _insights(client).recorded == 1)
     ins = _insights(client)
     for rank in range(3):
-        assert sum(ins["ranks"][rank]["report_counts"]) == 1, rank
-    assert {r: ins["ranks"][r]["last"] for r in range(3)} == {0: 0, 1: 1, 2: 0}
+        assert sum(ins.ranks[rank].report_counts) == 1, rank
+    assert {r: ins.ranks[r].last for r in range(3)} == {0: 0, 1: 1, 2: 0}
     # The last rank's latency is at least every earlier one's: one server clock.
     lat = {r: int(fields[lookup_hash.latency_field(r).encode()]) for r in range(3)}
     assert lat[1] >= max(lat[0], lat[2])
@@ -92,8 +94,8 @@ def test_per_rank_latency_and_last_to_report(
     assert done[b"last"] == b"1" and done[b"ranks"] == b"0,1,2" and done[b"hits"] == b"40,40,40"
     assert [int(v) for v in done[b"lat"].split(b",")] == [lat[0], lat[1], lat[2]]
     # Everyone agreed: no excess, one spread sample of 0.
-    assert all(ins["ranks"][r]["excess_lookups"] == 0 for r in range(3))
-    assert ins["spread_counts"][0] == 1 and sum(ins["spread_counts"]) == 1
+    assert all(ins.ranks[r].excess_lookups == 0 for r in range(3))
+    assert ins.spread_counts[0] == 1 and sum(ins.spread_counts) == 1
 
 
 def test_ranks_that_disagree_are_counted_and_warned_about(
@@ -104,32 +106,32 @@ def test_ranks_that_disagree_are_counted_and_warned_about(
     caplog.set_level(logging.WARNING, logger=INSIGHTS_LOG)
     # Spread 36 of 40 tokens: over the share, warned.
     assert _answer(client, engines, "split1", {0: 40, 1: 4, 2: 20}, [0, 1, 2]) == 4
-    wait_until(lambda: _insights(client).get("recorded") == 1)
+    wait_until(lambda: _insights(client).recorded == 1)
     ins = _insights(client)
-    assert {r: ins["ranks"][r]["excess_lookups"] for r in range(3)} == {0: 1, 1: 0, 2: 1}
-    assert {r: ins["ranks"][r]["excess_tokens"] for r in range(3)} == {0: 36, 1: 0, 2: 16}
-    assert sum(ins["spread_counts"]) == 1 and ins["spread_sum"] == 36
+    assert {r: ins.ranks[r].excess_lookups for r in range(3)} == {0: 1, 1: 0, 2: 1}
+    assert {r: ins.ranks[r].excess_tokens for r in range(3)} == {0: 36, 1: 0, 2: 16}
+    assert sum(ins.spread_counts) == 1 and ins.spread_sum == 36
     warned = [r for r in caplog.records if r.name == INSIGHTS_LOG]
     assert len(warned) == 1
     text = warned[0].getMessage()
     assert "split1" in text and "rank 0=40" in text and "rank 1=4" in text and "rank 2=20" in text
     # Spread 8 of 40 (20%): counted, not warned.
     assert _answer(client, engines, "split2", {0: 8, 1: 16, 2: 8}, [2, 0, 1]) == 8
-    wait_until(lambda: _insights(client).get("recorded") == 2)
+    wait_until(lambda: _insights(client).recorded == 2)
     ins = _insights(client)
-    assert ins["ranks"][1]["excess_tokens"] == 8 and ins["ranks"][1]["excess_lookups"] == 1
-    assert ins["spread_warnings"] == 1
+    assert ins.ranks[1].excess_tokens == 8 and ins.ranks[1].excess_lookups == 1
+    assert ins.spread_warnings == 1
     # Another wide spread within the rate limit: counted as a warning, not logged.
     assert _answer(client, engines, "split3", {0: 0, 1: 40, 2: 40}, [0, 1, 2]) == 0
-    wait_until(lambda: _insights(client).get("recorded") == 3)
-    assert _insights(client)["spread_warnings"] == 2
+    wait_until(lambda: _insights(client).recorded == 3)
+    assert _insights(client).spread_warnings == 2
     assert len([r for r in caplog.records if r.name == INSIGHTS_LOG]) == 1
 
 
 def test_rank_insights_off_records_nothing(serve: Serve, backend: Backend, engine_id: str) -> None:
     engines, _, client = _ranks(serve, 2, rank_insights=False)
     assert _answer(client, engines, "off1", {0: 40, 1: 8}, [1, 0]) == 8
-    assert client.stats()["rank_insights"] == {}
+    assert client.stats().rank_insights is None
     redis: Any = backend.factory()
     fields = redis.hgetall(KeySpace(engine_id).lookup("off1"))
     assert fields[b"state"] == b"done"
@@ -152,7 +154,7 @@ def test_old_format_done_entries_still_complete(
     gen = int(redis.hget(keys.lookup("old1"), "gen") or 0)
     redis.xadd(keys.done, {"id": "old1", "gen": gen, "result": 12})
     assert wait_until(lambda: client.lookup_cache("old1") == 12)
-    assert _insights(client)["recorded"] == 0
+    assert _insights(client).recorded == 0
     # An entry whose insight fields are garbage completes too, without insights.
     assert client.lookup(TOKENS, "old2") is None
     wait_until(lambda: "old2" in engines[0].started_ids())
@@ -160,7 +162,7 @@ def test_old_format_done_entries_still_complete(
     bad = {"id": "old2", "gen": gen, "result": 8, "last": "0", "ranks": "0", "hits": "x", "lat": ""}
     redis.xadd(keys.done, bad)
     assert wait_until(lambda: client.lookup_cache("old2") == 8)
-    assert _insights(client)["recorded"] == 0
+    assert _insights(client).recorded == 0
 
 
 def test_scripts_stamp_only_when_asked(backend: Backend, engine_id: str) -> None:
@@ -247,12 +249,12 @@ def test_sampled_lookups_go_untimed_and_timed_ones_count_for_their_weight(
     assert stamped == [True, False, False, True]
     done = [fields for _, fields in redis.xrange(keys.done)]
     assert [b"last" in f for f in done] == stamped  # untimed: the short entry
-    wait_until(lambda: _insights(client).get("recorded") == 2)
+    wait_until(lambda: _insights(client).recorded == 2)
     ins = _insights(client)
-    assert ins["represented"] == 4
-    assert ins["ranks"][1]["last"] == 4  # rank 1 reported last each time: 1 + 3
-    assert sum(ins["ranks"][0]["report_counts"]) == 4
-    assert sum(ins["spread_counts"]) == 4 and ins["spread_counts"][0] == 4
+    assert ins.represented == 4
+    assert ins.ranks[1].last == 4  # rank 1 reported last each time: 1 + 3
+    assert sum(ins.ranks[0].report_counts) == 4
+    assert sum(ins.spread_counts) == 4 and ins.spread_counts[0] == 4
 
 
 def test_the_default_sampler_times_the_first_lookup_and_at_most_its_rate(
@@ -262,9 +264,9 @@ def test_the_default_sampler_times_the_first_lookup_and_at_most_its_rate(
     engines, _, client = _ranks(serve, 1, rank_insights_max_per_s=0.001)
     for i in range(3):
         assert _answer(client, engines, f"rate{i}", {0: 40}, [0]) == 40
-    wait_until(lambda: _insights(client).get("recorded") == 1)
+    wait_until(lambda: _insights(client).recorded == 1)
     redis: Any = backend.factory()
     keys = KeySpace(engine_id)
     stamps = [redis.hget(keys.lookup(f"rate{i}"), lookup_hash.SUBMITTED_US) for i in range(3)]
     assert [s is not None for s in stamps] == [True, False, False]
-    assert _insights(client)["represented"] == 1  # the other two wait for the next pick
+    assert _insights(client).represented == 1  # the other two wait for the next pick

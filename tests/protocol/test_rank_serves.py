@@ -27,7 +27,7 @@ def test_a_rank_serves_every_case(serve: Serve) -> None:
     engines[0].fail_start = True
     client.lookup(TOKENS, "broken")
     assert answer(client, "broken", timeout=5) == 0
-    assert servers[0].stats()["counts"]["engine_errors"] == 1
+    assert servers[0].stats().counts["engine_errors"] == 1
     engines[0].fail_start = False
     # Hits held until the scheduler is done, then released on a cancel.
     client.lookup(TOKENS, "held")
@@ -42,4 +42,4 @@ def test_a_rank_answers_an_out_of_range_report_with_0(serve: Serve) -> None:
     wait_until(lambda: engine.started_ids() == ["r1"])
     engine.report("r1", len(TOKENS) + 1)
     assert answer(client, "r1", timeout=5) == 0
-    assert server.stats()["counts"]["engine_invalid_hits"] == 1
+    assert server.stats().counts["engine_invalid_hits"] == 1

@@ -85,11 +85,11 @@ def test_timeout_is_terminal_zero_and_cancels(
         lambda: not redis.exists(KeySpace(engine_id).lookup("r1")),
         message="timeout deletes the lookup key",
     )
-    wait_until(lambda: server.stats()["counts"].get("aborts", 0) == 1)
+    wait_until(lambda: server.stats().counts.get("aborts", 0) == 1)
     engine.report("r1", 40)  # the slow prefetch finishes after the timeout
     wait_until(lambda: engine.released == ["r1"], message="rank releases the pinned memory")
     assert not redis.exists(KeySpace(engine_id).lookup("r1"))  # the late report changed nothing
-    assert client.stats()["outcomes"]["timeout"] == 1
+    assert client.stats().outcomes["timeout"] == 1
     client.clear_lookup_status("r1")
     assert client.lookup_cache("r1") == -1
 
@@ -99,8 +99,8 @@ def test_timeout_fires_without_polling(serve: Serve) -> None:
     client.lookup(TOKENS, "r1")
     wait_until(lambda: engine.started_ids() == ["r1"])
     # Nobody polls: the listener's sweep still ends it and tells the rank (LMCache D11).
-    wait_until(lambda: server.stats()["counts"].get("aborts", 0) == 1, timeout=3)
-    assert client.stats()["outcomes"]["timeout"] == 1
+    wait_until(lambda: server.stats().counts.get("aborts", 0) == 1, timeout=3)
+    assert client.stats().outcomes["timeout"] == 1
     engine.report("r1", 40)
     wait_until(lambda: engine.released == ["r1"])
     assert client.lookup_cache("r1") == 0
@@ -124,7 +124,7 @@ def test_cancel_before_the_rank_starts(
     assert client.lookup_cache("r1") == -1
     server = make_server(engine)  # starts now: sees the lookup, then its abort
     ready(server)
-    wait_until(lambda: server.stats()["counts"].get("aborted", 0) == 1)
+    wait_until(lambda: server.stats().counts.get("aborted", 0) == 1)
     assert engine.started_ids() == []
 
 
@@ -135,7 +135,7 @@ def test_cancel_during_prefetch_releases_when_it_finishes(
     client.lookup(TOKENS, "r1")
     wait_until(lambda: engine.started_ids() == ["r1"])
     client.cancel_lookup("r1")
-    wait_until(lambda: server.stats()["counts"].get("aborts", 0) == 1)
+    wait_until(lambda: server.stats().counts.get("aborts", 0) == 1)
     assert engine.released == []  # still prefetching: nothing to release yet
     engine.report("r1", 40)  # the prefetch finishes late
     wait_until(lambda: engine.released == ["r1"])
@@ -151,7 +151,7 @@ def test_cancel_after_prefetch_releases_at_once(serve: Serve) -> None:
     assert engine.released == []  # pins are held for the retrieve
     client.cancel_lookup("r1")
     wait_until(lambda: engine.released == ["r1"])
-    assert server.stats()["held"] == 0
+    assert server.stats().held == 0
 
 
 def test_late_report_after_cancel_resurrects_no_key(
@@ -204,7 +204,7 @@ def test_short_prompt_answers_zero_without_a_round_trip(
     assert client.lookup([1, 2, 3], "tiny") == 0
     # Recorded like any finished lookup: its 0 stays until cleared (issue 9, item 2).
     assert client.lookup_cache("tiny") == 0
-    assert client.stats()["outcomes"]["miss"] == 1
+    assert client.stats().outcomes["miss"] == 1
     assert not backend.factory().exists(KeySpace(engine_id).lookup("tiny"))
     client.clear_lookup_status("tiny")
     assert client.lookup_cache("tiny") == -1
@@ -218,7 +218,7 @@ def test_dead_rank_answers_zero_at_once(
     assert client.lookup(TOKENS, "r1") == 0
     assert client.lookup_cache("r1") == 0
     assert time.monotonic() - started < 1.0
-    assert client.stats()["outcomes"]["dead_rank"] == 1
+    assert client.stats().outcomes["dead_rank"] == 1
     assert not backend.factory().exists(KeySpace(engine_id).lookup("r1"))
 
 
@@ -315,5 +315,5 @@ def test_lookups_queued_behind_a_slow_sender_are_not_taken_for_vanished(
         client.lookup(TOKENS, f"q{i}")
     for i in range(20):
         assert answer(client, f"q{i}", timeout=10) == 20
-    assert client.stats()["outcomes"]["error"] == 0
+    assert client.stats().outcomes["error"] == 0
     assert not [r for r in caplog.records if "vanished" in r.getMessage()]

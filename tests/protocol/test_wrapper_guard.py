@@ -100,9 +100,9 @@ def test_a_wrapped_client_answers_a_bad_call_as_the_bare_one(
     with caplog.at_level(logging.WARNING, logger="broker_lookup"):
         for _ in range(3):
             assert getattr(wrapped, method)(*args) == getattr(bare, method)(*args)
-    counts = bare.stats()["rejected"]
+    counts = bare.stats().rejected
     assert sum(counts.values()) == 3, "the bare client counts each call once"
-    assert wrapped.stats()["rejected"] == counts  # type: ignore[attr-defined]
+    assert wrapped.stats().rejected == counts  # type: ignore[attr-defined]
     assert len(_guard_logs(caplog)) == 2, "logged once by each client"
 
 
@@ -118,7 +118,7 @@ def test_the_bypass_client_answers_a_bad_call_as_the_redis_client(
     with caplog.at_level(logging.WARNING, logger="broker_lookup"):
         for _ in range(3):
             assert getattr(bypass, method)(*args) == getattr(bare, method)(*args)
-    assert bypass.stats()["rejected"] == bare.stats()["rejected"]
-    assert sum(bypass.stats()["rejected"].values()) == 3
+    assert bypass.stats().rejected == bare.stats().rejected
+    assert sum(bypass.stats().rejected.values()) == 3
     assert len(_guard_logs(caplog)) == 2, "logged once by each client"
     assert engine.asked == ["r0"], "nothing the Redis client refuses reaches the engine"

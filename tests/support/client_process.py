@@ -20,7 +20,7 @@ def main(argv: list[str]) -> None:
     meta = LookupMetadata(engine_id=engine_id, world_size=int(world_size))
     client = RedisAsyncLookupClient(LookupConfig.load(), meta)
     deadline = time.monotonic() + 60
-    while client.stats()["dead_ranks"] and time.monotonic() < deadline:
+    while client.stats().dead_ranks and time.monotonic() < deadline:
         time.sleep(0.05)
     client.lookup([int(t) for t in tokens], "from-the-client-process")
     while (hits := client.lookup_cache("from-the-client-process")) is None:

@@ -140,9 +140,7 @@ def second_scheduler(client: RedisAsyncLookupClient) -> RedisAsyncLookupClient:
 
 def alive(client: RedisAsyncLookupClient, timeout: float = 60.0) -> None:
     """Until the client sees every rank's heartbeat (rank processes start in seconds)."""
-    wait_until(
-        lambda: not client.stats()["dead_ranks"], timeout=timeout, message="every rank alive"
-    )
+    wait_until(lambda: not client.stats().dead_ranks, timeout=timeout, message="every rank alive")
 
 
 def answer(client: RedisAsyncLookupClient, lookup_id: str, timeout: float) -> int:
@@ -213,7 +211,7 @@ def eventually_right(
 def ready(*servers: Any) -> None:
     """Until every in-process rank reads its group and has written a heartbeat."""
     wait_until(
-        lambda: all(s.ready and s.stats()["last_heartbeat"] for s in servers),
+        lambda: all(s.ready and s.stats().last_heartbeat for s in servers),
         message="ranks ready and beating",
     )
 

@@ -155,19 +155,19 @@ def _protocol_run(server: EmbeddedServer, engine_id: str) -> None:
         client.lookup(TOKENS, "cancel")
         wait_until(lambda: "cancel" in engines[1].started_ids())
         client.cancel_lookup("cancel")
-        wait_until(lambda: ranks[1].stats()["counts"].get("aborts", 0) >= 1)
+        wait_until(lambda: ranks[1].stats().counts.get("aborts", 0) >= 1)
         engines[1].report("cancel", 40)
         client.lookup(TOKENS, "timeout")  # rank 1 never answers this one
         wait_until(lambda: client.lookup_cache("timeout") == 0, timeout=10)
         _as(server, "scheduler").xadd(KeySpace(engine_id).requests, {"m": b"junk"})
-        wait_until(lambda: ranks[0].stats()["consumer"]["dead_letters"] == 1)
+        wait_until(lambda: ranks[0].stats().consumer.dead_letters == 1)
         inspect_as_operator(server, engine_id)
     finally:
         client.close()
         for rank in ranks:
             rank.close()
-    assert all(rank.stats()["reporter_errors"] == 0 for rank in ranks)
-    assert client.stats()["redis_errors"] == 0
+    assert all(rank.stats().reporter_errors == 0 for rank in ranks)
+    assert client.stats().redis_errors == 0
 
 
 def inspect_as_operator(server: EmbeddedServer, engine_id: str) -> None:
@@ -215,8 +215,8 @@ def test_partial_answers_run_under_the_shipped_users(
         wait_until(lambda: client.lookup_cache("partial") is not None, timeout=10)
         got = client.lookup_cache("partial")
         assert got is not None and 8 <= got < len(TOKENS)
-        wait_until(lambda: ranks[0].stats()["counts"].get("keep_kept", 0) == 1, timeout=10)
-        assert ranks[1].stats()["counts"].get("progress_recorded", 0) >= 1
+        wait_until(lambda: ranks[0].stats().counts.get("keep_kept", 0) == 1, timeout=10)
+        assert ranks[1].stats().counts.get("progress_recorded", 0) >= 1
     finally:
         client.close()
         for rank in ranks:
@@ -224,7 +224,7 @@ def test_partial_answers_run_under_the_shipped_users(
         for engine in engines:
             engine.close(timeout_s=1.0)
     assert _denials(admin) == []
-    assert client.stats()["redis_errors"] == 0
+    assert client.stats().redis_errors == 0
 
 
 @pytest.mark.parametrize("user", ["scheduler", "worker"])

@@ -85,9 +85,9 @@ def _outcomes_of_a_lookup(config: LookupConfig) -> dict[str, int]:
         assert client.lookup(list(range(64)), "l1") == 0  # answered at once, not timed out
         assert client.lookup_cache("l1") == 0
         stats = client.stats()
-        outcomes = dict(stats["outcomes"])
+        outcomes = dict(stats.outcomes)
         assert outcomes.get("unavailable") == 1 and not outcomes.get("dead_rank"), outcomes
-        assert not stats["liveness_known"]
+        assert not stats.liveness_known
         return outcomes
     finally:
         client.close()
@@ -118,9 +118,9 @@ def test_a_client_with_the_right_password_still_sees_dead_ranks(locked: Embedded
     config = _config(_url(locked, RIGHT))
     client = RedisAsyncLookupClient(config, LookupMetadata(engine_id="auth-up", world_size=2))
     try:
-        wait_until(lambda: client.stats()["liveness_known"], timeout=30)
+        wait_until(lambda: client.stats().liveness_known, timeout=30)
         assert client.lookup(list(range(64)), "l1") == 0  # no rank runs: fails fast
-        assert client.stats()["outcomes"].get("dead_rank") == 1
+        assert client.stats().outcomes.get("dead_rank") == 1
     finally:
         client.close()
 

@@ -162,12 +162,12 @@ class Run:
             self.reusable.append(lookup_id)
 
     def sample(self) -> None:
-        entries = self.client.stats()["entries"] + self.fast.stats()["entries"]
+        entries = self.client.stats().entries + self.fast.stats().entries
         self.peak["entries"] = max(self.peak["entries"], entries)
         for server in self.servers:
             stats = server.stats()
-            for k in ("seen", "aborted", "held"):
-                self.peak[k] = max(self.peak[k], stats[k])
+            for k, v in (("seen", stats.seen), ("aborted", stats.aborted), ("held", stats.held)):
+                self.peak[k] = max(self.peak[k], v)
 
 
 def _drained(run: Run) -> bool:
@@ -175,8 +175,8 @@ def _drained(run: Run) -> bool:
     maps = [s.stats() for s in run.servers]
     engines = [e.stats() for e in run.engines]
     return (
-        all(c["entries"] == 0 and c["inflight"] == 0 for c in clients)
-        and all(m[k] == 0 for m in maps for k in ("running", "waiting", "held", "seen", "aborted"))
+        all(c.entries == 0 and c.inflight == 0 for c in clients)
+        and all(m.running == m.waiting == m.held == m.seen == m.aborted == 0 for m in maps)
         and all(e["pinned_chunks"] == 0 and e["inflight"] == 0 for e in engines)
     )
 
@@ -213,7 +213,7 @@ def test_fifty_thousand_lookups_leave_nothing_behind(
         lengths = _keys_bounded(conn, ks)
         assert set(lengths) == {ks.requests, ks.done}  # no dead letters: all input was valid
         assert all(length <= STREAM_CAP + SLACK for length in lengths.values()), lengths
-        assert run.fast.stats()["outcomes"]["timeout"] == run.counts["late"]
-        assert run.client.stats()["outcomes"]["timeout"] == 0
+        assert run.fast.stats().outcomes["timeout"] == run.counts["late"]
+        assert run.client.stats().outcomes["timeout"] == 0
     finally:
         run.close()

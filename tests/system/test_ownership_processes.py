@@ -75,7 +75,7 @@ def test_a_duplicated_rank_never_answers_waits_exits_4_then_takes_over(
     alive(client)
     client.lookup(PROMPT, "after")
     assert answer(client, "after", timeout=30) == 0  # the new owner's engine: a miss
-    assert client.stats()["outcomes"]["miss"] == 1
+    assert client.stats().outcomes["miss"] == 1
     assert "took over (epoch 2)" in newcomer.log()
 
 
@@ -119,7 +119,7 @@ def test_an_owner_paused_past_its_lease_comes_back_fenced(
     # Never the old owner's 32: the lookup ends at its deadline (the old owner had acked
     # its delivery, so the new one never got it).
     assert answer(client, "paused", timeout=40) == 0
-    assert client.stats()["outcomes"]["timeout"] == 1
+    assert client.stats().outcomes["timeout"] == 1
     assert _holder_pid(conn, ks) == new.pid
     client.lookup(SLOW, "next")
     assert answer(client, "next", timeout=30) == 0  # the new owner's engine holds nothing

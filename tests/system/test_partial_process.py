@@ -126,7 +126,7 @@ def test_a_long_prompt_on_a_slow_tier_is_answered_within_its_scaled_deadline(
     client.lookup(long, "long")
     assert answer(client, "long", timeout=30) == len(long)
     assert time.monotonic() - started > 2.0  # the sleeps alone: past the flat deadline
-    assert client.stats()["outcomes"]["hit"] == 1
+    assert client.stats().outcomes["hit"] == 1
 
 
 def test_reports_that_a_slow_link_delivers_after_the_partial_answer_keep_it(
@@ -155,12 +155,12 @@ def test_reports_that_a_slow_link_delivers_after_the_partial_answer_keep_it(
             assert answers[lookup_id] == CHUNK  # the confirmed first chunk
             engine.report_now(lookup_id)
         wait_until(
-            lambda: server.stats()["counts"].get("report_settled") == len(answers),
+            lambda: server.stats().counts.get("report_settled") == len(answers),
             timeout=15,
             message="every report answered after its partial answer",
         )
         assert engine.broken(answers) == []
-        assert server.tracker.sizes()["held"] == len(answers)
+        assert server.lifecycle.sizes()["held"] == len(answers)
     finally:
         fault_proxy.clear()
         server.close()

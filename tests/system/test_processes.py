@@ -141,8 +141,8 @@ def test_full_partial_zero_across_two_rank_processes(
     assert fields[b"r0"] == str(len(PARTIAL)).encode()
     assert fields[b"r1"] == str(len(PARTIAL) // 2).encode()
     assert _result(client, ZERO, "zero") == 0
-    assert client.stats()["outcomes"]["hit"] == 2
-    assert client.stats()["outcomes"]["miss"] == 1
+    assert client.stats().outcomes["hit"] == 2
+    assert client.stats().outcomes["miss"] == 1
     registry = CollectorRegistry()
     registry.register(ClientCollector(client))
     text = generate_latest(registry).decode()
@@ -182,12 +182,12 @@ def test_killed_rank_is_dead_fast_and_recovers_after_restart(
 
     victim.kill()
     victim.wait(timeout=10)
-    wait_until(lambda: client.stats()["dead_ranks"] == [1], timeout=10, message="rank 1 dead")
+    wait_until(lambda: client.stats().dead_ranks == (1,), timeout=10, message="rank 1 dead")
     started = time.monotonic()
     assert client.lookup(FULL, "while-dead") == 0  # answered at once, not after the timeout
     assert client.lookup_cache("while-dead") == 0
     assert time.monotonic() - started < 1.0
-    assert client.stats()["outcomes"]["dead_rank"] >= 1
+    assert client.stats().outcomes["dead_rank"] >= 1
     client.clear_lookup_status("while-dead")
 
     start_rank(rank=1)  # same consumer name: replays its own pending entries first

@@ -13,6 +13,8 @@ import pytest
 from faultkit import MakeLookupClient, StartRank, alive, answer, config, prompt
 from helpers import RealServer, wait_until
 
+from broker_lookup.protocol.stats import InsightsStats
+
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 LOOKUPS = 3
@@ -34,10 +36,11 @@ def test_real_ranks_give_every_rank_a_latency_and_name_the_straggler(
         assert client.lookup(tokens, f"real{i}") is None
         assert answer(client, f"real{i}", timeout=15) == len(tokens)
         client.clear_lookup_status(f"real{i}")
-    wait_until(lambda: client.stats()["rank_insights"]["recorded"] == LOOKUPS)
-    ins = client.stats()["rank_insights"]
+    wait_until(lambda: (client.stats().rank_insights or InsightsStats()).recorded == LOOKUPS)
+    ins = client.stats().rank_insights
+    assert ins is not None
     for rank in (0, 1):
-        assert sum(ins["ranks"][rank]["report_counts"]) == LOOKUPS, rank
-        assert ins["ranks"][rank]["excess_lookups"] == 0  # both hold the whole prompt
-    assert ins["ranks"][1]["last"] == LOOKUPS and ins["ranks"][0]["last"] == 0
-    assert ins["ranks"][1]["report_sum"] > ins["ranks"][0]["report_sum"]
+        assert sum(ins.ranks[rank].report_counts) == LOOKUPS, rank
+        assert ins.ranks[rank].excess_lookups == 0  # both hold the whole prompt
+    assert ins.ranks[1].last == LOOKUPS and ins.ranks[0].last == 0
+    assert ins.ranks[1].report_sum > ins.ranks[0].report_sum

@@ -116,7 +116,7 @@ def test_stalled_rank_connection_answers_zero_fast_then_recovers(
     ks = KeySpace(engine_id)
     _, client, conn = setup()  # FAST: a 1.5 s heartbeat TTL and lookup timeout
     fault_proxy.hold()  # the rank's connections stall, no RST
-    wait_until(lambda: client.stats()["dead_ranks"] == [0], timeout=10)
+    wait_until(lambda: client.stats().dead_ranks == (0,), timeout=10)
     for i in range(3):
         client.lookup(HOT, f"during-{i}")
         assert answer(client, f"during-{i}", timeout=5) == 0  # dead rank: at once, no hang

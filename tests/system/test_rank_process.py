@@ -105,7 +105,7 @@ def test_sigterm_mid_prefetch_is_an_ordered_exit_zero(
     assert _pending(conn, ks, 0)[0] == 0  # nothing left unacked
     # The in-flight lookup ends now (dead rank), not after its 30 s timeout.
     assert answer(client, "slow", timeout=10) == 0
-    assert client.stats()["outcomes"]["dead_rank"] == 1
+    assert client.stats().outcomes["dead_rank"] == 1
     log = rank.log()
     assert "SIGTERM received" in log and "stopped after" in log, log[-2000:]
     assert "Traceback" not in log, log[-4000:]
@@ -127,7 +127,7 @@ def test_stalled_rank_fails_fast_with_one_error_then_recovers(
     caplog.set_level(logging.INFO, logger="broker_lookup")
     caplog.clear()  # the client started before the ranks: that was logged already
     ranks[1].signal(signal.SIGSTOP)  # alive but silent: its heartbeat expires
-    wait_until(lambda: client.stats()["dead_ranks"] == [1], timeout=10)
+    wait_until(lambda: client.stats().dead_ranks == (1,), timeout=10)
     for i in range(3):
         started = time.monotonic()
         assert client.lookup(HOT, f"during-{i}") == 0

@@ -49,15 +49,15 @@ def test_stalled_redis_pauses_neither_the_read_loop_nor_the_watchdog(
         wait_until(lambda: engine.started_ids() == ["stuck"])
         fault_proxy.hold()  # no RST: a SIGSTOPped server or a partition
         # The blocking read fails after BLOCK + breaker_open_ms, not 5 s x redis-py retries.
-        wait_until(lambda: server.stats()["consumer"]["redis_errors"] >= 1, timeout=4)
+        wait_until(lambda: server.stats().consumer.redis_errors >= 1, timeout=4)
         # The engine never reports: released by the watchdog while Redis is still stalled.
         wait_until(lambda: engine.released == ["stuck"], timeout=4)
-        assert server.stats()["counts"]["watchdog"] == 1
+        assert server.stats().counts["watchdog"] == 1
         fault_proxy.release()
         wait_until(lambda: server.ready, timeout=10)
         conn.xadd(ks.requests, _entry("after"))
         wait_until(lambda: engine.started_ids() == ["stuck", "after"], timeout=10)
-        assert server.stats()["alive"]
+        assert server.stats().alive
 
 
 def test_close_leaves_no_connection_open(real_server: RealServer, engine_id: str) -> None:
@@ -91,8 +91,8 @@ def test_reports_beyond_the_bounded_queue_are_released(
     for lookup_id in ids[1:]:
         engine.report(lookup_id, 8)
     # q1 and q2 wait in the queue; q3 and q4 do not fit: released at once, not queued.
-    assert server.stats()["counts"]["report_overflow"] == reporter.overflows == 2
+    assert server.stats().counts["report_overflow"] == reporter.overflows == 2
     assert sorted(engine.released) == ["q3", "q4"]
     gate.set()
     wait_until(lambda: sorted(engine.released) == ids)  # no hash: "dropped", released
-    assert server.stats()["reporting"] == 0
+    assert server.stats().reporting == 0

@@ -102,7 +102,7 @@ def test_wrong_password_leaks_nowhere(
     client = RedisAsyncLookupClient(cfg, LookupMetadata(engine_id=engine_id, world_size=1))
     try:
         assert client.lookup(list(range(40)), "r1") == 0  # no rank is reachable: 0, no hang
-        wait_until(lambda: client.stats()["redis_errors"] > 0, timeout=10)
+        wait_until(lambda: client.stats().redis_errors > 0, timeout=10)
     finally:
         client.close()
     assert caplog.records  # the failures were logged ...

@@ -53,7 +53,7 @@ class Stack:
     def threads_alive(self) -> bool:
         c = self.client
         return (
-            all(s.stats()["alive"] for s in self.servers)
+            all(s.stats().alive for s in self.servers)
             and c._sender._thread.is_alive()
             and c._listener._thread.is_alive()
         )
@@ -94,9 +94,9 @@ def test_server_restart_mid_traffic(
     groups = {g["name"] for g in conn.xinfo_groups(KeySpace(engine_id).requests)}
     assert groups == {b"rank-0", b"rank-1"}  # re-created by the ranks themselves
     assert stack.threads_alive()
-    consumer = [s.stats()["consumer"] for s in stack.servers]
+    consumer = [s.stats().consumer for s in stack.servers]
     # Each rank noticed (a connection error, or NOGROUP once redis-py reconnected), counted it.
-    assert all(c["nogroup"] + c["redis_errors"] >= 1 for c in consumer), consumer
+    assert all(c.nogroup + c.redis_errors >= 1 for c in consumer), consumer
 
 
 def test_flushall_mid_traffic(
@@ -110,9 +110,9 @@ def test_flushall_mid_traffic(
     eventually_right(stack.client, HOT, FULL, timeout=30, tag="after-flush")
     groups = {g["name"] for g in conn.xinfo_groups(KeySpace(engine_id).requests)}
     assert groups == {b"rank-0", b"rank-1"}
-    consumer = [s.stats()["consumer"] for s in stack.servers]
+    consumer = [s.stats().consumer for s in stack.servers]
     # Each rank learnt of the flush as NOGROUP, or as its blocked read being unblocked.
-    assert all(c["nogroup"] + c["redis_errors"] >= 1 for c in consumer), consumer
+    assert all(c.nogroup + c.redis_errors >= 1 for c in consumer), consumer
     assert stack.threads_alive()
 
 
@@ -125,7 +125,7 @@ def test_server_down_for_a_while_then_back(
     # Nobody can answer: every lookup ends as 0 by its timeout (or at once, as an
     # error or a dead rank), none hangs.
     assert settle(stack.client, down, timeout=1.5 + 3) == [0] * 10
-    wait_until(lambda: stack.client.stats()["redis_errors"] > 0, timeout=5)
+    wait_until(lambda: stack.client.stats().redis_errors > 0, timeout=5)
     assert stack.threads_alive()
     fresh_real_server.start()
     eventually_right(stack.client, HOT, FULL, timeout=30, tag="back")

@@ -242,7 +242,7 @@ def test_lookup_over_mutual_tls(tls_port: int, certs: Certs, engine_id: str) -> 
         alive(client, timeout=10)
         client.lookup(TOKENS, "tls-1")
         wait_until(lambda: client.lookup_cache("tls-1") == 28, timeout=10)
-        assert client.stats()["redis_errors"] == 0 and rank.stats()["reporter_errors"] == 0
+        assert client.stats().redis_errors == 0 and rank.stats().reporter_errors == 0
     finally:
         client.close()
         rank.close()

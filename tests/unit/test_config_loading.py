@@ -259,9 +259,12 @@ def test_every_variable_the_repository_uses_is_a_field_or_listed() -> None:
     for root in ("broker_lookup", "workers", "tests", "helm", "deploy", "docs", ".ci"):
         for path in (_REPO / root).rglob("*"):
             if path.is_file() and path.suffix in _SCANNED and "__pycache__" not in path.parts:
-                for name in re.findall(
-                    r"BROKER_LOOKUP_[A-Z0-9_]*[A-Z0-9]", path.read_text("utf-8", "replace")
-                ):
+                text = path.read_text("utf-8", "replace")
+                # Spelt out, or made by env_name("<name>") as the code makes them.
+                made = re.findall(r"env_name\(\s*[\"'](\w+)[\"']\s*\)", text)
+                for name in re.findall(r"BROKER_LOOKUP_[A-Z0-9_]*[A-Z0-9]", text) + [
+                    env_name(n) for n in made
+                ]:
                     used.setdefault(name, str(path.relative_to(_REPO)))
     for name in re.findall(r"BROKER_LOOKUP_[A-Z0-9_]*[A-Z0-9]", (_REPO / "README.md").read_text()):
         used.setdefault(name, "README.md")

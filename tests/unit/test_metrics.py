@@ -22,10 +22,11 @@ from broker_lookup.ops.metrics import (
     ClientCollector,
     ServerCollector,
 )
+from broker_lookup.protocol.stats import ClientStats, RankStats, client_stats, rank_stats
 
 PROCESS_NAMES = set(PROCESS_METRICS)  # gauges only: exposed under their own names
 CLIENT_NAMES = {n for n in METRIC_NAMES if n.startswith("broker_lookup_client_")} | PROCESS_NAMES
-#: ``stats()["rank_insights"]`` of a two-rank client (see tests/unit/test_rank_insights_model.py).
+#: ``stats().rank_insights`` of a two-rank client (see tests/unit/test_rank_insights_model.py).
 RANK_INSIGHTS: dict[str, Any] = {
     "recorded": 3,
     "ranks": {
@@ -64,9 +65,9 @@ class FakeClient:
             **stats,
         }
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ClientStats:
         self.calls += 1
-        return dict(self._stats)
+        return client_stats(self._stats)
 
 
 class FakeServer:
@@ -97,8 +98,12 @@ class FakeServer:
             **extra,
         }
 
-    def stats(self) -> dict[str, Any]:
-        return dict(self._stats)
+    def stats(self) -> RankStats:
+        engine = {
+            "engine_seconds": self.engine_seconds,
+            "engine_seconds_sum": self.engine_seconds_sum,
+        }
+        return rank_stats({**self._stats, **engine})
 
 
 def _scrape(collector: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

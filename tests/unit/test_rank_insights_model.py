@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -17,6 +18,7 @@ from broker_lookup.ops.inspect import render
 from broker_lookup.ops.metrics import ClientCollector
 from broker_lookup.ops.rank_latency import rank_latency
 from broker_lookup.protocol.messages import DoneEvent, decode_done
+from broker_lookup.protocol.stats import ClientStats, InsightsStats
 
 LOG = "broker_lookup.client.insights"
 
@@ -77,29 +79,29 @@ def test_latency_and_last_per_rank() -> None:
     ins.record(_event("a", (8, 8), (400, 3000), last=1), tokens=8)
     ins.record(_event("b", (8, 8), (None, 20_000), last=1), tokens=8)
     snap = ins.snapshot()
-    assert snap["recorded"] == 2
-    zero, one = snap["ranks"][0], snap["ranks"][1]
-    assert sum(zero["report_counts"]) == 1 and sum(one["report_counts"]) == 2
-    assert zero["report_sum"] == pytest.approx(0.0004)
-    assert one["report_sum"] == pytest.approx(0.023)
+    assert snap.recorded == 2
+    zero, one = snap.ranks[0], snap.ranks[1]
+    assert sum(zero.report_counts) == 1 and sum(one.report_counts) == 2
+    assert zero.report_sum == pytest.approx(0.0004)
+    assert one.report_sum == pytest.approx(0.023)
     # 0.4 ms falls in the 0.5 ms bucket, 3 ms in the 5 ms one, 20 ms in the 25 ms one.
-    assert zero["report_counts"][LATENCY_BUCKETS.index(0.0005)] == 1
-    assert one["report_counts"][LATENCY_BUCKETS.index(0.005)] == 1
-    assert one["report_counts"][LATENCY_BUCKETS.index(0.025)] == 1
-    assert (zero["last"], one["last"]) == (0, 2)
-    assert snap["spread_counts"][0] == 2  # agreed twice
+    assert zero.report_counts[LATENCY_BUCKETS.index(0.0005)] == 1
+    assert one.report_counts[LATENCY_BUCKETS.index(0.005)] == 1
+    assert one.report_counts[LATENCY_BUCKETS.index(0.025)] == 1
+    assert (zero.last, one.last) == (0, 2)
+    assert snap.spread_counts[0] == 2  # agreed twice
 
 
 def test_disagreement_counts_excess_and_spread() -> None:
     ins = RankInsights((0, 1, 2), warn_share=0.9)
     ins.record(_event("a", (40, 4, 20), (1, 1, 1), last=2), tokens=40)
     snap = ins.snapshot()
-    assert [snap["ranks"][r]["excess_lookups"] for r in range(3)] == [1, 0, 1]
-    assert [snap["ranks"][r]["excess_tokens"] for r in range(3)] == [36, 0, 16]
-    spread = Histogram.of(snap["spread_counts"], snap["spread_sum"], SPREAD_BUCKETS)
+    assert [snap.ranks[r].excess_lookups for r in range(3)] == [1, 0, 1]
+    assert [snap.ranks[r].excess_tokens for r in range(3)] == [36, 0, 16]
+    spread = Histogram.of(snap.spread_counts, snap.spread_sum, SPREAD_BUCKETS)
     assert spread.total == 36
     assert spread.counts[SPREAD_BUCKETS.index(64)] == 1
-    assert snap["spread_warnings"] == 0  # 36 / 40 = 0.9 is not over 0.9
+    assert snap.spread_warnings == 0  # 36 / 40 = 0.9 is not over 0.9
 
 
 def test_warning_names_the_lookup_and_every_rank_and_is_rate_limited(
@@ -114,22 +116,22 @@ def test_warning_names_the_lookup_and_every_rank_and_is_rate_limited(
     assert len(lines) == 1
     assert "'req-42'" in lines[0] and "rank 0=100" in lines[0] and "rank 1=10" in lines[0]
     assert "rank_spread_warn_share" in lines[0]
-    assert ins.snapshot()["spread_warnings"] == 2
+    assert ins.snapshot().spread_warnings == 2
 
 
 def test_events_without_insights_and_foreign_ranks_are_ignored() -> None:
     ins = RankInsights((0, 1), warn_share=0.5)
     ins.record(DoneEvent(lookup_id="a", gen=1, result=3), tokens=8)
-    assert ins.snapshot()["recorded"] == 0
+    assert ins.snapshot().recorded == 0
     ev = DoneEvent(
         lookup_id="b", gen=1, result=1, last=5, ranks=(0, 5), hits=(4, 1), latency_us=(10, 10)
     )
     ins.record(ev, tokens=8)
     snap = ins.snapshot()
-    assert set(snap["ranks"]) == {0, 1}  # memory stays per expected rank
-    assert snap["ranks"][0]["excess_tokens"] == 3
-    assert sum(snap["ranks"][0]["report_counts"]) == 1
-    assert sum(snap["ranks"][1]["report_counts"]) == 0
+    assert set(snap.ranks) == {0, 1}  # memory stays per expected rank
+    assert snap.ranks[0].excess_tokens == 3
+    assert sum(snap.ranks[0].report_counts) == 1
+    assert sum(snap.ranks[1].report_counts) == 0
 
 
 def test_sampler_times_at_most_its_rate_and_weighs_what_it_skipped() -> None:
@@ -154,29 +156,31 @@ def test_a_timed_lookup_counts_for_its_weight() -> None:
     for _ in range(3):
         unweighted.record(ev, tokens=40)
     got, want = weighted.snapshot(), unweighted.snapshot()
-    assert got["recorded"] == 1 and want["recorded"] == 3
-    assert got["represented"] == want["represented"] == 3
+    assert got.recorded == 1 and want.recorded == 3
+    assert got.represented == want.represented == 3
     for rank in (0, 1):
-        mine, theirs = got["ranks"][rank], want["ranks"][rank]
-        assert mine["report_sum"] == pytest.approx(theirs["report_sum"]), rank
-        assert {**mine, "report_sum": 0} == {**theirs, "report_sum": 0}, rank
-    assert got["spread_counts"] == want["spread_counts"]
-    assert got["spread_sum"] == want["spread_sum"]
-    assert got["ranks"][0]["excess_tokens"] == 90 and got["ranks"][1]["last"] == 3
+        mine, theirs = got.ranks[rank], want.ranks[rank]
+        assert mine.report_sum == pytest.approx(theirs.report_sum), rank
+        assert replace(mine, report_sum=0) == replace(theirs, report_sum=0), rank
+    assert got.spread_counts == want.spread_counts
+    assert got.spread_sum == want.spread_sum
+    assert got.ranks[0].excess_tokens == 90 and got.ranks[1].last == 3
 
 
 # -- metrics --------------------------------------------------------------------------
 
 
 class _Client:
-    def __init__(self, insights: dict[str, Any]) -> None:
+    def __init__(self, insights: InsightsStats | None) -> None:
         self._insights = insights
 
-    def stats(self) -> dict[str, Any]:
-        return {"rank_insights": self._insights}
+    def stats(self) -> ClientStats:
+        return ClientStats(rank_insights=self._insights)
 
 
-def _samples(insights: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def _samples(
+    insights: InsightsStats | None,
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     registry = CollectorRegistry()
     registry.register(ClientCollector(_Client(insights)))
     out = {}
@@ -206,7 +210,7 @@ def test_metric_families_carry_one_series_per_rank() -> None:
 
 
 def test_metric_families_are_empty_when_insights_are_off() -> None:
-    names = {name for name, _ in _samples({})}
+    names = {name for name, _ in _samples(None)}
     assert not {n for n in names if n.startswith("broker_lookup_client_rank_")}
 
 
@@ -264,7 +268,7 @@ def test_inspect_renders_the_rank_latency_table() -> None:
 
 def test_rate_limited_log_lives_in_broker_lookup() -> None:
     from broker_lookup.ratelimit import RateLimitedLog
-    from workers.pipeline import watchdog
+    from workers.pipeline import sweeper
 
     assert RateLimitedLog.__module__ == "broker_lookup.ratelimit"
-    assert not hasattr(watchdog, "RateLimitedLog")  # one owner, used by both sides
+    assert not hasattr(sweeper, "RateLimitedLog")  # one owner, used by both sides

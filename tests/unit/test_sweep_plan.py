@@ -11,7 +11,7 @@ import time
 from helpers import lookup_request, wait_until
 
 from workers.pipeline.lifecycle import Lifecycle
-from workers.pipeline.watchdog import Sweeper
+from workers.pipeline.sweeper import Sweeper
 
 PIN_TTL = 10.0
 GRACE = 2.0

@@ -336,7 +336,7 @@ def test_an_inner_client_that_raises_is_answered_counted_and_logged_once(
             client.cancel_lookup("r")
             client.close()
     want = {"internal_error": 6, "bad_clear": 3, "bad_cancel": 3, "close_error": 3}
-    assert client.stats()["rejected"] == want  # type: ignore[attr-defined]
+    assert client.stats().rejected == want  # type: ignore[attr-defined]
     assert len(caplog.records) == 4, "one line per kind"
 
 
@@ -370,7 +370,7 @@ def test_bypass_engine_failure_or_nonsense_answers_zero_and_releases(
         for i in range(3):
             assert client.lookup(list(range(40)), f"r{i}") == 0
             assert client.lookup_cache(f"r{i}") == 0
-    assert client.stats()["rejected"] == {"engine_error": 3}
+    assert client.stats().rejected == {"engine_error": 3}
     assert engine.released == ["r0", "r1", "r2"], "what it may have pinned is released"
     assert len(caplog.records) == 1
 
@@ -384,5 +384,5 @@ def test_bypass_cancel_with_an_engine_whose_cleanup_raises(
         for _ in range(3):
             client.cancel_lookup("r")
     assert client.lookup_cache("r") == -1
-    assert client.stats()["rejected"] == {"engine_error": 3}
+    assert client.stats().rejected == {"engine_error": 3}
     assert len(caplog.records) == 1

@@ -53,12 +53,14 @@ def snapshot() -> dict[str, Any]:
     """This process's broker objects and counters, as one JSON-able dict."""
     import cpu_connector
 
+    from broker_lookup.protocol.stats import as_json_object
+
     clients: list[dict[str, Any]] = []
     servers: list[dict[str, Any]] = []
     for obj in list(LIVE):
         if getattr(obj, "_closed", False):
             continue
-        entry = {"class": type(obj).__name__, **obj.stats()}
+        entry = {"class": type(obj).__name__, **as_json_object(obj.stats())}
         (servers if hasattr(obj, "send_response_to_scheduler") else clients).append(entry)
     return {
         "pid": os.getpid(),

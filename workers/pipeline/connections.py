@@ -14,13 +14,12 @@ def rank_factories(
     """(general, blocking-read, owned) factories: ``given`` for both (owned: none), or two
     made here, which the server closes at shutdown.
 
-    Made here, every socket times out after BLOCK plus ``breaker_open_ms``, so no read
+    Made here, every socket times out after ``config.loop_timeout_s``, so no read
     of a stalled Redis pauses the rank's loop for the general socket timeout; the read
     loop's factory has a pool of its own, so it can turn redis-py's retries off alone.
     """
     if given is not None:
         return given, given, []
-    timeout = (config.block_ms + config.breaker_open_ms) / 1000
-    general = make_factory(config, name, socket_timeout_s=timeout)
-    read = make_factory(config, name, socket_timeout_s=timeout)
+    general = make_factory(config, name, socket_timeout_s=config.loop_timeout_s)
+    read = make_factory(config, name, socket_timeout_s=config.loop_timeout_s)
     return general, read, [general, read]

@@ -51,7 +51,7 @@ class Dispatcher:
 
     Args:
         engine: the rank's engine.
-        tracker: the one owner of every lookup id's lifecycle on this rank.
+        lifecycle: the one owner of every lookup id's lifecycle on this rank.
         config: the rank's config (pin TTL, watchdog grace, report limits).
         keys: the engine's key space.
         rank: this rank.
@@ -63,7 +63,7 @@ class Dispatcher:
     def __init__(
         self,
         engine: LookupEngine,
-        tracker: Lifecycle,
+        lifecycle: Lifecycle,
         config: LookupConfig,
         keys: KeySpace,
         rank: int,
@@ -73,7 +73,7 @@ class Dispatcher:
     ) -> None:
         self._clock = clock
         self._engine = engine
-        self._tracker = tracker
+        self._lifecycle = lifecycle
         self._rank = rank
         self._pin_ttl_s = config.worker_pin_ttl_ms / 1000
         self._grace_ms = config.worker_watchdog_grace_ms
@@ -95,11 +95,11 @@ class Dispatcher:
         """Serve one entry; ``remaining_ms`` is how long it stays worth answering."""
         now = self._clock()
         if isinstance(msg, Abort):
-            step = self._tracker.on_abort(msg.lookup_id, msg.gen, now)
+            step = self._lifecycle.on_abort(msg.lookup_id, msg.gen, now)
             self._apply(msg.lookup_id, step, "aborts")
             return
         if isinstance(msg, Keep):
-            decision, step = self._tracker.on_keep(msg.lookup_id, msg.gen, msg.tokens, now)
+            decision, step = self._lifecycle.on_keep(msg.lookup_id, msg.gen, msg.tokens, now)
             self._apply(msg.lookup_id, step, "keep_" + decision)
             return
         if self._rank not in msg.expected:
@@ -110,7 +110,7 @@ class Dispatcher:
             return
         # Local and monotonic from here on; capped so no wire value outlives the pin TTL.
         deadline = now + min(remaining_ms / 1000, self._pin_ttl_s)
-        decision, step = self._tracker.on_request(msg, now, deadline)
+        decision, step = self._lifecycle.on_request(msg, now, deadline)
         self._apply(msg.lookup_id, step, decision)
 
     def serve(self, messages: list[tuple[Request, float]]) -> list[Report]:
@@ -128,7 +128,7 @@ class Dispatcher:
     def report(self, lookup_id: str, hits: object) -> None:
         """The engine finished ``lookup_id`` with ``hits`` tokens loaded: sent, if wanted."""
         now = self._clock()
-        outcome, job, step = self._tracker.on_report(lookup_id, now)
+        outcome, job, step = self._lifecycle.on_report(lookup_id, now)
         if job is None:
             # late: what the engine pinned after the watchdog's release is released now
             self._apply(lookup_id, step, "report_" + outcome)
@@ -160,7 +160,7 @@ class Dispatcher:
         if type(tokens) is not int or tokens <= 0:
             self.count("progress_invalid")
             return
-        self._tracker.on_progress(lookup_id, tokens, self._clock())
+        self._lifecycle.on_progress(lookup_id, tokens, self._clock())
 
     # -- from the reporter -----------------------------------------------------------
 
@@ -173,20 +173,20 @@ class Dispatcher:
         name, decided = report_answer(answer)
         # After the deadline answered (settled): the promised prefix, at most what we hold.
         kept = None if decided is None else min(decided, report.hits)
-        step = self._tracker.on_settled(report.lookup_id, report.gen, name in _KEEP, now, kept)
+        step = self._lifecycle.on_settled(report.lookup_id, report.gen, name in _KEEP, now, kept)
         self._apply(report.lookup_id, step, "report_" + name)
 
     # -- from the sweeper's clock ----------------------------------------------------
 
     def sweep(self, now: float) -> None:
         """The watchdog, then pins past their TTL (monotonic ``now``)."""
-        for kind, job, step in self._tracker.due(now):
+        for kind, job, step in self._lifecycle.due(now):
             if kind == "watchdog":  # kept_expired: its answer was decided, nothing to report
                 self._on_watchdog(job)
             self._apply(job.lookup_id, step)
-        for lookup_id in self._tracker.expired_holds(now):
+        for lookup_id in self._lifecycle.expired_holds(now):
             self._release(lookup_id)
-        for job in self._tracker.take_progress():
+        for job in self._lifecycle.take_progress():
             self.reporter.put(Report(job.lookup_id, job.gen, job.progress, progress=True))
 
     def _on_watchdog(self, job: Job) -> None:
@@ -208,7 +208,7 @@ class Dispatcher:
     def release_all(self) -> None:
         """Release every generation the engine holds, and what it pinned after a watchdog
         release (the threads are stopped)."""
-        for lookup_id in self._tracker.release_all(self._clock()):
+        for lookup_id in self._lifecycle.release_all(self._clock()):
             self._release(lookup_id)
 
     # -- the engine --------------------------------------------------------------------
@@ -310,7 +310,7 @@ class Dispatcher:
 
     def sizes(self) -> dict[str, int]:
         """Size of every map of the lifecycle (running, held, waiting, memos, timers)."""
-        return self._tracker.sizes()
+        return self._lifecycle.sizes()
 
     def engine_pins(self) -> int | None:
         """Chunks the engine holds pinned, if it says (``stats()["pinned_chunks"]``, as

@@ -40,6 +40,7 @@ from broker_lookup.protocol.messages import (
     Request,
     decode_request,
 )
+from broker_lookup.protocol.stats import ConsumerStats
 from broker_lookup.transport.link import Link, pairs, stream_entries
 from workers.pipeline.clock import ServerClock
 from workers.pipeline.entries import entry_problem
@@ -91,8 +92,21 @@ class Reader:
         self._replaying = True
         self._sent_replaying = True  # what the read in flight asked for
         self._next_replay = 0.0
-        #: Counters for ``stats()["consumer"]``, plus the group's pending and lag.
+        #: Counters for ``stats().consumer``, plus the group's pending and lag.
         self.stats: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+
+    def consumer_stats(self) -> ConsumerStats:
+        """A copy of :attr:`stats`, for the rank's ``stats()``."""
+        s = self.stats
+        return ConsumerStats(
+            entries=s["entries"],
+            replayed=s["replayed"],
+            dead_letters=s["dead_letters"],
+            redis_errors=s["redis_errors"],
+            nogroup=s["nogroup"],
+            pending=s["pending"],
+            lag=s["lag"],
+        )
 
     # -- the group ------------------------------------------------------------------
 

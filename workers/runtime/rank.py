@@ -231,7 +231,7 @@ class RankRunner:
         http = HealthServer(
             self.spec.metrics_host,
             self.spec.metrics_port,
-            alive=lambda: bool(server.stats()["alive"]),
+            alive=lambda: server.stats().alive,
             ready=ready,
             metrics=lambda: (generate_latest(registry), CONTENT_TYPE_LATEST),
         )
@@ -241,7 +241,7 @@ class RankRunner:
     def _watch(self, server: RedisAsyncLookupServer) -> int:
         wait_s = self.spec.claim_wait_s
         while not self._stop.wait(1.0):
-            if not server.stats()["alive"]:
+            if not server.stats().alive:
                 logger.error("rank %d: the read loop died; exiting", server.rank)
                 return ExitCode.FAILED
             if wait_s and server.lease.contended_for() > wait_s:
@@ -274,8 +274,8 @@ class RankRunner:
 
     def _summary(self, server: RedisAsyncLookupServer) -> None:
         st = server.stats()
-        counts = st["counts"]
-        consumer = st["consumer"]
+        counts = st.counts
+        consumer = st.consumer
         logger.info(
             "rank %d stopped after %.1fs: requests=%d reports=%d aborts=%d expired=%d "
             "dead_letters=%d redis_errors=%d engine_errors=%d",
@@ -285,7 +285,7 @@ class RankRunner:
             sum(v for k, v in counts.items() if k.startswith("report_")),
             counts.get("aborts", 0),
             counts.get("expired", 0),
-            consumer.get("dead_letters", 0),
-            consumer.get("redis_errors", 0) + st.get("reporter_errors", 0),
+            consumer.dead_letters,
+            consumer.redis_errors + st.reporter_errors,
             counts.get("engine_errors", 0),
         )

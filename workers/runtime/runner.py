@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
+from broker_lookup.config.sources import CONFIG_FILE_ENV
 from broker_lookup.errors import ConfigError
 from broker_lookup.processes import ExitCode, child_env, long_options
 from broker_lookup.threads import set_from_signal
@@ -38,13 +39,11 @@ logger = logging.getLogger(__name__)
 
 #: Flag destination -> environment variable it falls back to.
 ENV_FALLBACKS = {
-    "redis_url": "BROKER_LOOKUP_REDIS_URL",
-    "engine_id": "BROKER_LOOKUP_ENGINE_ID",
-    "world_size": "BROKER_LOOKUP_WORLD_SIZE",
-    "rank": "BROKER_LOOKUP_RANK",
-    "metrics_port": "BROKER_LOOKUP_METRICS_PORT",
-    "config": "BROKER_LOOKUP_CONFIG_FILE",
-    "log_level": "BROKER_LOOKUP_LOG_LEVEL",
+    **{
+        dest: env_name(dest)
+        for dest in ("redis_url", "engine_id", "world_size", "rank", "metrics_port", "log_level")
+    },
+    "config": CONFIG_FILE_ENV,
 }
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -119,7 +118,9 @@ def _ranks(args: argparse.Namespace, env: Mapping[str, str], world_size: int) ->
     else:
         raw, where = env.get(ENV_FALLBACKS["rank"], ""), f"env {ENV_FALLBACKS['rank']}"
     if not raw.strip():
-        raise UsageError("no rank to run: pass --rank R, --ranks all, or set BROKER_LOOKUP_RANK")
+        raise UsageError(
+            f"no rank to run: pass --rank R, --ranks all, or set {ENV_FALLBACKS['rank']}"
+        )
     if raw.strip() == "all":
         return tuple(range(world_size))
     try:
