@@ -21,19 +21,16 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import fakeredis
 import pytest
 import redis
-from faultkit import Serve, config
-from helpers import Backend, MakeClient, MakeServer, RealServer
+from faultkit import MakeClient, MakeServer, Serve
+from helpers import Backend, RealServer
 
-from broker_lookup.client import RedisAsyncLookupClient
-from broker_lookup.config import LookupMetadata
 from broker_lookup.errors import BrokerUnavailable
 from broker_lookup.tools.embedded import EmbeddedServer
-from workers.server import RedisAsyncLookupServer
 
 URL_ENV = "BROKER_LOOKUP_TEST_REDIS_URL"
 BINARY_ENV = "BROKER_LOOKUP_TEST_SERVER_BINARY"
@@ -129,46 +126,17 @@ def engine_id() -> str:
 
 @pytest.fixture
 def make_server(backend: Backend, engine_id: str) -> Iterator[MakeServer]:
-    """``make(engine, rank=0, world_size=1, **config)``: an in-process rank on ``backend``."""
-    made: list[RedisAsyncLookupServer] = []
-
-    def make(
-        engine: Any, rank: int = 0, world_size: int = 1, **overrides: Any
-    ) -> RedisAsyncLookupServer:
-        meta = LookupMetadata(engine_id=engine_id, world_size=world_size, worker_id=rank)
-        server = RedisAsyncLookupServer(
-            engine, meta, config(**overrides), connection_factory=backend.factory
-        )
-        made.append(server)
-        return server
-
-    try:
+    """``make(engine, rank=0, world_size=1, **config)``: an in-process rank on ``backend``;
+    ``make.lone(**config)``: a ready rank of a stub engine and no client."""
+    with MakeServer(backend, engine_id) as make:
         yield make
-    finally:
-        for server in made:
-            server.close()
 
 
 @pytest.fixture
 def make_client(backend: Backend, engine_id: str) -> Iterator[MakeClient]:
     """``make(world_size=1, cls=RedisAsyncLookupClient, **config)`` on ``backend``."""
-    made: list[RedisAsyncLookupClient] = []
-
-    def make(
-        world_size: int = 1,
-        cls: type[RedisAsyncLookupClient] = RedisAsyncLookupClient,
-        **overrides: Any,
-    ) -> RedisAsyncLookupClient:
-        meta = LookupMetadata(engine_id=engine_id, world_size=world_size)
-        client = cls(config(**overrides), meta, connection_factory=backend.factory)
-        made.append(client)
-        return client
-
-    try:
+    with MakeClient(backend, engine_id) as make:
         yield make
-    finally:
-        for client in made:
-            client.close()
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faultkit import CHUNK, alive, answer, prompt
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from faultkit import CHUNK, MakeClient, MakeServer, alive, answer, prompt
+from helpers import Backend, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
 from broker_lookup.ops.inspect import render, snapshot
