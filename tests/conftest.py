@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 import fakeredis
 import pytest
 import redis
 from faultkit import MakeClient, MakeServer, Serve
-from helpers import Backend, RealServer
+from helpers import Backend, Made, RealServer
 
 from broker_lookup.errors import BrokerUnavailable
 from broker_lookup.tools.embedded import EmbeddedServer
@@ -116,6 +116,20 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         yield handle
     finally:
         handle.close()
+
+
+@pytest.fixture
+def fake() -> Callable[[], fakeredis.FakeRedis]:
+    """A connection factory of a private fakeredis server, for tests without ``backend``."""
+    server = fakeredis.FakeServer(server_type="redis", version=FAKE_SERVER_VERSION)
+    return lambda: fakeredis.FakeRedis(server=server)
+
+
+@pytest.fixture
+def made() -> Iterator[Made]:
+    """What the test builds itself (``made.keep(client)``), closed at the end."""
+    with Made() as things:
+        yield things
 
 
 @pytest.fixture
