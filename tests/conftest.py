@@ -6,6 +6,8 @@
   embedded Valkey. Without one the real leg skips, except under ``CI``, where it fails.
 * ``fresh_real_server``: a private :class:`EmbeddedServer` per test, for tests that restart,
   kill or flush the server.
+* ``fake`` / ``made``: a fakeredis connection factory for tests without ``backend``, and
+  a :class:`helpers.Made` that closes what the test built itself.
 * ``engine_id``: a unique engine id per test; isolation is by key prefix, never FLUSHALL.
 * ``make_server`` / ``make_client``: in-process ranks and clients on the ``backend``, with
   :data:`faultkit.FAST` timers; all closed after the test.
