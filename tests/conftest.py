@@ -6,6 +6,8 @@
   embedded Valkey. Without one the real leg skips, except under ``CI``, where it fails.
 * ``fresh_real_server``: a private :class:`EmbeddedServer` per test, for tests that restart,
   kill or flush the server.
+* ``fake`` / ``made``: a fakeredis connection factory for tests without ``backend``, and
+  a :class:`helpers.Made` that closes what the test built itself.
 * ``engine_id``: a unique engine id per test; isolation is by key prefix, never FLUSHALL.
 * ``make_server`` / ``make_client``: in-process ranks and clients on the ``backend``, with
   :data:`faultkit.FAST` timers; all closed after the test.
@@ -20,20 +22,17 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 import fakeredis
 import pytest
 import redis
-from faultkit import Serve, config
-from helpers import Backend, MakeClient, MakeServer, RealServer
+from faultkit import MakeClient, MakeServer, Serve
+from helpers import Backend, Made, RealServer
 
-from broker_lookup.client import RedisAsyncLookupClient
-from broker_lookup.config import LookupMetadata
 from broker_lookup.errors import BrokerUnavailable
 from broker_lookup.tools.embedded import EmbeddedServer
-from workers.server import RedisAsyncLookupServer
 
 URL_ENV = "BROKER_LOOKUP_TEST_REDIS_URL"
 BINARY_ENV = "BROKER_LOOKUP_TEST_SERVER_BINARY"
@@ -122,6 +121,20 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
 
 
 @pytest.fixture
+def fake() -> Callable[[], fakeredis.FakeRedis]:
+    """A connection factory of a private fakeredis server, for tests without ``backend``."""
+    server = fakeredis.FakeServer(server_type="redis", version=FAKE_SERVER_VERSION)
+    return lambda: fakeredis.FakeRedis(server=server)
+
+
+@pytest.fixture
+def made() -> Iterator[Made]:
+    """What the test builds itself (``made.keep(client)``), closed at the end."""
+    with Made() as things:
+        yield things
+
+
+@pytest.fixture
 def engine_id() -> str:
     """A unique engine id, so tests sharing one server never see each other's keys."""
     return "t-" + uuid.uuid4().hex[:12]
@@ -129,46 +142,17 @@ def engine_id() -> str:
 
 @pytest.fixture
 def make_server(backend: Backend, engine_id: str) -> Iterator[MakeServer]:
-    """``make(engine, rank=0, world_size=1, **config)``: an in-process rank on ``backend``."""
-    made: list[RedisAsyncLookupServer] = []
-
-    def make(
-        engine: Any, rank: int = 0, world_size: int = 1, **overrides: Any
-    ) -> RedisAsyncLookupServer:
-        meta = LookupMetadata(engine_id=engine_id, world_size=world_size, worker_id=rank)
-        server = RedisAsyncLookupServer(
-            engine, meta, config(**overrides), connection_factory=backend.factory
-        )
-        made.append(server)
-        return server
-
-    try:
+    """``make(engine, rank=0, world_size=1, **config)``: an in-process rank on ``backend``;
+    ``make.lone(**config)``: a ready rank of a stub engine and no client."""
+    with MakeServer(backend, engine_id) as make:
         yield make
-    finally:
-        for server in made:
-            server.close()
 
 
 @pytest.fixture
 def make_client(backend: Backend, engine_id: str) -> Iterator[MakeClient]:
     """``make(world_size=1, cls=RedisAsyncLookupClient, **config)`` on ``backend``."""
-    made: list[RedisAsyncLookupClient] = []
-
-    def make(
-        world_size: int = 1,
-        cls: type[RedisAsyncLookupClient] = RedisAsyncLookupClient,
-        **overrides: Any,
-    ) -> RedisAsyncLookupClient:
-        meta = LookupMetadata(engine_id=engine_id, world_size=world_size)
-        client = cls(config(**overrides), meta, connection_factory=backend.factory)
-        made.append(client)
-        return client
-
-    try:
+    with MakeClient(backend, engine_id) as make:
         yield make
-    finally:
-        for client in made:
-            client.close()
 
 
 @pytest.fixture

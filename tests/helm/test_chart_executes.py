@@ -234,12 +234,12 @@ def test_worker_runs_as_rendered(render: RenderFn, tmp_path: Path, rank: int) ->
             _stop(proc)
 
 
-def _inspect_hook_fails_for_the_missing_rank(rendered: Rendered, tmp_path: Path) -> None:
-    """worldSize=2 with only rank 0 running: the helm test hook must report failure."""
+def _run_inspect_hook(rendered: Rendered, tmp_path: Path) -> subprocess.CompletedProcess[bytes]:
+    """Run the chart's helm test hook (``broker-lookup inspect``) here, as its pod would."""
     hook = rendered.get("Pod", "-test-inspect")
     inspect = resolve(rendered, hook, "inspect", 0, tmp_path / "inspect")
     assert inspect.argv[1:3] == ["inspect", "--redis-url"]
-    result = subprocess.run(
+    return subprocess.run(
         inspect.argv,
         env={**os.environ, **inspect.env},
         cwd=REPO,
@@ -247,6 +247,11 @@ def _inspect_hook_fails_for_the_missing_rank(rendered: Rendered, tmp_path: Path)
         timeout=60,
         check=False,
     )
+
+
+def _inspect_hook_fails_for_the_missing_rank(rendered: Rendered, tmp_path: Path) -> None:
+    """worldSize=2 with only rank 0 running: the helm test hook must report failure."""
+    result = _run_inspect_hook(rendered, tmp_path)
     output = (result.stdout + result.stderr).decode(errors="replace")
     assert result.returncode != 0, output
     assert "Traceback" not in output, "inspect crashed instead of reporting the dead rank"
@@ -280,16 +285,7 @@ def test_helm_test_hook_passes_when_every_rank_runs(render: RenderFn, tmp_path: 
             for rank, proc in enumerate(procs):
                 key = keys.heartbeat(rank)
                 _wait(f"rank {rank}", lambda k=key: conn.exists(k) == 1, proc, logs[rank])
-            hook = rendered.get("Pod", "-test-inspect")
-            inspect = resolve(rendered, hook, "inspect", 0, tmp_path / "inspect")
-            result = subprocess.run(
-                inspect.argv,
-                env={**os.environ, **inspect.env},
-                cwd=REPO,
-                capture_output=True,
-                timeout=60,
-                check=False,
-            )
+            result = _run_inspect_hook(rendered, tmp_path)
             assert result.returncode == 0, result.stdout + result.stderr
             for proc in procs:
                 proc.send_signal(signal.SIGTERM)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import importlib
 import tomllib
-from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import fakeredis
 import pytest
+from helpers import Made
 
 from broker_lookup import (
     BypassLookupClient,
@@ -31,28 +30,12 @@ URL = {"lookup_broker_url": "redis://unused.invalid:6379/0", "lookup_broker_bloc
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
-@pytest.fixture
-def fake() -> Callable[[], fakeredis.FakeRedis]:
-    server = fakeredis.FakeServer(server_type="redis", version=(7, 2))
-    return lambda: fakeredis.FakeRedis(server=server)
-
-
-@pytest.fixture
-def made() -> Iterator[list[Any]]:
-    things: list[Any] = []
-    yield things
-    for thing in things:
-        thing.close()
-
-
 def lmc_config(lmc: SimpleNamespace, **settings: Any) -> Any:
     return lmc.Config.from_defaults(chunk_size=16, **settings)
 
 
-def client_for(lmc: SimpleNamespace, made: list[Any], config: Any, meta: Any, **kw: Any) -> Any:
-    client = lmc.Factory.create_lookup_client(config, meta, None, **kw)
-    made.append(client)
-    return client
+def client_for(lmc: SimpleNamespace, made: Made, config: Any, meta: Any, **kw: Any) -> Any:
+    return made.keep(lmc.Factory.create_lookup_client(config, meta, None, **kw))
 
 
 # -- our classes when the broker is asked for ------------------------------------------------
@@ -65,7 +48,7 @@ def test_broker_config_gets_our_client(
     lmc: SimpleNamespace,
     installed: Any,
     fake: Any,
-    made: list[Any],
+    made: Made,
     make_metadata: Any,
     async_loading: bool,
     expected: type,
@@ -78,7 +61,7 @@ def test_broker_config_gets_our_client(
 
 
 def test_broker_config_gets_our_server_on_the_listed_ranks(
-    lmc: SimpleNamespace, installed: Any, fake: Any, made: list[Any], make_metadata: Any
+    lmc: SimpleNamespace, installed: Any, fake: Any, made: Made, make_metadata: Any
 ) -> None:
     config = lmc_config(
         lmc, enable_async_loading=True, extra_config=URL, lookup_server_worker_ids=[1]
@@ -88,7 +71,7 @@ def test_broker_config_gets_our_server_on_the_listed_ranks(
     assert lmc.Factory.create_lookup_server(engine, rank0, connection_factory=fake) is None
     rank1 = make_metadata(world_size=2, worker_id=1)
     server = lmc.Factory.create_lookup_server(engine, rank1, connection_factory=fake)
-    made.append(server)
+    made.keep(server)
     assert isinstance(server, RedisAsyncLookupServer) and isinstance(server, lmc.AsyncServer)
     assert type(server).__name__ == "LMCacheBrokerLookupServer" and server.rank == 1
     assert isinstance(server.engine, LMCacheEngineAdapter) and server.engine.engine is engine
@@ -99,7 +82,7 @@ def test_env_switch_asks_for_the_broker(
     lmc: SimpleNamespace,
     installed: Any,
     fake: Any,
-    made: list[Any],
+    made: Made,
     make_metadata: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -115,7 +98,7 @@ def test_env_switch_asks_for_the_broker(
 
 
 def test_external_lookup_client_is_dropped_for_the_broker(
-    lmc: SimpleNamespace, installed: Any, fake: Any, made: list[Any], make_metadata: Any
+    lmc: SimpleNamespace, installed: Any, fake: Any, made: Made, make_metadata: Any
 ) -> None:
     config = lmc_config(lmc, external_lookup_client="mooncakestore://m:1", extra_config=URL)
     client = client_for(lmc, made, config, make_metadata(), connection_factory=fake)
@@ -123,7 +106,7 @@ def test_external_lookup_client_is_dropped_for_the_broker(
 
 
 def test_wrappers_and_bypass_through_lmcache_factory(
-    lmc: SimpleNamespace, installed: Any, fake: Any, made: list[Any], make_metadata: Any
+    lmc: SimpleNamespace, installed: Any, fake: Any, made: Made, make_metadata: Any
 ) -> None:
     config = lmc_config(
         lmc,
@@ -139,7 +122,7 @@ def test_wrappers_and_bypass_through_lmcache_factory(
     bypass = lmc_config(lmc, enable_scheduler_bypass_lookup=True, extra_config=URL)
     engine = SimpleNamespace(config=bypass)
     client = lmc.Factory.create_lookup_client(bypass, make_metadata(), engine)
-    made.append(client)
+    made.keep(client)
     assert type(client) is BypassLookupClient
     assert isinstance(client.engine, LMCacheEngineAdapter) and client.engine.engine is engine
 
@@ -148,13 +131,13 @@ def test_wrappers_and_bypass_through_lmcache_factory(
 
 
 def test_other_configs_get_lmcache_own_classes(
-    lmc: SimpleNamespace, installed: Any, made: list[Any], make_metadata: Any
+    lmc: SimpleNamespace, installed: Any, made: Made, make_metadata: Any
 ) -> None:
     config = lmc_config(lmc)  # sync: LMCache's REQ/ROUTER classes close cleanly
     meta = make_metadata()
     client = client_for(lmc, made, config, meta)
     server = lmc.Factory.create_lookup_server(SimpleNamespace(config=config), meta)
-    made.append(server)
+    made.keep(server)
     assert type(client) is lmc.SyncClient and type(server) is lmc.SyncServer
 
 
@@ -257,7 +240,7 @@ class VllmServiceFactory:
 
 
 def test_each_vllm_instance_gets_its_own_namespace(
-    lmc: SimpleNamespace, installed: Any, fake: Any, made: list[Any], make_metadata: Any
+    lmc: SimpleNamespace, installed: Any, fake: Any, made: Made, make_metadata: Any
 ) -> None:
     """Two replicas of one manifest (one engine id): each one's client and server share a
     namespace, the replicas do not, and the configured engine id stays visible."""
@@ -268,7 +251,8 @@ def test_each_vllm_instance_gets_its_own_namespace(
         vllm = VllmServiceFactory(lmc, instance)
         client = vllm.maybe_create_lookup_client(config, make_metadata(), connection_factory=fake)
         server = vllm.maybe_create_lookup_server(engine, make_metadata(), connection_factory=fake)
-        made += [client, server]
+        made.keep(client)
+        made.keep(server)
         assert client.metadata.engine_id == server.metadata.engine_id == f"{configured}.{instance}"
         assert server.metadata.configured_engine_id == configured
     outside = client_for(lmc, made, config, make_metadata(), connection_factory=fake)

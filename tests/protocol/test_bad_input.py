@@ -11,16 +11,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from faultkit import CHUNK, Serve, alive, answer, prompt, ready
-from helpers import (
-    Backend,
-    MakeClient,
-    MakeServer,
-    lookup_request,
-    stream_entries,
-    stream_fields,
-    wait_until,
-)
+from faultkit import CHUNK, MakeClient, MakeServer, Serve, alive, answer, prompt, ready
+from helpers import Backend, lookup_request, stream_entries, stream_fields, wait_until
 
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.errors import ConfigError, InvalidRequest
@@ -244,14 +236,9 @@ def test_rank_dead_letters_bad_entries_and_goes_on(
     assert all(s.stats().alive for s in servers)
 
 
-def test_request_for_other_ranks_is_not_served(
-    make_server: MakeServer, backend: Backend, engine_id: str
-) -> None:
-    ks = KeySpace(engine_id)
-    engine = StubEngine()
-    server = make_server(engine, rank=0, world_size=2)
-    ready(server)
-    backend.factory().xadd(ks.requests, {"m": _lookup(expected=[1])})
+def test_request_for_other_ranks_is_not_served(make_server: MakeServer) -> None:
+    engine, server, ks, conn = make_server.lone(rank=0, world_size=2)
+    conn.xadd(ks.requests, {"m": _lookup(expected=[1])})
     wait_until(lambda: server.stats().counts.get("not_expected") == 1)
     assert engine.started_ids() == []
     assert server.stats().consumer.dead_letters == 0  # valid, just not for rank 0

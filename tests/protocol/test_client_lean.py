@@ -14,8 +14,8 @@ from typing import Any, cast
 import fakeredis
 import pytest
 import redis
-from faultkit import Serve, alive, config, ready
-from helpers import Backend, MakeServer, wait_until
+from faultkit import MakeServer, Serve, alive, config, ready
+from helpers import Backend, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.client.sender import HEALTHY_IDLE_S

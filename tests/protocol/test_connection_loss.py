@@ -10,8 +10,8 @@ resumes once the server is back.
 from __future__ import annotations
 
 import pytest
-from faultkit import Serve, alive, answer, config, prompt, ready
-from helpers import Backend, MakeClient, wait_until
+from faultkit import MakeClient, Serve, alive, answer, config, prompt, ready
+from helpers import Backend, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupMetadata

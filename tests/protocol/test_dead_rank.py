@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from faultkit import answer, prompt, ready
-from helpers import MakeClient, MakeServer, wait_until
+from faultkit import MakeClient, MakeServer, answer, prompt, ready
+from helpers import wait_until
 
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.stub_engine import StubEngine

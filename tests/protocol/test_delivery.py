@@ -6,11 +6,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from faultkit import Serve, alive, answer, config, prompt, ready
+from faultkit import MakeClient, MakeServer, Serve, alive, answer, config, prompt, ready
 from helpers import (
     Backend,
-    MakeClient,
-    MakeServer,
     epoch_ms,
     lookup_request,
     request_entry,

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from faultkit import Serve, answer, config, prompt, ready
-from helpers import Backend, MakeClient, MakeServer, engine_keys, holds_for, wait_until
+from faultkit import MakeClient, MakeServer, Serve, answer, config, prompt, ready
+from helpers import Backend, engine_keys, holds_for, wait_until
 from redis.typing import EncodableT, FieldT
 
 from broker_lookup.protocol.keys import KeySpace

@@ -7,8 +7,8 @@ import logging
 import time
 
 import pytest
-from faultkit import CHUNK
-from helpers import Backend, MakeClient, MakeServer, text, wait_until
+from faultkit import CHUNK, MakeClient, MakeServer
+from helpers import Backend, text, wait_until
 from redis import Redis
 
 from broker_lookup.protocol import fingerprint

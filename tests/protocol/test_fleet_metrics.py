@@ -14,17 +14,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from faultkit import answer, config, prompt, ready
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from faultkit import MakeClient, MakeServer, Serve, ServedRanks, answer, prompt, ready
+from helpers import Backend, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker_lookup.client import RedisAsyncLookupClient
-from broker_lookup.config import LookupMetadata
 from broker_lookup.lmcache_version import running_lmcache_version
 from broker_lookup.ops.exporter import FleetCollector, render_once
 from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace, rank_role
 from broker_lookup.stub_engine import StubEngine
-from workers.server import RedisAsyncLookupServer
 
 #: Publish every 200 ms (FAST beats every 100 ms): snapshots expire 600 ms after the last.
 QUICK: dict[str, Any] = {"metrics_interval_ms": 200}
@@ -61,39 +59,24 @@ def _lookups(client: RedisAsyncLookupClient, n: int, tag: str) -> None:
         assert answer(client, f"{tag}-{i}", timeout=10) == HITS
 
 
+def _two_ranks(serve: Serve) -> ServedRanks[StubEngine]:
+    """Two ranks answering :data:`HITS`, and a client, all publishing every :data:`QUICK`."""
+    return serve.ranks([StubEngine("instant", hits=HITS) for _ in (0, 1)], QUICK, **QUICK)
+
+
 @pytest.fixture
-def other_engine(backend: Backend, engine_id: str) -> Iterator[Callable[..., Any]]:
-    """``make(kind, rank=0)``: a rank or client of a second engine, ``<engine_id>-b``."""
-    made: list[Any] = []
-
-    def make(kind: str, rank: int = 0) -> Any:
-        meta = LookupMetadata(engine_id=engine_id + "-b", world_size=1, worker_id=rank)
-        cfg = config(**QUICK)
-        thing: Any
-        if kind == "server":
-            thing = RedisAsyncLookupServer(
-                StubEngine("instant", hits=8), meta, cfg, connection_factory=backend.factory
-            )
-        else:
-            thing = RedisAsyncLookupClient(cfg, meta, connection_factory=backend.factory)
-        made.append(thing)
-        return thing
-
-    try:
-        yield make
-    finally:
-        for thing in made:
-            thing.close()
+def other_engine(backend: Backend, engine_id: str) -> Iterator[tuple[MakeServer, MakeClient]]:
+    """Ranks and clients of a second engine, ``<engine_id>-b``: ``make_server`` and
+    ``make_client`` of that engine."""
+    other = engine_id + "-b"
+    with MakeServer(backend, other) as make_server, MakeClient(backend, other) as make_client:
+        yield make_server, make_client
 
 
 def test_the_exporter_serves_the_scheduler_and_each_rank_after_n_lookups(
-    backend: Backend, make_server: MakeServer, make_client: MakeClient, engine_id: str
+    backend: Backend, serve: Serve, engine_id: str
 ) -> None:
-    servers = [
-        make_server(StubEngine("instant", hits=HITS), rank=r, world_size=2, **QUICK) for r in (0, 1)
-    ]
-    ready(*servers)
-    client = make_client(world_size=2, **QUICK)
+    client = _two_ranks(serve).client
     _lookups(client, N, "n")
     mine = {"engine": engine_id, "configured_engine_id": engine_id}
 
@@ -142,13 +125,9 @@ def test_the_exporter_serves_the_scheduler_and_each_rank_after_n_lookups(
 
 
 def test_a_gone_process_series_vanish_after_the_ttl(
-    backend: Backend, make_server: MakeServer, make_client: MakeClient, engine_id: str
+    backend: Backend, serve: Serve, engine_id: str
 ) -> None:
-    servers = [
-        make_server(StubEngine("instant", hits=HITS), rank=r, world_size=2, **QUICK) for r in (0, 1)
-    ]
-    ready(*servers)
-    client = make_client(world_size=2, **QUICK)
+    _, servers, client = _two_ranks(serve)
 
     def ranks() -> set[str]:
         return {
@@ -180,10 +159,14 @@ def test_two_engines_on_one_server_are_told_apart(
     make_server: MakeServer,
     make_client: MakeClient,
     engine_id: str,
-    other_engine: Callable[..., Any],
+    other_engine: tuple[MakeServer, MakeClient],
 ) -> None:
-    ready(make_server(StubEngine("instant", hits=HITS), **QUICK), other_engine("server"))
-    a, b = make_client(**QUICK), other_engine("client")
+    other_server, other_client = other_engine
+    ready(
+        make_server(StubEngine("instant", hits=HITS), **QUICK),
+        other_server(StubEngine("instant", hits=8), **QUICK),
+    )
+    a, b = make_client(**QUICK), other_client(**QUICK)
     _lookups(a, 3, "a")
     for i in range(2):
         b.lookup(prompt(i), f"b-{i}")

@@ -12,16 +12,8 @@ from typing import Any
 
 import pytest
 import redis
-from faultkit import Serve, answer, hold_reports, prompt, ready
-from helpers import (
-    Backend,
-    MakeServer,
-    epoch_ms,
-    lookup_request,
-    request_entry,
-    text,
-    wait_until,
-)
+from faultkit import MakeServer, Serve, answer, hold_reports, prompt
+from helpers import epoch_ms, lookup_request, request_entry, text, wait_until
 
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.stub_engine import StubEngine
@@ -76,13 +68,9 @@ def test_engine_that_never_reports_is_answered_zero_released_and_the_id_reused(
 
 
 def test_watchdog_reports_zero_itself_and_a_late_report_only_releases_again(
-    make_server: MakeServer, backend: Backend, engine_id: str
+    make_server: MakeServer,
 ) -> None:
-    ks = KeySpace(engine_id)
-    engine = StubEngine()
-    server = make_server(engine, worker_watchdog_grace_ms=200)
-    ready(server)
-    conn = backend.factory()
+    engine, server, ks, conn = make_server.lone(worker_watchdog_grace_ms=200)
     _submit(conn, ks, "d9", gen=1, budget_ms=300)
     wait_until(lambda: engine.started_ids() == ["d9"])
     # Reported 0 by the rank, not by the client's timeout (nothing else writes the hash).
@@ -98,22 +86,16 @@ def test_watchdog_reports_zero_itself_and_a_late_report_only_releases_again(
 
 def test_an_idle_rank_sleeps_and_the_watchdog_still_fires_on_time(
     make_server: MakeServer,
-    backend: Backend,
-    engine_id: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The sweeper has no idle tick: with nothing due it sleeps (here up to a minute), and
     the lookup's watchdog timer rings it, so the engine's silence is still answered 0."""
     monkeypatch.setattr(server_module, "SWEEP_IDLE_S", 60.0)
-    ks = KeySpace(engine_id)
-    engine = StubEngine()
-    server = make_server(engine, worker_watchdog_grace_ms=200)
-    ready(server)
+    engine, server, ks, conn = make_server.lone(worker_watchdog_grace_ms=200)
     sweeper = server._sweeper
     before = sweeper.sweeps
     time.sleep(0.5)  # ten sweeps of the old 50 ms tick
     assert sweeper.sweeps - before <= 1
-    conn = backend.factory()
     _submit(conn, ks, "quiet", gen=1, budget_ms=300)
     wait_until(lambda: engine.started_ids() == ["quiet"])
     wait_until(lambda: _hash(conn, ks, "quiet").get("result") == "0", timeout=10)
@@ -122,14 +104,10 @@ def test_an_idle_rank_sleeps_and_the_watchdog_still_fires_on_time(
 
 
 def test_stale_answer_of_an_old_generation_never_releases_the_new_one(
-    make_server: MakeServer, backend: Backend, engine_id: str, monkeypatch: pytest.MonkeyPatch
+    make_server: MakeServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ks = KeySpace(engine_id)
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
+    engine, server, ks, conn = make_server.lone()
     gate = hold_reports(server, monkeypatch)  # holds gen 1's report between engine and Redis
-    conn = backend.factory()
     _submit(conn, ks, "race", gen=1)
     wait_until(lambda: engine.started_ids() == ["race"])
     engine.report("race", 8)  # gen 1 is now reporting
@@ -148,14 +126,8 @@ def test_stale_answer_of_an_old_generation_never_releases_the_new_one(
     assert engine.released == ["race"]  # gen 2 is held, not freed by gen 1's answer
 
 
-def test_clock_skew_between_client_and_rank_does_not_drop_work(
-    make_server: MakeServer, backend: Backend, engine_id: str
-) -> None:
-    ks = KeySpace(engine_id)
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    conn = backend.factory()
+def test_clock_skew_between_client_and_rank_does_not_drop_work(make_server: MakeServer) -> None:
+    engine, server, ks, conn = make_server.lone()
     # A client 3 s ahead: its deadline_ms looks far off, but the budget counts from the
     # server's stamp, which is 10 s old here (the stream's first entry): expired, dropped.
     old = f"{epoch_ms() - 10_000}-1"
@@ -167,14 +139,8 @@ def test_clock_skew_between_client_and_rank_does_not_drop_work(
     assert _counts(server)["expired"] == 1
 
 
-def test_group_recreated_after_nogroup_starts_at_zero(
-    make_server: MakeServer, backend: Backend, engine_id: str
-) -> None:
-    ks = KeySpace(engine_id)
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
-    conn = backend.factory()
+def test_group_recreated_after_nogroup_starts_at_zero(make_server: MakeServer) -> None:
+    engine, server, ks, conn = make_server.lone()
     # Gone, and an entry written in the same transaction, so before the rank can notice:
     # a group re-created at $ would skip it.
     pipe = conn.pipeline(transaction=True)

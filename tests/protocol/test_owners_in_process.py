@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from faultkit import alive, answer, prompt, ready
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from faultkit import MakeClient, MakeServer, alive, answer, prompt, ready
+from helpers import Backend, wait_until
 
 from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace
 from broker_lookup.protocol.ownership import parse_holder

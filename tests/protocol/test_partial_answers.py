@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faultkit import CHUNK, alive, answer, prompt
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from faultkit import CHUNK, MakeClient, MakeServer, alive, answer, prompt
+from helpers import Backend, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient, RedisLookupClient
 from broker_lookup.ops.inspect import render, snapshot
@@ -198,6 +198,21 @@ def _progress(conn: Any, ks: KeySpace, rank: int, tokens: int, gen: int = 7) -> 
     return str(ScriptSet().call(conn, call), "ascii")
 
 
+def _report(conn: Any, ks: KeySpace, rank: int, hits: int = 8, gen: int = 7) -> Any:
+    """Rank ``rank``'s report of ``hits`` for lookup "s" (report.lua); the script's answer."""
+    call = report_call(
+        ks,
+        "s",
+        rank=rank,
+        gen=gen,
+        hits=hits,
+        done_maxlen=100,
+        done_ttl_ms=1000,
+        engine_ttl_ms=60_000,
+    )
+    return ScriptSet().call(conn, call)
+
+
 def _deadline(conn: Any, ks: KeySpace, gen: int = 7, answer: bool = True) -> tuple[int, str, str]:
     abort = Abort(lookup_id="s", gen=gen)
     call = deadline_call(ks, abort, maxlen=100, ttl_ms=5000, engine_ttl_ms=60_000, answer=answer)
@@ -217,12 +232,7 @@ def test_progress_is_monotone_respects_generations_and_never_creates_a_key(
     assert _progress(conn, ks, 5, 4) == "unknown_rank"
     assert _progress(conn, ks, 1, 13) == "invalid"  # more than the prompt
     assert conn.hget(ks.lookup("s"), "p0") == b"8"
-    ScriptSet().call(
-        conn,
-        report_call(
-            ks, "s", rank=0, gen=7, hits=12, done_maxlen=100, done_ttl_ms=1000, engine_ttl_ms=60_000
-        ),
-    )
+    _report(conn, ks, 0, hits=12)
     assert _progress(conn, ks, 0, 12) == "reported"
     conn.delete(ks.lookup("s"))
     assert _progress(conn, ks, 1, 4) == "dropped"
@@ -240,10 +250,7 @@ def test_deadline_takes_the_minimum_of_what_each_rank_confirmed(
     assert (fields.state, fields.result, fields.partial) == ("done", 4, True)
     assert 0 < conn.pttl(ks.lookup("s")) <= 5000
     assert _deadline(conn, ks)[:2] == (4, "partial")  # re-run after a lost reply: same answer
-    late = report_call(
-        ks, "s", rank=1, gen=7, hits=12, done_maxlen=100, done_ttl_ms=1000, engine_ttl_ms=60_000
-    )
-    assert ScriptSet().call(conn, late) == b"settled:4"  # changes nothing; says the answer
+    assert _report(conn, ks, 1, hits=12) == b"settled:4"  # changes nothing; says the answer
     assert _progress(conn, ks, 1, 12) == "settled"
     assert conn.hget(ks.lookup("s"), "result") == b"4"
 
@@ -264,17 +271,7 @@ def test_deadline_with_a_rank_that_confirmed_nothing_cancels(
 def test_deadline_of_a_completed_or_newer_lookup(backend: Backend, engine_id: str) -> None:
     conn, ks = _submitted(backend, engine_id)
     for rank in (0, 1):
-        call = report_call(
-            ks,
-            "s",
-            rank=rank,
-            gen=7,
-            hits=8,
-            done_maxlen=100,
-            done_ttl_ms=1000,
-            engine_ttl_ms=60_000,
-        )
-        ScriptSet().call(conn, call)
+        _report(conn, ks, rank)
     assert _deadline(conn, ks) == (8, "complete", "")
     conn, ks = _submitted(backend, engine_id, gen=9)  # a newer attempt holds the key
     assert _deadline(conn, ks, gen=7) == (0, "none", "")
@@ -287,10 +284,7 @@ def test_a_deadline_without_an_answer_cancels_and_names_the_late_ranks(
     """The client answered 0 at the deadline (partial answers off, or their wait ran out):
     the script cancels even a lookup that completed meanwhile, and names the stragglers."""
     conn, ks = _submitted(backend, engine_id)
-    report = report_call(
-        ks, "s", rank=0, gen=7, hits=8, done_maxlen=100, done_ttl_ms=1000, engine_ttl_ms=60_000
-    )
-    ScriptSet().call(conn, report)
+    _report(conn, ks, 0)
     _progress(conn, ks, 1, 8)  # confirmed, but the client answers 0 anyway
     before = conn.xlen(ks.requests)
     assert _deadline(conn, ks, answer=False) == (0, "none", "1")
@@ -298,17 +292,7 @@ def test_a_deadline_without_an_answer_cancels_and_names_the_late_ranks(
     assert conn.xlen(ks.requests) == before + 1
     conn, ks = _submitted(backend, engine_id, gen=8)
     for rank in (0, 1):
-        call = report_call(
-            ks,
-            "s",
-            rank=rank,
-            gen=8,
-            hits=8,
-            done_maxlen=100,
-            done_ttl_ms=1000,
-            engine_ttl_ms=60_000,
-        )
-        ScriptSet().call(conn, call)
+        _report(conn, ks, rank, gen=8)
     assert _deadline(conn, ks, gen=8, answer=False) == (0, "none", "")  # nobody was late
     assert not conn.exists(ks.lookup("s"))  # but its pins are released: the client said 0
 

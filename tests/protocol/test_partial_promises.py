@@ -10,17 +10,16 @@ scheduler is done with it. On fakeredis and on a real server, in-process ranks:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from faultkit import CHUNK, LateEngine, alive, answer, prompt, ready
-from helpers import MakeClient, MakeServer, wait_until
+from faultkit import CHUNK, LateEngine, MakeClient, MakeServer, Serve, alive, answer, prompt, ready
+from helpers import wait_until
 
+from broker_lookup.stub_engine import StubEngine
 from workers.reference.engine import ReferenceEngine
-from workers.server import RedisAsyncLookupServer
 
 TOKENS = prompt(9000, chunks=4)
 FULL = len(TOKENS)
@@ -44,12 +43,9 @@ def late_engine() -> Iterator[LateEngine]:
 
 
 def test_reports_landing_after_the_partial_answer_never_release_it(
-    make_server: MakeServer, make_client: MakeClient, late_engine: LateEngine
+    serve: Serve, late_engine: LateEngine
 ) -> None:
-    server = make_server(late_engine, **PROMISE)
-    client = make_client(**PROMISE)
-    ready(server)
-    alive(client)
+    _, server, client = serve(late_engine, rank_config=PROMISE, **PROMISE)
     answers: dict[str, int] = {}
     partial = 0
     for wave in range(20):
@@ -113,52 +109,32 @@ def test_the_watchdog_never_releases_the_prefix_a_partial_answer_kept(
     wait_until(lambda: [e.stats()["pinned_chunks"] for e in engines] == [0, 0])
 
 
-class PinsWhenDone:
+class PinsWhenDone(StubEngine):
     """An engine that pins a lookup's chunks when its prefetch ends (LMCache's does): a
     release during the prefetch frees nothing. The test ends each prefetch."""
 
     def __init__(self) -> None:
-        self.server: Any = None
-        self._lock = threading.Lock()
-        self.running: set[str] = set()
+        super().__init__("manual")
         self.pinned: dict[str, int] = {}
 
-    def post_init(self, async_lookup_server: Any = None) -> None:
-        self.server = async_lookup_server
-
-    def async_lookup_and_prefetch(
-        self,
-        lookup_id: str,
-        hashes: list[int],
-        offsets: list[int],
-        pin: bool = True,
-        request_configs: dict[str, Any] | None = None,
-    ) -> None:
-        with self._lock:
-            self.running.add(lookup_id)
-
     def cleanup_memory_objs(self, lookup_id: str) -> None:
+        super().cleanup_memory_objs(lookup_id)
         with self._lock:
             self.pinned.pop(lookup_id, None)
 
     def finish(self, lookup_id: str, report: bool = True) -> None:
         """The prefetch ends: its chunks are pinned, then (``report``) it reports."""
         with self._lock:
-            self.running.discard(lookup_id)
             self.pinned[lookup_id] = FULL
         if report:
-            self.server.send_response_to_scheduler(lookup_id, FULL)
+            self.report(lookup_id, FULL)
 
 
 def test_what_the_engine_pins_after_the_watchdog_is_released_by_its_report_and_close(
-    make_server: MakeServer, make_client: MakeClient
+    serve: Serve,
 ) -> None:
     settings: dict[str, Any] = {"lookup_timeout_ms": 300, "worker_watchdog_grace_ms": 200}
-    engine = PinsWhenDone()
-    server: RedisAsyncLookupServer = make_server(engine, **settings)
-    client = make_client(**settings)
-    ready(server)
-    alive(client)
+    engine, server, client = serve(PinsWhenDone(), rank_config=settings, **settings)
     for lookup_id in ("reports", "silent", "at-close"):
         client.lookup(TOKENS, lookup_id)
     wait_until(lambda: server.lifecycle.events().get("watchdog") == 3, timeout=10)

@@ -12,8 +12,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from faultkit import CHUNK, alive, prompt, ready
-from helpers import Backend, MakeClient, MakeServer, wait_until
+from faultkit import CHUNK, MakeClient, MakeServer, alive, prompt, ready
+from helpers import Backend, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 import pytest
-from faultkit import Serve, alive, answer, ready
-from helpers import Backend, MakeClient, MakeServer, lookup_request, text, wait_until
+from faultkit import MakeClient, MakeServer, Serve, alive, answer, ready
+from helpers import Backend, lookup_request, text, wait_until
 
 from broker_lookup.client import RedisLookupClient
 from broker_lookup.protocol.keys import KeySpace

@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from faultkit import config, prompt
-from helpers import MakeClient
+from faultkit import MakeClient, config, prompt
 
 from broker_lookup import (
     BypassLookupClient,

@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import heapq
 import json
+import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import pytest
-from helpers import MakeClient, MakeServer, wait_until
+import redis
+from helpers import Backend, Made, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
-from broker_lookup.config import LookupConfig
+from broker_lookup.config import LookupConfig, LookupMetadata, env_name
+from broker_lookup.processes import child_env, long_options
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.stub_engine import StubEngine
 from workers.server import RedisAsyncLookupServer
 
 E = TypeVar("E")
@@ -86,21 +92,81 @@ class RankProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def cleanup(self) -> None:
+    def close(self) -> None:
+        """Kill it if it still runs (stopped or not), and reap it."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)  # a stopped process ignores SIGKILL's exit
             self.proc.kill()
             self.proc.wait(10)
 
 
-class StartRank(Protocol):
-    """The ``rank_procs`` fixture: start one ``python -m workers`` rank, killed after the test.
+class LoneRank(NamedTuple):
+    """What :meth:`MakeServer.lone` made: a ready rank and no client; the test writes the
+    requests stream itself, on ``conn``."""
+
+    engine: StubEngine
+    server: RedisAsyncLookupServer
+    keys: KeySpace
+    conn: redis.Redis
+
+
+class MakeServer(Made):
+    """The ``make_server`` fixture: in-process ranks on the test's backend, :data:`FAST`
+    plus ``overrides`` (config fields), closed after the test."""
+
+    def __init__(self, backend: Backend, engine_id: str) -> None:
+        super().__init__()
+        self._backend, self._engine_id = backend, engine_id
+
+    def __call__(
+        self, engine: Any, rank: int = 0, world_size: int = 1, **overrides: Any
+    ) -> RedisAsyncLookupServer:
+        meta = LookupMetadata(engine_id=self._engine_id, world_size=world_size, worker_id=rank)
+        factory = self._backend.factory
+        return self.keep(
+            RedisAsyncLookupServer(engine, meta, config(**overrides), connection_factory=factory)
+        )
+
+    def lone(self, rank: int = 0, world_size: int = 1, **overrides: Any) -> LoneRank:
+        """A ready rank of a ``manual`` :class:`StubEngine`, its keys and a connection."""
+        engine = StubEngine()
+        server = self(engine, rank, world_size, **overrides)
+        ready(server)
+        return LoneRank(engine, server, KeySpace(self._engine_id), self._backend.factory())
+
+
+class MakeClient(Made):
+    """The ``make_client`` fixture: clients (``cls``) on the test's backend, :data:`FAST`
+    plus ``overrides``, closed after the test."""
+
+    def __init__(self, backend: Backend, engine_id: str) -> None:
+        super().__init__()
+        self._backend, self._engine_id = backend, engine_id
+
+    def __call__(
+        self,
+        world_size: int = 1,
+        cls: type[RedisAsyncLookupClient] = RedisAsyncLookupClient,
+        **overrides: Any,
+    ) -> RedisAsyncLookupClient:
+        meta = LookupMetadata(engine_id=self._engine_id, world_size=world_size)
+        factory = self._backend.factory
+        return self.keep(cls(config(**overrides), meta, connection_factory=factory))
+
+
+class StartRank(Made):
+    """The ``rank_procs`` fixture: start ``python -m workers`` ranks, killed after the test.
 
     ``prompts`` is the runner's ``--preload`` list; ``overrides`` are config fields, sent
     as ``BROKER_LOOKUP_*`` variables on top of :data:`FAST`; ``options`` are more flags of
     ``python -m workers`` (``{"claim-timeout": 5}``). Two processes for one rank of one
-    engine get their own preload file, disk directory and log.
+    engine get their own preload file, disk directory and log, under ``tmp_path``.
     """
+
+    def __init__(self, tmp_path: Path) -> None:
+        super().__init__()
+        self._tmp_path = tmp_path
+        self._started: list[tuple[str, int]] = []
 
     def __call__(
         self,
@@ -112,10 +178,32 @@ class StartRank(Protocol):
         load_delay_ms: float = 0.0,
         options: dict[str, Any] | None = None,
         **overrides: Any,
-    ) -> RankProcess: ...
+    ) -> RankProcess:
+        seen = self._started.count((engine_id, rank))
+        self._started.append((engine_id, rank))
+        tag = f"{engine_id}-{rank}" + (f"-{seen}" if seen else "")
+        preload = self._tmp_path / f"preload-{tag}.json"
+        preload.write_text(json.dumps({"prompts": prompts}))
+        values = {**FAST, **overrides, "redis_url": url}
+        extra = {env_name(k): str(v) for k, v in values.items()}
+        flags = {
+            "engine-id": engine_id,
+            "world-size": world_size,
+            "rank": rank,
+            "metrics-port": 0,
+            "preload": preload,
+            "load-delay-ms": load_delay_ms,
+            "disk-dir": self._tmp_path / f"disk-{tag}",
+            "connect-timeout": 30,
+            "log-level": "INFO",
+            **(options or {}),
+        }
+        argv = [sys.executable, "-m", "workers", *long_options(flags)]
+        log = self._tmp_path / f"rank-{tag}.log"
+        return self.keep(RankProcess(argv, child_env(os.environ, extra), log))
 
 
-class MakeLookupClient(Protocol):
+class MakeLookupClient(Made):
     """The ``clients`` fixture: a client of ``cls`` on ``cfg``, closed after the test."""
 
     def __call__(
@@ -123,8 +211,9 @@ class MakeLookupClient(Protocol):
         cfg: LookupConfig,
         engine_id: str,
         world_size: int = 1,
-        cls: type[RedisAsyncLookupClient] = ...,
-    ) -> RedisAsyncLookupClient: ...
+        cls: type[RedisAsyncLookupClient] = RedisAsyncLookupClient,
+    ) -> RedisAsyncLookupClient:
+        return self.keep(cls(cfg, LookupMetadata(engine_id=engine_id, world_size=world_size)))
 
 
 def second_scheduler(client: RedisAsyncLookupClient) -> RedisAsyncLookupClient:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol, Self, TypeVar
 
 import fakeredis
 import pytest
@@ -25,14 +25,9 @@ from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import LookupRequest, request_fields
 from broker_lookup.tools.embedded import EmbeddedServer
 
-if TYPE_CHECKING:
-    from broker_lookup.client import RedisAsyncLookupClient
-    from workers.server import RedisAsyncLookupServer
-
 __all__ = [
     "Backend",
-    "MakeClient",
-    "MakeServer",
+    "Made",
     "RealServer",
     "command",
     "engine_keys",
@@ -237,23 +232,37 @@ class Backend:
         self._clients.clear()
 
 
-class MakeServer(Protocol):
-    """The ``make_server`` fixture: an in-process rank on the test's backend, closed after."""
-
-    def __call__(
-        self, engine: Any, rank: int = 0, world_size: int = 1, **overrides: Any
-    ) -> RedisAsyncLookupServer: ...
+class Closes(Protocol):
+    def close(self) -> None: ...
 
 
-class MakeClient(Protocol):
-    """The ``make_client`` fixture: a client (``cls``) on the test's backend, closed after."""
+C = TypeVar("C", bound=Closes)
 
-    def __call__(
-        self,
-        world_size: int = 1,
-        cls: type[RedisAsyncLookupClient] = ...,
-        **overrides: Any,
-    ) -> RedisAsyncLookupClient: ...
+
+class Made:
+    """What a factory fixture made, each closed in the order made when it ends.
+
+    The fixture is ``with Made() as made: yield make``, ``make`` returning
+    ``made.keep(thing)``; a factory class subclasses it, its ``__call__`` the ``make``.
+    """
+
+    def __init__(self) -> None:
+        self._made: list[Closes] = []
+
+    def keep(self, thing: C) -> C:
+        """``thing``, to be closed when the fixture ends."""
+        self._made.append(thing)
+        return thing
+
+    def close(self) -> None:
+        for thing in self._made:
+            thing.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def optional_extension(module: str, build: str = "pip install -e .") -> ModuleType:

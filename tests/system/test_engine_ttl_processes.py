@@ -87,4 +87,4 @@ def test_an_idle_engine_keeps_its_keys_and_a_killed_one_leaves_none(
             message="every key of the killed engine expired",
         )
     finally:
-        scheduler.cleanup()
+        scheduler.close()

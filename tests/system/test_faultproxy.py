@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis
-from helpers import RealServer, command, text, wait_until
+from helpers import Made, RealServer, command, text, wait_until
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -30,23 +30,17 @@ Connect = Callable[..., redis.Redis]
 @pytest.fixture
 def connect() -> Iterator[Connect]:
     """``connect(url, **kwargs)``: a redis-py client that never retries; closed at the end."""
-    made: list[redis.Redis] = []
+    with Made() as made:
 
-    def make(url: str, **kwargs: Any) -> redis.Redis:
-        options: dict[str, Any] = {
-            "socket_timeout": 10,
-            "socket_connect_timeout": 5,
-            "retry": Retry(NoBackoff(), 0),
-        }
-        client = redis.Redis.from_url(url, **{**options, **kwargs})
-        made.append(client)
-        return client
+        def make(url: str, **kwargs: Any) -> redis.Redis:
+            options: dict[str, Any] = {
+                "socket_timeout": 10,
+                "socket_connect_timeout": 5,
+                "retry": Retry(NoBackoff(), 0),
+            }
+            return made.keep(redis.Redis.from_url(url, **{**options, **kwargs}))
 
-    try:
         yield make
-    finally:
-        for client in made:
-            client.close()
 
 
 @pytest.fixture

@@ -10,15 +10,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import redis
-from faultkit import alive
+from faultkit import MakeLookupClient, alive
 from helpers import RealServer, gone, wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 
 from broker_lookup.client import RedisAsyncLookupClient
-from broker_lookup.config import LookupConfig, LookupMetadata
+from broker_lookup.config import LookupConfig
 from broker_lookup.ops.metrics import ClientCollector
 from broker_lookup.processes import child_env, free_port, python_module, spawn, terminate
 from broker_lookup.protocol.keys import KeySpace
@@ -85,23 +86,29 @@ def redis_client(real_server: RealServer) -> Iterator[redis.Redis]:
     client.close()
 
 
+class TwoRanks(NamedTuple):
+    """What ``two_ranks`` started: a client that sees both ranks alive, and rank 1's process."""
+
+    client: RedisAsyncLookupClient
+    rank1: subprocess.Popen[bytes]
+
+
 @pytest.fixture
-def make_client(
-    real_server: RealServer, engine_id: str
-) -> Iterator[Callable[[int], RedisAsyncLookupClient]]:
-    made: list[RedisAsyncLookupClient] = []
-
-    def make(world_size: int) -> RedisAsyncLookupClient:
-        config = LookupConfig(redis_url=real_server.url, **SETTINGS)  # type: ignore[arg-type]
-        client = RedisAsyncLookupClient(
-            config, LookupMetadata(engine_id=engine_id, world_size=world_size)
-        )
-        made.append(client)
-        return client
-
-    yield make
-    for client in made:
-        client.close()
+def two_ranks(
+    start_rank: Callable[..., subprocess.Popen[bytes]],
+    clients: MakeLookupClient,
+    redis_client: redis.Redis,
+    real_server: RealServer,
+    engine_id: str,
+) -> TwoRanks:
+    """Rank processes 0 and 1 beating, and a client of both (closed after the test)."""
+    start_rank(rank=0)
+    rank1 = start_rank(rank=1)
+    _beating(redis_client, KeySpace(engine_id), 0, 1)
+    config = LookupConfig(redis_url=real_server.url, **SETTINGS)  # type: ignore[arg-type]
+    client = clients(config, engine_id, 2)
+    alive(client, timeout=10)
+    return TwoRanks(client, rank1)
 
 
 def _beating(redis_client: redis.Redis, keys: KeySpace, *ranks: int) -> None:
@@ -124,17 +131,10 @@ def _result(client: RedisAsyncLookupClient, tokens: list[int], lookup_id: str) -
 
 
 def test_full_partial_zero_across_two_rank_processes(
-    start_rank: Callable[..., subprocess.Popen[bytes]],
-    make_client: Callable[[int], RedisAsyncLookupClient],
-    redis_client: redis.Redis,
-    engine_id: str,
+    two_ranks: TwoRanks, redis_client: redis.Redis, engine_id: str
 ) -> None:
     keys = KeySpace(engine_id)
-    start_rank(rank=0)
-    start_rank(rank=1)
-    _beating(redis_client, keys, 0, 1)
-    client = make_client(2)
-    alive(client, timeout=10)
+    client = two_ranks.client
     assert _result(client, FULL, "full") == len(FULL)
     assert _result(client, PARTIAL, "partial") == len(PARTIAL) // 2  # min over ranks
     fields = redis_client.hgetall(keys.lookup("partial"))
@@ -168,16 +168,12 @@ def test_sigterm_exits_zero_quickly_and_deletes_the_heartbeat(
 
 def test_killed_rank_is_dead_fast_and_recovers_after_restart(
     start_rank: Callable[..., subprocess.Popen[bytes]],
-    make_client: Callable[[int], RedisAsyncLookupClient],
+    two_ranks: TwoRanks,
     redis_client: redis.Redis,
     engine_id: str,
 ) -> None:
     keys = KeySpace(engine_id)
-    start_rank(rank=0)
-    victim = start_rank(rank=1)
-    _beating(redis_client, keys, 0, 1)
-    client = make_client(2)
-    alive(client, timeout=10)
+    client, victim = two_ranks
     assert _result(client, FULL, "before") == len(FULL)
 
     victim.kill()

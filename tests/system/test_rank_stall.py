@@ -6,16 +6,8 @@ from __future__ import annotations
 
 import pytest
 import redis
-from faultkit import config, hold_reports, ready
-from helpers import (
-    Backend,
-    MakeServer,
-    RealServer,
-    epoch_ms,
-    lookup_request,
-    request_entry,
-    wait_until,
-)
+from faultkit import MakeServer, config, hold_reports, ready
+from helpers import RealServer, epoch_ms, lookup_request, request_entry, wait_until
 from redis.typing import EncodableT, FieldT
 
 from broker_lookup.config import LookupMetadata
@@ -72,16 +64,12 @@ def test_close_leaves_no_connection_open(real_server: RealServer, engine_id: str
 
 
 def test_reports_beyond_the_bounded_queue_are_released(
-    make_server: MakeServer, backend: Backend, engine_id: str, monkeypatch: pytest.MonkeyPatch
+    make_server: MakeServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ks = KeySpace(engine_id)
-    engine = StubEngine()
-    server = make_server(engine)
-    ready(server)
+    engine, server, ks, conn = make_server.lone()
     reporter = server._reporter
     monkeypatch.setattr(reporter, "_max_queue", 2)
     gate = hold_reports(server, monkeypatch)  # a Redis that does not answer: the first batch hangs
-    conn = backend.factory()
     ids = [f"q{i}" for i in range(5)]
     for lookup_id in ids:
         conn.xadd(ks.requests, _entry(lookup_id))

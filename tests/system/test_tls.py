@@ -58,46 +58,19 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
+def _new_key(name: str) -> list[str]:
+    """``openssl req`` options for a new P-256 key in ``<name>.key``, subject ``CN=<name>``."""
+    key = ["-new", "-nodes", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"]
+    return [*key, "-keyout", f"{name}.key", "-subj", f"/CN={name}"]
+
+
 def _ca(name: str, cwd: Path) -> None:
-    _openssl(
-        "req",
-        "-x509",
-        "-new",
-        "-nodes",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-keyout",
-        f"{name}.key",
-        "-out",
-        f"{name}.crt",
-        "-days",
-        "2",
-        "-subj",
-        f"/CN={name}",
-        cwd=cwd,
-    )
+    _openssl("req", "-x509", *_new_key(name), "-out", f"{name}.crt", "-days", "2", cwd=cwd)
 
 
 def _leaf(name: str, ext: str, cwd: Path) -> None:
     (cwd / f"{name}.ext").write_text(ext)
-    _openssl(
-        "req",
-        "-new",
-        "-nodes",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-keyout",
-        f"{name}.key",
-        "-out",
-        f"{name}.csr",
-        "-subj",
-        f"/CN={name}",
-        cwd=cwd,
-    )
+    _openssl("req", *_new_key(name), "-out", f"{name}.csr", cwd=cwd)
     _openssl(
         "x509",
         "-req",

@@ -6,12 +6,11 @@ forwards to the client and server constructors; no real server is needed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import fakeredis
 import pytest
-from helpers import wait_until
+from helpers import Made, wait_until
 
 from broker_lookup import (
     BypassLookupClient,
@@ -38,21 +37,6 @@ def cfg(**overrides: Any) -> LookupConfig:
     return LookupConfig(**{**FAST, **overrides})
 
 
-@pytest.fixture
-def fake() -> Callable[[], fakeredis.FakeRedis]:
-    server = fakeredis.FakeServer(server_type="redis", version=(7, 2))
-    return lambda: fakeredis.FakeRedis(server=server)
-
-
-@pytest.fixture
-def made() -> Iterator[list[Any]]:
-    """Everything a test builds; closed at the end, innermost wrappers included."""
-    things: list[Any] = []
-    yield things
-    for thing in things:
-        thing.close()
-
-
 class External(LookupClientInterface):
     def __init__(self, address: str, config: LookupConfig, metadata: LookupMetadata) -> None:
         self.args = (address, config, metadata)
@@ -71,10 +55,8 @@ def scheme() -> Iterator[str]:
     LookupClientFactory.unregister_scheme("extstore")
 
 
-def build(made: list[Any], config: LookupConfig, engine: Any = None, **kwargs: Any) -> Any:
-    client = LookupClientFactory.create_lookup_client(config, META, engine, **kwargs)
-    made.append(client)
-    return client
+def build(made: Made, config: LookupConfig, engine: Any = None, **kwargs: Any) -> Any:
+    return made.keep(LookupClientFactory.create_lookup_client(config, META, engine, **kwargs))
 
 
 # -- rows 1 and 2: external clients ----------------------------------------------------------
@@ -86,7 +68,7 @@ def test_row1_external_with_async_loading_is_refused(scheme: str) -> None:
         LookupClientFactory.create_lookup_client(config, META)
 
 
-def test_row2_registered_scheme_builds_the_client(scheme: str, made: list[Any]) -> None:
+def test_row2_registered_scheme_builds_the_client(scheme: str, made: Made) -> None:
     config = cfg(external_lookup_client=f"{scheme}://master:50051")
     client = build(made, config)
     assert type(client) is External
@@ -115,16 +97,16 @@ def test_schemes_must_be_identifiers() -> None:
 # -- rows 3 to 5: our own clients --------------------------------------------------------------
 
 
-def test_row3_bypass_with_an_engine(made: list[Any]) -> None:
+def test_row3_bypass_with_an_engine(made: Made) -> None:
     engine = ReferenceEngine()
-    made.append(engine)
+    made.keep(engine)
     client = build(made, cfg(enable_scheduler_bypass_lookup=True), engine)
     assert type(client) is BypassLookupClient and client.engine is engine
 
 
-def test_row3_bypass_wins_over_async(made: list[Any]) -> None:
+def test_row3_bypass_wins_over_async(made: Made) -> None:
     engine = ReferenceEngine()
-    made.append(engine)
+    made.keep(engine)
     config = cfg(enable_scheduler_bypass_lookup=True, enable_async_loading=True)
     assert type(build(made, config, engine)) is BypassLookupClient
 
@@ -134,25 +116,25 @@ def test_row3_bypass_wins_over_async(made: list[Any]) -> None:
     [(True, RedisAsyncLookupClient), (False, RedisLookupClient)],
 )
 def test_row3_bypass_without_an_engine_falls_through(
-    fake: Any, made: list[Any], async_loading: bool, expected: type
+    fake: Any, made: Made, async_loading: bool, expected: type
 ) -> None:
     config = cfg(enable_scheduler_bypass_lookup=True, enable_async_loading=async_loading)
     assert type(build(made, config, None, connection_factory=fake)) is expected
 
 
-def test_row4_async_loading(fake: Any, made: list[Any]) -> None:
+def test_row4_async_loading(fake: Any, made: Made) -> None:
     client = build(made, cfg(enable_async_loading=True), connection_factory=fake)
     assert type(client) is RedisAsyncLookupClient
     assert client.supports_producer_reuse() is True
 
 
-def test_row5_default_is_the_sync_client(fake: Any, made: list[Any]) -> None:
+def test_row5_default_is_the_sync_client(fake: Any, made: Made) -> None:
     client = build(made, cfg(), connection_factory=fake)
     assert type(client) is RedisLookupClient
     assert client.supports_producer_reuse() is False
 
 
-def test_kwargs_reach_the_redis_client(fake: Any, made: list[Any]) -> None:
+def test_kwargs_reach_the_redis_client(fake: Any, made: Made) -> None:
     redis = fake()
     for rank in (0, 1):  # both ranks look alive to the client, so the lookup is sent
         redis.set(KeySpace(META.engine_id).heartbeat(rank), "{}", px=60_000)
@@ -165,20 +147,20 @@ def test_kwargs_reach_the_redis_client(fake: Any, made: list[Any]) -> None:
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
-def test_w1_hit_miss_ratio_wraps_in_hit_limit(fake: Any, made: list[Any], ratio: float) -> None:
+def test_w1_hit_miss_ratio_wraps_in_hit_limit(fake: Any, made: Made, ratio: float) -> None:
     client = build(made, cfg(hit_miss_ratio=ratio), connection_factory=fake)
     assert type(client) is HitLimitLookupClient
     assert type(client.inner) is RedisLookupClient
 
 
-def test_w2_chunk_statistics_wraps(fake: Any, made: list[Any]) -> None:
+def test_w2_chunk_statistics_wraps(fake: Any, made: Made) -> None:
     config = cfg(enable_chunk_statistics=True, enable_async_loading=True)
     client = build(made, config, connection_factory=fake)
     assert type(client) is ChunkStatisticsLookupClient
     assert type(client.inner) is RedisAsyncLookupClient
 
 
-def test_both_wrappers_in_lmcache_order(fake: Any, made: list[Any]) -> None:
+def test_both_wrappers_in_lmcache_order(fake: Any, made: Made) -> None:
     config = cfg(hit_miss_ratio=0.3, enable_chunk_statistics=True, enable_async_loading=True)
     client = build(made, config, connection_factory=fake)
     assert type(client) is ChunkStatisticsLookupClient
@@ -186,12 +168,12 @@ def test_both_wrappers_in_lmcache_order(fake: Any, made: list[Any]) -> None:
     assert type(client.inner.inner) is RedisAsyncLookupClient
 
 
-def test_wrappers_apply_to_external_and_bypass_clients(scheme: str, made: list[Any]) -> None:
+def test_wrappers_apply_to_external_and_bypass_clients(scheme: str, made: Made) -> None:
     config = cfg(external_lookup_client=f"{scheme}://a", hit_miss_ratio=0.5)
     client = build(made, config)
     assert type(client) is HitLimitLookupClient and type(client.inner) is External
     engine = ReferenceEngine()
-    made.append(engine)
+    made.keep(engine)
     config = cfg(enable_scheduler_bypass_lookup=True, enable_chunk_statistics=True)
     client = build(made, config, engine)
     assert type(client) is ChunkStatisticsLookupClient
@@ -201,50 +183,50 @@ def test_wrappers_apply_to_external_and_bypass_clients(scheme: str, made: list[A
 # -- create_lookup_server ------------------------------------------------------------------------
 
 
-def serve(fake: Any, made: list[Any], config: LookupConfig | None, rank: int) -> Any:
+def serve(fake: Any, made: Made, config: LookupConfig | None, rank: int) -> Any:
     meta = LookupMetadata(engine_id="factory-test", world_size=2, worker_id=rank)
     engine = StubEngine()
     server = LookupClientFactory.create_lookup_server(engine, meta, config, connection_factory=fake)
     if server is not None:
-        made.append(server)
+        made.keep(server)
     return server
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_server_on_every_rank_by_default(fake: Any, made: list[Any], rank: int) -> None:
+def test_server_on_every_rank_by_default(fake: Any, made: Made, rank: int) -> None:
     server = serve(fake, made, cfg(), rank)
     assert type(server) is RedisAsyncLookupServer and server.rank == rank
     wait_until(lambda: server.ready, message="server reading its group")
 
 
-def test_server_wires_itself_into_the_engine(fake: Any, made: list[Any]) -> None:
+def test_server_wires_itself_into_the_engine(fake: Any, made: Made) -> None:
     server = serve(fake, made, cfg(), 0)
     assert server.engine.server is server  # StubEngine.post_init(async_lookup_server=...)
 
 
-def test_server_only_on_listed_ranks(fake: Any, made: list[Any]) -> None:
+def test_server_only_on_listed_ranks(fake: Any, made: Made) -> None:
     config = cfg(lookup_server_worker_ids=(1,))
     assert serve(fake, made, config, 0) is None
     assert type(serve(fake, made, config, 1)) is RedisAsyncLookupServer
 
 
-def test_server_with_mla_only_on_rank_zero(fake: Any, made: list[Any]) -> None:
+def test_server_with_mla_only_on_rank_zero(fake: Any, made: Made) -> None:
     for rank, expected in ((0, RedisAsyncLookupServer), (1, type(None))):
         meta = LookupMetadata(engine_id="factory-test", world_size=2, worker_id=rank, use_mla=True)
         server = LookupClientFactory.create_lookup_server(
             StubEngine(), meta, cfg(), connection_factory=fake
         )
         if server is not None:
-            made.append(server)
+            made.keep(server)
         assert type(server) is expected
 
 
-def test_no_server_with_an_external_client(fake: Any, made: list[Any]) -> None:
+def test_no_server_with_an_external_client(fake: Any, made: Made) -> None:
     assert serve(fake, made, cfg(external_lookup_client="extstore://a"), 0) is None
 
 
 def test_server_config_defaults_to_the_environment(
-    fake: Any, made: list[Any], monkeypatch: pytest.MonkeyPatch
+    fake: Any, made: Made, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("BROKER_LOOKUP_LOOKUP_SERVER_WORKER_IDS", "1")
     assert serve(fake, made, None, 0) is None
