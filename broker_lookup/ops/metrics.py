@@ -86,6 +86,11 @@ CLIENT_METRICS: dict[str, tuple[str, str]] = {
         "Sum of hit tokens over finished lookups.",
     ),
     "broker_lookup_client_inflight": ("gauge", "Lookups submitted and not finished."),
+    "broker_lookup_client_dead_ranks": (
+        "gauge",
+        "Expected ranks the scheduler finds without a heartbeat (their lookups answer 0; "
+        "before its first heartbeat read, every expected rank).",
+    ),
     "broker_lookup_client_redis_errors_total": ("counter", "Redis errors seen by client threads."),
     "broker_lookup_client_rank_report_seconds": (
         "histogram",
@@ -367,6 +372,7 @@ class ClientCollector(Collector):
             yield family
         for name, value in (
             ("broker_lookup_client_inflight", st.inflight),
+            ("broker_lookup_client_dead_ranks", len(st.dead_ranks)),
             ("broker_lookup_client_breaker_open", st.breaker_open),
             ("broker_lookup_client_owner", st.ownership.owner),
         ):

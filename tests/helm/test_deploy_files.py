@@ -313,6 +313,7 @@ def test_alerts_cover_the_failure_modes(alert_rules: list[dict[str, Any]]) -> No
         for name in metric_names(rule["expr"]):
             by_metric.setdefault(name, []).append(rule["expr"])
     assert "broker_lookup_worker_heartbeat_age_seconds" in by_metric  # stale heartbeat
+    assert "broker_lookup_client_dead_ranks" in by_metric  # a dead rank, lookups or not
     assert "broker_lookup_worker_group_lag" in by_metric  # lag
     assert "broker_lookup_worker_dead_letters_total" in by_metric  # dead letters
     assert any('outcome="timeout"' in e for e in by_metric["broker_lookup_client_lookups_total"])

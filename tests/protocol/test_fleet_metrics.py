@@ -4,7 +4,7 @@ them all, labelled by engine, role and rank, on fakeredis and a real server.
 After N lookups the exporter's scrape holds the scheduler's outcome counters and each
 rank's counters with the values the processes counted; a snapshot expires within its TTL
 (a gone process's series vanish, the live ones stay); only the holder of a role publishes;
-two engines on one server are told apart.
+two engines on one server are told apart; the ranks the scheduler sees dead are a gauge.
 """
 
 from __future__ import annotations
@@ -152,6 +152,23 @@ def test_a_gone_process_series_vanish_after_the_ttl(
         message="the scheduler's series gone too",
     )
     assert ranks() == {"0"}  # the live rank's stay
+
+
+def test_the_exporter_serves_the_ranks_the_scheduler_sees_dead(
+    backend: Backend, make_server: MakeServer, make_client: MakeClient, engine_id: str
+) -> None:
+    """An idle engine with a rank down shows it: no lookup needs to fail first."""
+    ready(make_server(StubEngine("instant", hits=HITS), 0, 2, **QUICK))
+    client = make_client(2, **QUICK)
+    sched = {"engine": engine_id, "role": "scheduler"}
+
+    def dead() -> float | None:
+        return value(scrape(backend.factory, engine_id), "broker_lookup_client_dead_ranks", **sched)
+
+    wait_until(lambda: client.stats().liveness_known, message="heartbeats read")
+    wait_until(lambda: dead() == 1, timeout=10, message="rank 1 exported dead")
+    ready(make_server(StubEngine("instant", hits=HITS), 1, 2, **QUICK))
+    wait_until(lambda: dead() == 0, timeout=10, message="no rank exported dead")
 
 
 def test_two_engines_on_one_server_are_told_apart(

@@ -53,6 +53,7 @@ class FakeClient:
             "outcomes": {"hit": 3, "miss": 1, "timeout": 2, "cancelled": 0, "dead_rank": 1},
             "hit_tokens": 4096,
             "inflight": 5,
+            "dead_ranks": [1, 3],
             "redis_errors": 7,
             "rejected": {"bad_id": 2, "configs_too_large": 1},
             "truncated": 4,
@@ -165,6 +166,7 @@ def test_client_values_and_outcome_label() -> None:
     assert samples[("broker_lookup_client_owner_conflicts_total", ())] == 2
     assert samples[("broker_lookup_client_hit_tokens_total", ())] == 4096
     assert samples[("broker_lookup_client_inflight", ())] == 5
+    assert samples[("broker_lookup_client_dead_ranks", ())] == 2
     assert samples[("broker_lookup_client_redis_errors_total", ())] == 7
     rejected = {
         dict(labels)["reason"]: v
