@@ -241,13 +241,50 @@ def test_dashboard_covers_the_signals(dashboard: dict[str, Any]) -> None:
         "broker_lookup_worker_reports_dropped_total",
     ):
         assert name in used, name
-    assert any("by (outcome)" in e and "lookups_total" in e for e in exprs)
+    assert any("by (engine, outcome)" in e and "lookups_total" in e for e in exprs)
     for quantile in ("0.5", "0.99"):
         assert any(
             f"histogram_quantile({quantile}," in e and "client_latency_seconds_bucket" in e
             for e in exprs
         ), quantile
-    assert any("by (rank)" in e and "group_lag" in e for e in exprs)
+    assert any("by (engine, rank)" in e and "group_lag" in e for e in exprs)
+
+
+#: A series selector of the dashboard: a metric name and its label matchers, if any.
+SELECTOR_RE = re.compile(r"\b(broker_lookup_[a-z_]+)(\{[^}]*\})?")
+ENGINE_FILTER = 'engine=~"$engine"'
+
+
+def unfiltered(expr: str) -> list[str]:
+    """The series selectors of ``expr`` without the dashboard's engine filter."""
+    return [
+        m.group(0) for m in SELECTOR_RE.finditer(expr) if ENGINE_FILTER not in (m.group(2) or "")
+    ]
+
+
+def test_every_dashboard_query_filters_by_the_engine_variable(dashboard: dict[str, Any]) -> None:
+    """On a fleet a query without the filter would sum every engine whatever is selected."""
+    for expr in _exprs(dashboard):
+        assert not unfiltered(expr), f"{unfiltered(expr)} in {expr!r} lack {ENGINE_FILTER}"
+    engine = {v["name"]: v for v in dashboard["templating"]["list"]}["engine"]
+    assert engine["type"] == "query" and engine["multi"] and engine["includeAll"]
+    # All is ".*", not the list of engines seen: it keeps series without an engine label
+    # (a process scraped directly) and engines that appeared since the list was read.
+    assert engine["allValue"] == ".*"
+    assert engine["datasource"]["uid"] == "${datasource}"
+    names = metric_names(engine["query"]["query"])
+    assert names <= METRIC_NAMES and "engine)" in engine["query"]["query"]
+
+
+def test_the_filter_check_catches_a_query_without_it() -> None:
+    one = 'sum(rate(broker_lookup_client_lookups_total{engine=~"$engine"}[5m]))'
+    assert not unfiltered(one)
+    assert unfiltered(one + " / sum(rate(broker_lookup_client_lookups_total[5m]))") == [
+        "broker_lookup_client_lookups_total"
+    ]
+    assert unfiltered('broker_lookup_worker_group_lag{rank="0"}') == [
+        'broker_lookup_worker_group_lag{rank="0"}'
+    ]
 
 
 def test_dashboard_structure(dashboard: dict[str, Any]) -> None:
