@@ -33,6 +33,7 @@ __all__ = [
     "alert_exprs",
     "check_shipped_queries",
     "dashboard_exprs",
+    "grafana_regex",
     "metric_names",
     "promtool",
     "require_prometheus",
@@ -45,6 +46,8 @@ ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yaml"
 BINARY_ENV = "BROKER_LOOKUP_TEST_PROMETHEUS"
 #: What Grafana puts for ``$__rate_interval``: at least 4 scrapes of the tests' 1 s interval.
 RATE_INTERVAL = "30s"
+RATE_VAR = "$__rate_interval"
+ENGINE_VAR = "$engine"
 _METRIC_RE = re.compile(r"\bbroker_lookup_[a-z_]+\b")
 
 
@@ -75,16 +78,33 @@ def metric_names(expr: str) -> set[str]:
     return set(_METRIC_RE.findall(expr))
 
 
-def dashboard_exprs() -> list[tuple[str, str]]:
-    """(panel title, expr) of every query of the shipped Grafana dashboard, with Grafana's
-    ``$__rate_interval`` as Grafana would set it for a 1 s scrape interval."""
+def grafana_regex(value: str) -> str:
+    """``value`` as Grafana puts one selected value of a multi-value variable into a
+    ``=~"..."`` matcher: regex metacharacters escaped (``.`` -> ``\\\\.``, the
+    backslash doubled for the PromQL string)."""
+    return re.sub(r"([\\^$*+?.()|{}\[\]])", r"\\\\\1", value)
+
+
+def dashboard_exprs(engine: str | None = None) -> list[tuple[str, str]]:
+    """(panel title, expr) of every query of the shipped Grafana dashboard, with the
+    variables as Grafana sets them: ``$engine`` for All (``.*``, the variable's allValue)
+    or for ``engine`` alone, ``$__rate_interval`` for a 1 s scrape interval.
+
+    Raises:
+        AssertionError: a query does not read ``$engine`` (it would show every engine).
+    """
     data = json.loads(DASHBOARD.read_text())
     panels = [p for top in data["panels"] for p in (top, *top.get("panels", []))]
-    return [
-        (p["title"], t["expr"].replace("$__rate_interval", RATE_INTERVAL))
-        for p in panels
-        for t in p.get("targets", [])
-    ]
+    value = ".*" if engine is None else grafana_regex(engine)
+    out: list[tuple[str, str]] = []
+    for p in panels:
+        for t in p.get("targets", []):
+            expr = t["expr"]
+            assert ENGINE_VAR in expr, f"panel {p['title']!r} ignores {ENGINE_VAR}: {expr}"
+            out.append(
+                (p["title"], expr.replace(ENGINE_VAR, value).replace(RATE_VAR, RATE_INTERVAL))
+            )
+    return out
 
 
 def alert_exprs() -> list[tuple[str, str]]:
@@ -191,31 +211,41 @@ class Prometheus:
         self.proc = None
 
 
-def check_shipped_queries(prom: Prometheus, timeout_s: float = 60.0) -> dict[str, int]:
-    """Every dashboard query returns data, every alert rule evaluates, and every series an
-    alert reads exists; returns the number of series per dashboard query.
+def check_shipped_queries(prom: Prometheus, engine: str, timeout_s: float = 60.0) -> set[str]:
+    """Every dashboard query returns data with the engine variable at All and at
+    ``engine`` alone (then every series that keeps the ``engine`` label is that engine's),
+    every alert rule evaluates, and every series an alert reads exists; returns the
+    engines the All queries showed.
 
     Waits (up to ``timeout_s``) for the rates to have two samples in their window.
     """
-    counts: dict[str, int] = {}
-    for title, expr in dashboard_exprs():
-
-        def answered(expr: str = expr) -> list[dict[str, Any]]:
-            return prom.query(expr)
-
-        found = wait_until(
-            answered,
-            timeout=timeout_s,
-            interval=0.5,
-            message=f"data for the dashboard panel {title!r}: {expr}",
-        )
-        assert isinstance(found, list)
-        counts[expr] = len(found)
+    shown: set[str] = set()
+    for selected in (None, engine):
+        for title, expr in dashboard_exprs(selected):
+            found = _answer(prom, expr, timeout_s, f"the dashboard panel {title!r}")
+            engines = {s["metric"]["engine"] for s in found if "engine" in s["metric"]}
+            if selected is None:
+                shown |= engines
+            else:
+                assert engines <= {engine}, f"{title!r} at {engine!r} shows {engines}: {expr}"
     for name, expr in alert_exprs():
         prom.query(expr)  # evaluates (a quiet fleet fires nothing: empty is right)
         for series in metric_names(expr):
             assert prom.query(f"count({series})"), f"{name} reads {series}: no such series"
-    return counts
+    return shown
+
+
+def _answer(prom: Prometheus, expr: str, timeout_s: float, what: str) -> list[dict[str, Any]]:
+    """The non-empty answer to ``expr``, once there is one."""
+
+    def answered() -> list[dict[str, Any]]:
+        return prom.query(expr)
+
+    found = wait_until(
+        answered, timeout=timeout_s, interval=0.5, message=f"data for {what}: {expr}"
+    )
+    assert isinstance(found, list)
+    return found
 
 
 def wait_for(prom: Prometheus, expr: str, want: float, timeout_s: float = 60.0) -> None:

@@ -1,7 +1,10 @@
-"""A real Prometheus scrapes ``broker-lookup exporter`` in front of a scheduler and two ranks:
+"""A real Prometheus scrapes ``broker-lookup exporter`` in front of a scheduler and two ranks,
+and of a second engine (a vLLM-style instance ``<engine>.b``) whose rank 1 never started:
 the outcome and rank counters match what happened, every query of the shipped dashboard
-returns data, every alert rule evaluates over series that exist, and ``promtool check
-rules`` accepts the rules file. (The vLLM leg does the same under a real vLLM engine.)"""
+returns data for All engines and for one (then that engine's series only), every alert
+rule evaluates over series that exist, ``BrokerLookupRanksDead``'s expression names the
+engine with the dead rank, and ``promtool check rules`` accepts the rules file. (The vLLM
+leg does the same under a real vLLM engine.)"""
 
 from __future__ import annotations
 
@@ -10,10 +13,11 @@ from pathlib import Path
 
 import pytest
 from faultkit import alive, answer, config, prompt, ready
-from helpers import RealServer
+from helpers import RealServer, wait_until
 from promkit import (
     ALERTS,
     Prometheus,
+    alert_exprs,
     check_shipped_queries,
     promtool,
     require_prometheus,
@@ -67,11 +71,32 @@ def fleet(real_server: RealServer, engine_id: str) -> Iterator[RedisAsyncLookupC
             server.close()
 
 
+@pytest.fixture
+def lame(real_server: RealServer, engine_id: str) -> Iterator[RedisAsyncLookupClient]:
+    """A scheduler of ``<engine_id>.b`` (world size 2) with only its rank 0 running."""
+    cfg = config(real_server.url, metrics_interval_ms=500)
+    other = engine_id + ".b"
+    server = RedisAsyncLookupServer(
+        StubEngine("instant", hits=HITS),
+        LookupMetadata(engine_id=other, world_size=2, worker_id=0),
+        cfg,
+    )
+    client = RedisAsyncLookupClient(cfg, LookupMetadata(engine_id=other, world_size=2))
+    try:
+        ready(server)
+        wait_until(lambda: client.stats().dead_ranks == (1,), message="rank 1 seen dead")
+        yield client
+    finally:
+        client.close()
+        server.close()
+
+
 def test_prometheus_scrapes_the_exporter_and_runs_the_dashboard_and_alerts(
     prometheus_binary: str,
     real_server: RealServer,
     engine_id: str,
     fleet: RedisAsyncLookupClient,
+    lame: RedisAsyncLookupClient,
     tmp_path: Path,
 ) -> None:
     for i in range(N):
@@ -90,7 +115,18 @@ def test_prometheus_scrapes_the_exporter_and_runs_the_dashboard_and_alerts(
         wait_for(prom, f"broker_lookup_client_hit_tokens_total{{{mine}}}", N * HITS)
         wait_for(prom, f'broker_lookup_client_lookups_total{{{mine},outcome="miss"}}', 0)
         wait_for(prom, f'sum(broker_lookup_worker_reports_total{{{mine},rank="0"}})', N)
-        check_shipped_queries(prom)
+        wait_for(prom, f"broker_lookup_client_dead_ranks{{{mine}}}", 0)
+        # The dead-rank alert's expression names the engine with the dead rank, only it.
+        (dead_rule,) = [expr for name, expr in alert_exprs() if name == "BrokerLookupRanksDead"]
+        other = engine_id + ".b"
+        wait_until(
+            lambda: prom.values(dead_rule) == {frozenset({("engine", other)}): 1.0},
+            timeout=60,
+            interval=0.5,
+            message=f"{dead_rule} names {other}",
+        )
+        shown = check_shipped_queries(prom, engine_id)
+        assert {engine_id, other} <= shown  # All showed both: the filtered pass had one to drop
     finally:
         prom.stop()
         assert exporter.stop()
