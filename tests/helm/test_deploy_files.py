@@ -358,6 +358,51 @@ def test_alerts_cover_the_failure_modes(alert_rules: list[dict[str, Any]]) -> No
     assert "broker_lookup_worker_redis_errors_total" in by_metric
 
 
+# An aggregation, with its grouping if any: "sum(", "max by (engine) (", "count by(a, b)(".
+AGGREGATION_RE = re.compile(r"\b(sum|max|min|avg|count|topk|bottomk)\s*(?:by\s*\(([^)]*)\))?\s*\(")
+# A vector match, with its labels: "on ()", "on (engine)", "ignoring (rank)".
+MATCHING_RE = re.compile(r"\b(on|ignoring)\s*\(([^)]*)\)")
+
+
+def fleet_problems(expr: str) -> list[str]:
+    """What in ``expr`` would add engines together or match one engine against another.
+
+    On one Prometheus for a fleet, an alert must say which engine it is about: every
+    aggregation keeps ``engine`` in its ``by``, no ``scalar()`` folds engines into one
+    number, and every ``on`` matches by engine (``histogram_quantile`` keeps what its
+    inner ``sum by`` kept).
+    """
+    problems = []
+    for op, grouping in AGGREGATION_RE.findall(expr):
+        labels = {x.strip() for x in grouping.split(",")} if grouping else set()
+        if "engine" not in labels:
+            problems.append(f"{op} without engine in its by")
+    if "scalar(" in expr:
+        problems.append("scalar() folds every engine into one number")
+    for kind, labels in MATCHING_RE.findall(expr):
+        if kind == "on" and "engine" not in {x.strip() for x in labels.split(",")}:
+            problems.append(f"on ({labels}) matches across engines")
+    return problems
+
+
+def test_every_alert_says_which_engine(alert_rules: list[dict[str, Any]]) -> None:
+    for rule in alert_rules:
+        assert not fleet_problems(rule["expr"]), (rule["alert"], fleet_problems(rule["expr"]))
+        text = rule["annotations"]["summary"] + rule["annotations"]["description"]
+        assert "$labels.engine" in text, f"{rule['alert']} does not name the engine"
+
+
+def test_the_fleet_check_catches_an_alert_that_adds_engines_together() -> None:
+    assert fleet_problems("sum(rate(x[5m])) > 0") == ["sum without engine in its by"]
+    assert fleet_problems("sum by (rank) (x) / scalar(sum by (engine) (x))") == [
+        "sum without engine in its by",
+        "scalar() folds every engine into one number",
+    ]
+    assert fleet_problems("x and on() y") == ["on () matches across engines"]
+    assert fleet_problems("sum by (engine, rank) (x) / on (engine) group_left () y") == []
+    assert fleet_problems("histogram_quantile(0.99, sum by (engine, le) (rate(b[5m])))") == []
+
+
 def test_metric_regex_catches_unknown_names() -> None:
     """The checks above would notice a renamed metric."""
     names = metric_names('sum(rate(broker_lookup_client_lookups_totl{outcome="hit"}[5m]))')
