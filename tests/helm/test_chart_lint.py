@@ -108,6 +108,7 @@ K8S_TYPES = {
     "clientPodSelector",
     "clientNamespaceSelector",
     "metricsNamespaceSelector",
+    "metricsPodSelector",
 }
 
 

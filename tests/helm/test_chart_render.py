@@ -641,6 +641,37 @@ def test_network_policy_custom_selectors(render: RenderFn) -> None:
     assert metrics[0]["namespaceSelector"]["matchLabels"]["team"] == "obs"
 
 
+def test_network_policy_scrapers_are_configurable(render: RenderFn) -> None:
+    """kube-prometheus-stack's Prometheus pods only, in its namespace; or the release's own
+    namespace (metricsNamespaceSelector null) plus an extra peer."""
+    prom = {"app.kubernetes.io/name": "prometheus"}
+    rendered = render(
+        REF, "networkPolicy.metricsPodSelector.matchLabels.app\\.kubernetes\\.io/name=prometheus"
+    )
+    for component in ("-exporter", "-worker"):
+        peers = rendered.get("NetworkPolicy", component)["spec"]["ingress"][0]["from"]
+        assert peers[0] == {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": prom},
+        }
+    own = render(
+        extra=[
+            "--set-json",
+            "networkPolicy.metricsNamespaceSelector=null",
+            "--set-json",
+            'networkPolicy.metricsPodSelector={"matchLabels":{"app":"prom"}}',
+            "--set-json",
+            'networkPolicy.extraMetricsClients=[{"ipBlock":{"cidr":"10.0.0.0/8"}}]',
+        ]
+    )
+    peers = own.get("NetworkPolicy", "-exporter")["spec"]["ingress"][0]["from"]
+    assert peers[:2] == [
+        {"podSelector": {"matchLabels": {"app": "prom"}}},
+        {"ipBlock": {"cidr": "10.0.0.0/8"}},
+    ]
+    assert peers[2]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "test"
+
+
 def test_network_policy_external_redis(render: RenderFn) -> None:
     rendered = render(
         REF, "networkPolicy.enabled=true", values_files=[CI / "external-redis-values.yaml"]
@@ -724,6 +755,26 @@ def test_service_monitor_options(render: RenderFn) -> None:
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["endpoints"][0]["interval"] == "15s"
     assert monitor["spec"]["endpoints"][0]["relabelings"] == [{"action": "labeldrop", "regex": "x"}]
+
+
+def test_prometheus_rule_carries_the_release_label_kube_prometheus_stack_selects(
+    render: RenderFn,
+) -> None:
+    rendered = render(
+        "prometheusRule.enabled=true",
+        "prometheusRule.force=true",
+        "prometheusRule.additionalLabels.release=kube-prometheus-stack",
+        "serviceMonitor.force=true",
+        "serviceMonitor.additionalLabels.release=kube-prometheus-stack",
+    )
+    rule = rendered.get("PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert (
+        rule["spec"]["groups"]
+        == yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())["groups"]
+    )
+    for monitor in rendered.of_kind("ServiceMonitor"):
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
 
 
 def test_metrics_service_alone(render: RenderFn) -> None:
