@@ -16,9 +16,11 @@ process's own ``/metrics``. Each series gets, besides its own labels:
 =========================  =============================================================
 
 The exporter holds no state: it may restart, and two replicas serve the same series.
-It needs the read-only ``operator`` ACL user (SCAN, GET). Redis unreachable: ``/metrics``
-answers 503 (Prometheus's ``up`` is 0) and ``/readyz`` too; ``/healthz`` answers 200
-while the HTTP thread lives.
+It needs the read-only ``operator`` ACL user (SCAN, GET). Every scrape carries
+``broker_lookup_redis_up``: 1 when it read Redis; Redis unreachable, ``/metrics`` still
+answers 200 with ``broker_lookup_redis_up 0`` alone, so an alert tells a Redis outage
+(that series at 0) from an exporter that is gone (Prometheus's ``up`` 0, or the series
+absent). ``/readyz`` answers 503 then; ``/healthz`` answers 200 while the HTTP thread lives.
 """
 
 from __future__ import annotations
@@ -167,6 +169,7 @@ class FleetCollector(Collector):
             read += 1
             _merge(merged, engine, snapshot, families)
         yield from merged.values()
+        yield _redis_up(1.0)
         state = GaugeMetricFamily(
             "broker_lookup_exporter_snapshots",
             EXPORTER_METRICS["broker_lookup_exporter_snapshots"][1],
@@ -175,6 +178,21 @@ class FleetCollector(Collector):
         state.add_metric(["read"], float(read))
         state.add_metric(["malformed"], float(malformed))
         yield state
+
+
+def _redis_up(value: float) -> Metric:
+    """``broker_lookup_redis_up``: whether this scrape read Redis."""
+    name = "broker_lookup_redis_up"
+    family = GaugeMetricFamily(name, EXPORTER_METRICS[name][1])
+    family.add_metric([], value)
+    return family
+
+
+class _RedisDown(Collector):
+    """What a scrape serves when Redis does not answer: ``broker_lookup_redis_up 0``."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield _redis_up(0.0)
 
 
 def _merge(
@@ -250,6 +268,8 @@ class ExporterServer:
             target=self._http.serve_forever, name="bl-exporter-http", daemon=True
         )
         self._warn = RateLimitedLog(logger, 30.0)
+        self._down = CollectorRegistry(auto_describe=False)
+        self._down.register(_RedisDown())
 
     @property
     def port(self) -> int:
@@ -262,12 +282,14 @@ class ExporterServer:
         return self
 
     def metrics(self) -> tuple[int, bytes, str]:
-        """(status, body, content type) of one scrape."""
+        """(status, body, content type) of one scrape: Redis unreachable, 200 with
+        ``broker_lookup_redis_up 0`` alone (an alert rule reads it; a 503 would look like
+        a gone exporter)."""
         try:
             return 200, generate_latest(self._registry), CONTENT_TYPE_LATEST
         except (*REDIS_ERRORS, BrokerLookupError) as exc:
             self._warn(logging.WARNING, "exporter: cannot read the snapshots: %s", exc)
-            return 503, f"cannot read the metrics snapshots: {exc}\n".encode(), "text/plain"
+            return 200, generate_latest(self._down), CONTENT_TYPE_LATEST
 
     def ping(self) -> str | None:
         """None while Redis answers PING, else why not."""

@@ -189,6 +189,11 @@ EXPORTER_METRICS: dict[str, tuple[str, str]] = {
         "Metrics snapshots read at this scrape, by state (read: one per live scheduler and "
         "rank; malformed: not decoded).",
     ),
+    "broker_lookup_redis_up": (
+        "gauge",
+        "1 when this scrape read Redis, 0 when Redis did not answer (the scrape itself "
+        "succeeds, so Prometheus's up still says whether the exporter answers).",
+    ),
 }
 
 

@@ -356,6 +356,11 @@ def test_alerts_cover_the_failure_modes(alert_rules: list[dict[str, Any]]) -> No
     assert any('outcome="timeout"' in e for e in by_metric["broker_lookup_client_lookups_total"])
     assert "broker_lookup_client_redis_errors_total" in by_metric
     assert "broker_lookup_worker_redis_errors_total" in by_metric
+    # Redis down for everyone (the exporter still answers), and no exporter at all.
+    assert any("== 0" in e for e in by_metric["broker_lookup_redis_up"])
+    assert any("absent(broker_lookup_redis_up)" in e for e in by_metric["broker_lookup_redis_up"])
+    # A scheduler cut off from Redis cannot publish its breaker: ranks without a scheduler.
+    assert any("unless on (engine)" in e for e in by_metric["broker_lookup_client_owner"])
 
 
 # An aggregation, with its grouping if any: "sum(", "max by (engine) (", "count by(a, b)(".
@@ -385,8 +390,16 @@ def fleet_problems(expr: str) -> list[str]:
     return problems
 
 
+#: Alerts about the server and the exporter themselves: every engine at once, no engine label.
+SERVER_WIDE = {"BrokerLookupRedisDown", "BrokerLookupExporterDown"}
+
+
 def test_every_alert_says_which_engine(alert_rules: list[dict[str, Any]]) -> None:
+    assert SERVER_WIDE <= {r["alert"] for r in alert_rules}
     for rule in alert_rules:
+        if rule["alert"] in SERVER_WIDE:
+            assert "engine" not in rule["expr"], rule["alert"]
+            continue
         assert not fleet_problems(rule["expr"]), (rule["alert"], fleet_problems(rule["expr"]))
         text = rule["annotations"]["summary"] + rule["annotations"]["description"]
         assert "$labels.engine" in text, f"{rule['alert']} does not name the engine"

@@ -28,21 +28,26 @@ from broker_lookup.processes import free_port
 
 __all__ = [
     "ALERTS",
+    "ALERT_TESTS",
     "DASHBOARD",
     "Prometheus",
     "alert_exprs",
     "check_shipped_queries",
     "dashboard_exprs",
+    "firing",
     "grafana_regex",
     "metric_names",
     "promtool",
     "require_prometheus",
+    "rules_with_for",
     "wait_for",
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "broker-lookup.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yaml"
+#: promtool unit tests of ALERTS (``promtool test rules``).
+ALERT_TESTS = ROOT / "deploy" / "prometheus" / "alerts_test.yaml"
 BINARY_ENV = "BROKER_LOOKUP_TEST_PROMETHEUS"
 #: What Grafana puts for ``$__rate_interval``: at least 4 scrapes of the tests' 1 s interval.
 RATE_INTERVAL = "30s"
@@ -113,13 +118,27 @@ def alert_exprs() -> list[tuple[str, str]]:
     return [(r["alert"], r["expr"]) for g in data["groups"] for r in g["rules"]]
 
 
+def rules_with_for(work: Path, hold: str) -> Path:
+    """A copy of ALERTS in ``work`` with every rule's ``for`` set to ``hold`` (a test cannot
+    wait the shipped minutes; what each rule fires on stays as shipped)."""
+    data = yaml.safe_load(ALERTS.read_text())
+    for group in data["groups"]:
+        for rule in group["rules"]:
+            rule["for"] = hold
+    path = work / "alerts.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 @dataclass
 class Prometheus:
-    """A Prometheus server scraping ``targets`` every second, with a storage dir of its own."""
+    """A Prometheus server scraping ``targets`` every second (rules evaluated every second
+    too), with a storage dir of its own."""
 
     binary: str
     targets: list[str]
     work: Path
+    rules: Path | None = None
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
 
@@ -127,16 +146,15 @@ class Prometheus:
         """Start it; return once it answers ready."""
         self.port = free_port()
         config = self.work / "prometheus.yml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                    "scrape_configs": [
-                        {"job_name": "broker-lookup", "static_configs": [{"targets": self.targets}]}
-                    ],
-                }
-            )
-        )
+        settings: dict[str, Any] = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [
+                {"job_name": "broker-lookup", "static_configs": [{"targets": self.targets}]}
+            ],
+        }
+        if self.rules is not None:
+            settings["rule_files"] = [str(self.rules)]
+        config.write_text(yaml.safe_dump(settings))
         log = (self.work / "prometheus.log").open("wb")
         self.proc = subprocess.Popen(
             [
@@ -209,6 +227,12 @@ class Prometheus:
             proc.kill()
             proc.wait(timeout=10)
         self.proc = None
+
+
+def firing(prom: Prometheus, alert: str) -> list[dict[str, str]]:
+    """The labels of each firing instance of ``alert`` now."""
+    found = prom.query(f'ALERTS{{alertname="{alert}",alertstate="firing"}}')
+    return [s["metric"] for s in found]
 
 
 def check_shipped_queries(prom: Prometheus, engine: str, timeout_s: float = 60.0) -> set[str]:

@@ -155,16 +155,24 @@ def test_the_http_endpoint_serves_metrics_health_and_readiness() -> None:
         assert server.stop()
 
 
-def test_redis_down_fails_the_scrape_and_readiness() -> None:
-    """A scrape that cannot read Redis answers 503 (Prometheus's ``up`` is 0), not empty."""
+def test_redis_down_is_a_series_an_alert_reads_and_fails_readiness() -> None:
+    """A scrape that cannot read Redis still succeeds, with ``broker_lookup_redis_up 0``
+    alone (a 503 would read as a gone exporter, and no rule could tell the two apart);
+    once Redis answers again the series are back with it at 1."""
     fake = fakeredis.FakeServer()
     conn = fakeredis.FakeRedis(server=fake)
     fake.connected = False
     server = ExporterServer(FleetCollector(lambda: conn), "127.0.0.1", 0).start()
     try:
         status, body = _get(server.port, "/metrics")
-        assert status == 503 and b"cannot read" in body
+        assert status == 200
+        samples = [line for line in body.decode().splitlines() if not line.startswith("#")]
+        assert samples == ["broker_lookup_redis_up 0.0"]
         assert _get(server.port, "/readyz")[0] == 503
         assert _get(server.port, "/healthz")[0] == 200
+        fake.connected = True
+        status, body = _get(server.port, "/metrics")
+        assert status == 200 and b"broker_lookup_redis_up 1.0" in body
+        assert b'broker_lookup_exporter_snapshots{state="read"} 0.0' in body
     finally:
         assert server.stop()
