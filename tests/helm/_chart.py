@@ -22,6 +22,10 @@ RELEASE = "bl"
 NAMESPACE = "inference"
 #: Oldest Kubernetes the chart supports (pod-index label) and the one helm renders for.
 KUBE_VERSION = "1.28.0"
+#: The broker-lookup image the tests render with (the chart requires one: no public
+#: registry serves it); a later ``--set image.repository=...`` overrides it.
+TEST_IMAGE = "registry.example.com/ml/broker-lookup"
+IMAGE_SET = ("--set", f"image.repository={TEST_IMAGE}")
 
 Manifest = dict[str, Any]
 
@@ -60,7 +64,7 @@ def template_args(
     kube_version: str = KUBE_VERSION,
 ) -> list[str]:
     args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
-    args += ["--kube-version", kube_version]
+    args += ["--kube-version", kube_version, *IMAGE_SET]
     for path in values_files:
         args += ["-f", str(path)]
     for item in sets:

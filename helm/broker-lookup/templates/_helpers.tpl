@@ -103,6 +103,18 @@ Call with (dict "image" .Values.image "default" .Chart.AppVersion "key" "image")
 {{- end }}
 
 {{/*
+The broker-lookup image (exporter, helm tests, reference workers). No public registry
+serves it, so a repository must be set: fail with how to get one rather than render an
+image reference no node can pull.
+*/}}
+{{- define "broker-lookup.image" -}}
+{{- if not .Values.image.repository }}
+{{- fail "image.repository is not set: build the broker-lookup image from deploy/Dockerfile, push it to a registry your nodes pull from and set --set image.repository=<registry>/broker-lookup (no public registry serves it yet; see the README's Deploy section)" }}
+{{- end }}
+{{- include "broker-lookup.imageRef" (dict "image" .Values.image "default" .Chart.AppVersion "key" "image") }}
+{{- end }}
+
+{{/*
 Name and key of the Secret holding the Redis password.
 */}}
 {{- define "broker-lookup.secretName" -}}
