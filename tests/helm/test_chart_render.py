@@ -827,6 +827,42 @@ def test_helm_test_hook_can_be_disabled(render: RenderFn) -> None:
     assert not _render_scenario(render, "no-probes-no-tests").of_kind("Pod")
 
 
+# ------------------------------------------------- renderers, new engines --
+
+DEPLOY_DOC = CHART.parents[1] / "docs" / "deploy.md"
+
+
+def _without_secrets(rendered: Rendered) -> list[Manifest]:
+    return [d for d in rendered if d["kind"] != "Secret"]
+
+
+def test_renderers_get_new_passwords_unless_pinned_and_the_docs_say_so(render: RenderFn) -> None:
+    """A render without a cluster (Argo CD's ``helm template``) generates new passwords each
+    time; ``auth.existingSecret`` makes two renders identical."""
+    first, second = render(), render()
+    assert first.get("Secret")["data"] != second.get("Secret")["data"]
+    pinned = [render("auth.existingSecret=fleet-redis") for _ in range(2)]
+    assert not pinned[0].of_kind("Secret")
+    assert pinned[0].docs == pinned[1].docs
+    doc = " ".join(DEPLOY_DOC.read_text().split())
+    assert "Argo CD" in doc and "pin the passwords" in doc
+    assert "`auth.existingSecret`" in doc.split("pin the passwords", 1)[1][:900]
+
+
+def test_adding_an_engine_restarts_valkey_and_the_docs_say_so(render: RenderFn) -> None:
+    def annotations(rendered: Rendered) -> dict[str, str]:
+        pod = rendered.get("StatefulSet", "-redis")["spec"]["template"]["metadata"]
+        return dict(pod["annotations"])
+
+    before = annotations(render())
+    after = annotations(render("auth.acl.extraEngines={llama-70b}"))
+    assert before["checksum/acl"] != after["checksum/acl"]  # a new pod template: a restart
+    assert before["checksum/config"] == after["checksum/config"]
+    doc = " ".join(DEPLOY_DOC.read_text().split())
+    assert "Adding an engine restarts Valkey" in doc
+    assert "restarts the only Valkey pod" in doc
+
+
 # ------------------------------------------------------------------ NOTES --
 
 
