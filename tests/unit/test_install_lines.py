@@ -55,3 +55,17 @@ def test_the_readme_deploy_block_builds_pushes_and_sets_the_image() -> None:
     assert f"docker push {repository}:{tag}" in block
     assert f"--set image.repository={repository}" in block
     assert "docker build -f deploy/vllm/Dockerfile" in block
+
+
+_HELM_INSTALL = re.compile(r"helm install \S+ helm/broker-lookup(?:[^\n]*\\\n)*[^\n]*")
+
+
+def test_every_chart_install_line_sets_the_image() -> None:
+    """The chart refuses to render without ``image.repository``: every documented
+    ``helm install`` of it (continuation lines included) sets one."""
+    found = []
+    for path in SOURCES:
+        for match in _HELM_INSTALL.finditer(path.read_text()):
+            found.append(match.group(0))
+            assert "image.repository" in match.group(0), f"{path.name}: {match.group(0)}"
+    assert len(found) >= 4
