@@ -759,6 +759,16 @@ def test_service_monitor_options(render: RenderFn) -> None:
     assert monitor["spec"]["endpoints"][0]["relabelings"] == [{"action": "labeldrop", "regex": "x"}]
 
 
+def test_the_exporter_stays_scraped_while_redis_is_down(render: RenderFn) -> None:
+    """Its probes never read Redis: a not-ready exporter leaves its Service's endpoints,
+    so its ``broker_lookup_redis_up 0`` would never be scraped and BrokerLookupRedisDown
+    could not fire (BrokerLookupExporterDown would, naming the wrong thing)."""
+    exporter = container(render().get("Deployment", "-exporter"), "exporter")
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert exporter[probe].get("tcpSocket") == {"port": "metrics"}, probe
+        assert "httpGet" not in exporter[probe]
+
+
 def test_prometheus_rule_carries_the_release_label_kube_prometheus_stack_selects(
     render: RenderFn,
 ) -> None:
