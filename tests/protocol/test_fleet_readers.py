@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import time
 from typing import Any
 
@@ -236,3 +237,21 @@ def test_one_engines_bad_keys_cost_the_other_engines_nothing(
     # doctor: that engine's checks say so and the others still run.
     findings = diagnose(TOOLS, None, _no_wait)
     assert f"ok {odd}: ranks 0 alive of 1" in _status(findings, "ranks")
+
+
+def test_a_ranks_log_line_escapes_the_callers_id(
+    backend: Backend, made: Made, engine_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An id with a newline cannot forge a rank's log line of its own."""
+    rank = _rank(backend, made, engine_id, 0, 1)
+    ready(rank)
+    client = _scheduler(backend, made, engine_id, 1)
+    wait_until(lambda: client.stats().liveness_known, message="liveness")
+    client.lookup(prompt(0), HOSTILE)
+    wait_until(lambda: rank.engine.started_ids() == [HOSTILE], message="started")
+    with caplog.at_level(logging.ERROR, logger="workers.pipeline.dispatch"):
+        rank.engine.report(HOSTILE, 10**6)  # more hits than tokens: logged, reported 0
+        wait_until(lambda: "hits for" in caplog.text, message="the rank's log line")
+    (line,) = [r.getMessage() for r in caplog.records if "hits for" in r.getMessage()]
+    assert "\n" not in line and "\x1b" not in line and "\x07" not in line
+    assert r"for req\x1b[2J\x1b]52;c;cm0gLXJmIC8=\x07\nrank 0: engine reported 999" in line
