@@ -168,3 +168,22 @@ def test_admin_runs_script_kill_and_doctor_skips_what_it_may_not_read(
     assert _finding(out, "ok", "memory") == ["maxmemory-policy noeviction"], out
     (skip,) = _finding(out, "skip", "engines")
     assert "user admin may not list the engines (SCAN)" in skip and "'scan'" in skip
+
+
+def test_the_exporter_as_an_engines_operator_serves_its_engine_and_counts_the_rest(
+    server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    user = f"operator-{ENGINE}"
+    assert cli_main(_as(user, server, monkeypatch, "exporter", "--once")) == 0
+    out = capsys.readouterr().out
+    assert f'engine="{INSTANCE}"' in out and f'engine="{OTHER}"' not in out
+    assert 'broker_lookup_exporter_snapshots{state="denied"} 1.0' in out
+    assert (
+        cli_main(_as(user, server, monkeypatch, "exporter", "--once", "--engine-id", ENGINE)) == 0
+    )
+    out = capsys.readouterr().out
+    assert 'broker_lookup_exporter_snapshots{state="denied"} 0.0' in out
+    assert (
+        f'broker_lookup_engine_split{{configured_engine_id="{ENGINE}",engine="{INSTANCE}"}} 0.0'
+        in out
+    )
