@@ -173,7 +173,9 @@ def splits_of(engines: list[Snapshot]) -> list[Any]:
 
 def problems(snap: Snapshot) -> list[str]:
     """What fails ``inspect --check`` of the fleet: conflicts and splits."""
-    return [line for e in snap["engines"] for line in e["conflicts"]] + snap["splits"]
+    found: list[str] = [line for e in snap["engines"] for line in e["conflicts"]]
+    found += snap["splits"]
+    return found
 
 
 def _scheduler(info: Snapshot | None) -> str:

@@ -296,7 +296,8 @@ def _once(
         else:
             print(render(one, config.redis_url, reasons if opts["check"] else None), file=out)
     elif opts["as_json"]:
-        body = {"engine_id": engine_id, "instances": snaps, "splits": splits, "redis_url": url}
+        body: Snapshot = {"engine_id": engine_id, "instances": snaps, "splits": splits}
+        body["redis_url"] = url
         body["check"] = {"ok": not reasons, "reasons": reasons}
         print(json.dumps(body, default=str), file=out, flush=True)
     else:

@@ -9,17 +9,19 @@ import io
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from faultkit import config, prompt, ready
 from helpers import Backend, Made, wait_until
-from test_fleet_metrics import scrape, value
+from prometheus_client.parser import text_string_to_metric_families
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.ops import doctor, inspect
 from broker_lookup.ops.doctor import Finding, diagnose, render
+from broker_lookup.ops.exporter import FleetCollector, render_once
 from broker_lookup.ops.fleet import fleet_snapshot, render_fleet
 from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace, instance_engine_id
 from broker_lookup.protocol.snapshot import MetricsPublisher
@@ -31,6 +33,27 @@ from workers.server import RedisAsyncLookupServer
 QUICK: dict[str, Any] = {"metrics_interval_ms": 200}
 #: The tools' own config: its URL is never dialled (their factory is the backend's).
 TOOLS = LookupConfig(redis_url="redis://127.0.0.1:1/0", heartbeat_interval_ms=100)
+
+
+Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(factory: Callable[[], Any], engine_id: str | None) -> Series:
+    """One exporter scrape, as {(sample name, labels): value}."""
+    collector = FleetCollector(factory, engine_id)
+    try:
+        text = render_once(collector).decode()
+    finally:
+        collector.close()
+    families = text_string_to_metric_families(text)
+    return {(s.name, frozenset(s.labels.items())): s.value for f in families for s in f.samples}
+
+
+def value(series: Series, name: str, **labels: str) -> float | None:
+    """The one sample of ``name`` whose labels include ``labels`` (None: none)."""
+    found = [v for (n, ls), v in series.items() if n == name and set(labels.items()) <= ls]
+    assert len(found) <= 1, f"{name} {labels}: {len(found)} samples"
+    return found[0] if found else None
 
 
 @pytest.fixture
@@ -127,9 +150,8 @@ def test_a_configured_id_selects_every_instance_and_two_whole_replicas_are_no_sp
         _scheduler(backend, made, replica, 1)
     ready(*ranks)
     conn = backend.factory()
-    for replica in replicas:
-        key = KeySpace(replica).metrics(SCHEDULER_ROLE)
-        wait_until(lambda key=key: conn.exists(key), message="scheduler's snapshot")
+    snapshots = [KeySpace(replica).metrics(SCHEDULER_ROLE) for replica in replicas]
+    wait_until(lambda: conn.exists(*snapshots) == 2, message="the schedulers' snapshots")
 
     code, text = _inspect(engine_id)
     assert code == 0 and "CHECK OK" in text, text
@@ -197,6 +219,7 @@ def _snapshot_of(engine_id: str, **stats: Any) -> tuple[str, str]:
     )
     command = publisher.command(time.monotonic() + 1)
     assert command is not None
+    assert isinstance(command[2], bytes | str)
     body = json.loads(command[2])
     body["stats"].update(stats)
     return str(command[1]), json.dumps(body)

@@ -52,7 +52,7 @@ def _keys(admin: redis.Redis, engine: str, pid: int) -> None:
     )
     set_snapshot = publisher.command(1e12)
     assert set_snapshot is not None
-    admin.execute_command(*set_snapshot)
+    command(admin, *set_snapshot)
 
 
 @pytest.fixture(scope="module")
