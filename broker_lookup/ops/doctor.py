@@ -115,7 +115,8 @@ def _skip(check: str, what: str, exc: BrokerResponseError, user: str | None) -> 
         return Finding("skip", check, denied_line(user, what, refusal))
     if isinstance(exc.__cause__, redis.ResponseError) and "WRONGTYPE" in str(exc):
         logger.warning("doctor: %s skipped: %s", check, exc)
-        return Finding("warn", check, f"skipped: a key is not what the protocol writes ({exc})")
+        detail = f"cannot {what}: a key is not what the protocol writes ({exc}); skipped"
+        return Finding("warn", check, detail)
     raise exc
 
 

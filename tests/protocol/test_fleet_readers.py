@@ -241,6 +241,7 @@ def test_one_engines_bad_keys_cost_the_other_engines_nothing(
     conn.xgroup_create(odd_keys.requests, odd_keys.group(0), id="0", mkstream=True)
     conn.set(odd_keys.heartbeat(0), "[1, 2]", px=60_000)
     conn.set(KeySpace(typed).lookup("x"), "a string, not the lookup hash", px=60_000)
+    conn.set(KeySpace(typed).requests, "a string, not the request stream", px=60_000)
 
     series = scrape(tools_on.factory, None)
     assert value(series, "broker_lookup_client_hit_tokens_total", engine=good) == 7
@@ -259,7 +260,11 @@ def test_one_engines_bad_keys_cost_the_other_engines_nothing(
     assert "WRONGTYPE" in skipped and "skipped" in skipped
     # doctor: that engine's checks say so and the others still run.
     findings = diagnose(TOOLS, None, _no_wait)
-    assert f"ok {odd}: ranks 0 alive of 1" in _status(findings, "ranks")
+    ranks = _status(findings, "ranks")
+    assert f"ok {odd}: ranks 0 alive of 1" in ranks
+    (warned,) = [r for r in ranks if typed in r]
+    assert warned.startswith(f"warn cannot read the keys of engine {typed}: a key is not")
+    assert "WRONGTYPE" in warned
 
 
 def test_a_ranks_log_line_escapes_the_callers_id(

@@ -132,6 +132,10 @@ def test_an_engines_operator_reading_the_fleet_skips_the_other_engines_in_one_li
     out = capsys.readouterr().out
     assert "SKIPPED (1 engines)" in out and f"engine {OTHER}: user {user} may not" in out
     assert f"  {INSTANCE}  live" in out
+    # Another engine by name: one line, not a traceback.
+    assert cli_main(_as(user, server, monkeypatch, "inspect", "--engine-id", OTHER)) == 3
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"user {user} may not read these keys" in line and "broker-lookup acl" in line
 
 
 def test_the_exporter_user_runs_doctor_and_the_exporter_on_every_engine(
