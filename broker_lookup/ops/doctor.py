@@ -308,24 +308,34 @@ def _fleet(
     wait(2 * config.heartbeat_interval_ms / 1000)
     views = []
     for engine in first:
-        keys = KeySpace(engine)
         try:
-            then = _beats(client, keys, groups[engine])
-            found += _ranks(engine, groups[engine], first[engine], then)
-            found.append(_owners(client, keys))
-            found.append(_hashing(client, keys))
-            found.append(_hit_rate(client, keys))
-            with translate_redis_errors("reading the scheduler's lease"):
-                sched = client.pttl(keys.owner(SCHEDULER_ROLE)) != -2
+            checked, view = _engine(client, KeySpace(engine), groups[engine], first[engine])
         except BrokerResponseError as exc:
             found.append(_skip("ranks", f"read the keys of engine {engine}", exc, user))
             continue
-        views.append(View(engine, sched, frozenset(then) | frozenset(first[engine])))
+        found += checked
+        views.append(view)
     splits = find_splits(views)
     found += [Finding("FAIL", "split", s.message()) for s in splits]
     if not splits:
         found.append(Finding("ok", "split", "every engine's processes share one namespace"))
     return found
+
+
+def _engine(
+    client: redis.Redis, keys: KeySpace, groups: list[int], first: dict[int, dict[str, Any]]
+) -> tuple[list[Finding], View]:
+    """One engine's checks after the wait, and what the split check needs of it.
+
+    Raises:
+        BrokerResponseError: Redis refused a read (the engine's checks are skipped).
+    """
+    then = _beats(client, keys, groups)
+    found = list(_ranks(keys.engine_id, groups, first, then))
+    found += [_owners(client, keys), _hashing(client, keys), _hit_rate(client, keys)]
+    with translate_redis_errors("reading the scheduler's lease"):
+        sched = client.pttl(keys.owner(SCHEDULER_ROLE)) != -2
+    return found, View(keys.engine_id, sched, frozenset(then) | frozenset(first))
 
 
 def render(findings: list[Finding], url: str) -> str:

@@ -288,28 +288,48 @@ def _once(
     splits = [s.message() for s in find_splits(map(_view, snaps))]
     reasons = [r for snap in snaps for r in check(snap, KeySpace(snap["engine_id"]))] + splits
     if found == [engine_id]:  # the engine's own namespace alone: the one-engine report
-        one = snaps[0]
-        if opts["as_json"]:
-            one["check"] = {"ok": not reasons, "reasons": reasons}
-            one["redis_url"] = url
-            print(json.dumps(one, default=str), file=out, flush=True)
-        else:
-            print(render(one, config.redis_url, reasons if opts["check"] else None), file=out)
-    elif opts["as_json"]:
+        _print_one(snaps[0], reasons, config, opts, out)
+    else:
+        _print_instances(engine_id, snaps, splits, reasons, config, opts, out)
+    return 1 if opts["check"] and reasons else 0
+
+
+def _print_one(
+    snap: Snapshot, reasons: list[str], config: LookupConfig, opts: dict[str, Any], out: TextIO
+) -> None:
+    if opts["as_json"]:
+        snap["check"] = {"ok": not reasons, "reasons": reasons}
+        snap["redis_url"] = redact_url(config.redis_url)
+        print(json.dumps(snap, default=str), file=out, flush=True)
+    else:
+        print(render(snap, config.redis_url, reasons if opts["check"] else None), file=out)
+
+
+def _print_instances(
+    engine_id: str,
+    snaps: list[Snapshot],
+    splits: list[str],
+    reasons: list[str],
+    config: LookupConfig,
+    opts: dict[str, Any],
+    out: TextIO,
+) -> None:
+    """A configured id's namespaces: one report each, then its splits and the check."""
+    if opts["as_json"]:
         body: Snapshot = {"engine_id": engine_id, "instances": snaps, "splits": splits}
-        body["redis_url"] = url
+        body["redis_url"] = redact_url(config.redis_url)
         body["check"] = {"ok": not reasons, "reasons": reasons}
         print(json.dumps(body, default=str), file=out, flush=True)
-    else:
-        parts = [render(snap, config.redis_url, None) for snap in snaps]
-        tail = [f"SPLITS ({len(splits)})", *(f"  {line}" for line in splits or ["none"])]
-        if opts["check"]:
-            tail += ["", "CHECK " + ("OK" if not reasons else "FAILED")]
-            tail += [f"  {r}" for r in reasons]
-        head = f"{len(snaps)} namespace(s) of engine {engine_id}: {', '.join(found)}"
-        body_text = ("\n\n" + "-" * 72 + "\n").join(parts)
-        print(shown(head), "", body_text, "", *map(shown, tail), sep="\n", file=out)
-    return 1 if opts["check"] and reasons else 0
+        return
+    parts = [render(snap, config.redis_url, None) for snap in snaps]
+    tail = [f"SPLITS ({len(splits)})", *(f"  {line}" for line in splits or ["none"])]
+    if opts["check"]:
+        tail += ["", "CHECK " + ("OK" if not reasons else "FAILED")]
+        tail += [f"  {r}" for r in reasons]
+    names = ", ".join(s["engine_id"] for s in snaps)
+    head = f"{len(snaps)} namespace(s) of engine {engine_id}: {names}"
+    body_text = ("\n\n" + "-" * 72 + "\n").join(parts)
+    print(shown(head), "", body_text, "", *map(shown, tail), sep="\n", file=out)
 
 
 #: Home the cursor and clear the screen: ``--watch`` redraws in place on a terminal.
