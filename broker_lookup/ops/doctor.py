@@ -28,6 +28,7 @@ from broker_lookup.errors import (
     AuthFailed,
     BrokerLookupError,
     BrokerResponseError,
+    ConfigError,
     MalformedMessage,
     translate_redis_errors,
 )
@@ -37,7 +38,13 @@ from broker_lookup.ops.split import EVERY_SCHEDULER_LEASE, View, find_splits, in
 from broker_lookup.printable import shown
 from broker_lookup.processes import ExitCode
 from broker_lookup.protocol.fingerprint import live_members
-from broker_lookup.protocol.keys import EVERY_REQUEST_STREAM, SCHEDULER_ROLE, KeySpace, engine_of
+from broker_lookup.protocol.keys import (
+    EVERY_REQUEST_STREAM,
+    SCHEDULER_ROLE,
+    KeySpace,
+    engine_of,
+    validate_engine_id,
+)
 from broker_lookup.protocol.messages import decode_done
 from broker_lookup.transport.connection import make_factory
 
@@ -358,7 +365,13 @@ def render(findings: list[Finding], url: str) -> str:
 def run_doctor(
     config: LookupConfig, engine_id: str | None = None, out: TextIO | None = None
 ) -> int:
-    """Print the report; 0 if no check failed, else 1."""
+    """Print the report; 0 if no check failed, 1 if one did, 2 for a bad ``engine_id``."""
+    if engine_id is not None:
+        try:
+            validate_engine_id(engine_id, "--engine-id")
+        except ConfigError as exc:
+            print(f"broker-lookup doctor: {exc}", file=sys.stderr)
+            return ExitCode.USAGE
     try:
         findings = diagnose(config, engine_id)
     except BrokerLookupError as exc:  # the server went away between two checks
