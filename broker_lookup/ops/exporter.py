@@ -16,11 +16,16 @@ process's own ``/metrics``. Each series gets, besides its own labels:
 =========================  =============================================================
 
 The exporter holds no state: it may restart, and two replicas serve the same series.
-It needs the read-only ``operator`` ACL user (SCAN, GET). Every scrape carries
-``broker_lookup_redis_up``: 1 when it read Redis; Redis unreachable, ``/metrics`` still
-answers 200 with ``broker_lookup_redis_up 0`` alone, so an alert tells a Redis outage
-(that series at 0) from an exporter that is gone (Prometheus's ``up`` 0, or the series
-absent). ``/readyz`` answers 503 then; ``/healthz`` answers 200 while the HTTP thread lives.
+It needs the read-only ``operator`` ACL user (SCAN, GET); the chart's is ``exporter``. One
+process's snapshot never costs the others their series: a key that is no snapshot (another
+type, undecodable, a value beyond float range) or one the user may not read is skipped,
+counted in ``broker_lookup_exporter_snapshots{state="malformed"|"denied"}`` and logged.
+``broker_lookup_engine_split`` is 1 for each namespace of an engine split in two (see
+``split``), else 0. Every scrape carries ``broker_lookup_redis_up``: 1 when it read Redis;
+Redis unreachable, ``/metrics`` still answers 200 with ``broker_lookup_redis_up 0`` alone, so
+an alert tells a Redis outage (that series at 0) from an exporter that is gone (Prometheus's
+``up`` 0, or the series absent). ``/readyz`` answers 503 then; ``/healthz`` answers 200 while
+the HTTP thread lives.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from broker_lookup.errors import REDIS_ERRORS, BrokerLookupError, MalformedMessage
+from broker_lookup.ops.access import denial
 from broker_lookup.ops.metrics import EXPORTER_METRICS, ClientCollector, ServerCollector
+from broker_lookup.ops.split import View, configured_id, find_splits, instance_pattern
 from broker_lookup.protocol.keys import METRICS_FLEET_PATTERN, KeySpace, engine_of
 from broker_lookup.protocol.snapshot import MetricsSnapshot, decode_snapshot
 from broker_lookup.protocol.stats import ClientStats, RankStats, client_stats, rank_stats
@@ -70,26 +77,52 @@ def read_snapshots(
     Raises:
         redis.RedisError: Redis failed.
     """
+    found, skipped = _read(client, engine_id)
+    return found, skipped["malformed"]
+
+
+def _read(
+    client: redis.Redis, engine_id: str | None
+) -> tuple[list[tuple[str, MetricsSnapshot]], dict[str, int]]:
+    """:func:`read_snapshots`, with the skipped keys counted by why (malformed, denied)."""
     patterns = (
         [METRICS_FLEET_PATTERN]
         if engine_id is None
-        else [KeySpace(engine_id).metrics_pattern, f"bl:{{{engine_id}.*}}:metrics:*"]
+        else [KeySpace(engine_id).metrics_pattern, instance_pattern(engine_id, "metrics:*")]
     )
     found = sorted({k for p in patterns for k in client.scan_iter(match=p, count=1000)})
     pipe = client.pipeline(transaction=False)
     for key in found:
         pipe.get(key)
     out: list[tuple[str, MetricsSnapshot]] = []
-    malformed = 0
-    for key, raw in zip(found, pipe.execute() if found else [], strict=True):
+    skipped = {"malformed": 0, "denied": 0}
+    # One key's error (another type, a key the user may not read) is that key's alone.
+    replies = pipe.execute(raise_on_error=False) if found else []
+    for key, raw in zip(found, replies, strict=True):
         engine = engine_of(key)
         if raw is None or engine is None:  # expired between the SCAN and the GET
             continue
+        if isinstance(raw, Exception):
+            if isinstance(raw, redis.ConnectionError | redis.TimeoutError):
+                raise raw
+            why = "denied" if denial(raw) else "malformed"
+            skipped[why] += 1
+            _SKIPPED(logging.WARNING, "exporter: %s skipped (%s): %s", _text(key), why, raw)
+            continue
         try:
             out.append((engine, decode_snapshot(raw)))
-        except MalformedMessage:
-            malformed += 1
-    return out, malformed
+        except MalformedMessage as exc:
+            skipped["malformed"] += 1
+            _SKIPPED(logging.WARNING, "exporter: %s skipped: %s", _text(key), exc.reason)
+    return out, skipped
+
+
+def _text(key: object) -> str:
+    return key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+
+
+#: Skipped keys are logged at most every 60 s: a bad key is met at every scrape.
+_SKIPPED = RateLimitedLog(logger, 60.0)
 
 
 class _Published(Generic[_S]):
@@ -157,26 +190,30 @@ class FleetCollector(Collector):
         Raises:
             redis.RedisError: Redis failed (the scrape fails: ``up`` is 0).
         """
-        snapshots, malformed = read_snapshots(self.client(), self._engine_id)
+        snapshots, skipped = _read(self.client(), self._engine_id)
         merged: dict[str, Metric] = {}
         read = 0
         for engine, snapshot in snapshots:
             try:
                 families = _families(snapshot, self._clock)
-            except MalformedMessage:  # stats of the wrong shape: as an undecodable one
-                malformed += 1
+            except (MalformedMessage, ArithmeticError, ValueError, TypeError) as exc:
+                # Stats of the wrong shape, or a count beyond float range: as undecodable.
+                skipped["malformed"] += 1
+                _SKIPPED(logging.WARNING, "exporter: snapshot of %s skipped: %s", engine, exc)
                 continue
             read += 1
             _merge(merged, engine, snapshot, families)
         yield from merged.values()
         yield _redis_up(1.0)
+        yield _split_family(snapshots)
         state = GaugeMetricFamily(
             "broker_lookup_exporter_snapshots",
             EXPORTER_METRICS["broker_lookup_exporter_snapshots"][1],
             labels=["state"],
         )
         state.add_metric(["read"], float(read))
-        state.add_metric(["malformed"], float(malformed))
+        for why, count in skipped.items():
+            state.add_metric([why], float(count))
         yield state
 
 
@@ -193,6 +230,37 @@ class _RedisDown(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield _redis_up(0.0)
+
+
+def _split_family(snapshots: list[tuple[str, MetricsSnapshot]]) -> Metric:
+    """``broker_lookup_engine_split``: per namespace with a snapshot, 1 if it is one side
+    of a split engine, else 0."""
+    scheduler: dict[str, bool] = {}
+    ranks: dict[str, set[int]] = {}
+    dead: dict[str, frozenset[int] | None] = {}
+    configured: dict[str, str] = {}
+    for engine, snap in snapshots:
+        configured.setdefault(engine, snap.configured_engine_id or configured_id(engine))
+        ranks.setdefault(engine, set())
+        scheduler.setdefault(engine, False)
+        if snap.kind == "client":
+            scheduler[engine] = True
+            try:
+                stats = client_stats(snap.stats)
+            except MalformedMessage:
+                continue
+            dead[engine] = frozenset(stats.dead_ranks) if stats.liveness_known else None
+        elif snap.role.isdigit():
+            ranks[engine].add(int(snap.role))
+    views = [View(e, scheduler[e], frozenset(ranks[e]), dead.get(e)) for e in sorted(ranks)]
+    split = {ns for s in find_splits(views) for ns in (s.scheduler_ns, s.ranks_ns)}
+    name = "broker_lookup_engine_split"
+    family = GaugeMetricFamily(
+        name, EXPORTER_METRICS[name][1], labels=["engine", "configured_engine_id"]
+    )
+    for engine in sorted(ranks):
+        family.add_metric([engine, configured[engine]], 1.0 if engine in split else 0.0)
+    return family
 
 
 def _merge(
@@ -290,6 +358,10 @@ class ExporterServer:
         except (*REDIS_ERRORS, BrokerLookupError) as exc:
             self._warn(logging.WARNING, "exporter: cannot read the snapshots: %s", exc)
             return 200, generate_latest(self._down), CONTENT_TYPE_LATEST
+            return 503, f"cannot read the metrics snapshots: {exc}\n".encode(), "text/plain"
+        except Exception:  # a bug: this scrape fails, the HTTP thread and the next live on
+            logger.exception("exporter: scrape failed")
+            return 500, b"scrape failed: see the exporter's log\n", "text/plain"
 
     def ping(self) -> str | None:
         """None while Redis answers PING, else why not."""

@@ -4,18 +4,25 @@ One SCAN of ``bl:{*`` finds every key; keys are grouped by their hash tag (the e
 id). Per engine: its scheduler and ranks (the lease holder, heartbeat live or not, host,
 pid), lookups in flight, conflicts (a process waiting for a role another one holds: its
 ``contender`` key) and, for a stale engine (no live lease, no heartbeat), when its last
-key expires (the largest PTTL; ``never`` if a key has none). Read-only.
+key expires (the largest PTTL; ``never`` if a key has none). An engine split across two
+namespaces of one configured id (see ``split``) is reported beside the conflicts. An engine
+whose keys the user may not read (a per-engine ``operator-<engine>``) is skipped and
+counted, not fatal. Read-only.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import defaultdict
 from typing import Any, TextIO
 
 import redis
 
+from broker_lookup.ops.access import denial, denied_line
+from broker_lookup.ops.split import View, find_splits
+from broker_lookup.printable import shown
 from broker_lookup.protocol.keys import FLEET_PATTERN, SCHEDULER_ROLE, KeySpace, engine_of
 from broker_lookup.protocol.ownership import describe, parse_holder
 
@@ -23,12 +30,15 @@ __all__ = [
     "conflicts",
     "engine_roles",
     "fleet_snapshot",
+    "problems",
     "render_fleet",
     "render_owners",
     "run_fleet",
+    "splits_of",
 ]
 
 Snapshot = dict[str, Any]
+logger = logging.getLogger(__name__)
 
 
 def _s(value: object) -> str:
@@ -119,15 +129,53 @@ def _engine(client: redis.Redis, engine_id: str, found: list[str]) -> Snapshot:
     }
 
 
-def fleet_snapshot(client: redis.Redis, now_ms: int) -> Snapshot:
-    """Every engine with a key on the server, by engine id (see the module docstring)."""
+def fleet_snapshot(client: redis.Redis, now_ms: int, user: str | None = None) -> Snapshot:
+    """Every engine with a key on the server, by engine id (see the module docstring).
+
+    ``user``: the ACL user reading, named where it may not read an engine's keys (those
+    engines, and engines with a key of the wrong type, are listed under ``skipped``).
+    """
     by_engine: dict[str, list[str]] = defaultdict(list)
     for raw in client.scan_iter(match=FLEET_PATTERN, count=1000):
         engine = engine_of(raw)
         if engine is not None:
             by_engine[engine].append(_s(raw))
-    engines = [_engine(client, e, sorted(ks)) for e, ks in sorted(by_engine.items())]
-    return {"time_ms": now_ms, "engines": engines}
+    engines, skipped = [], []
+    for engine, found in sorted(by_engine.items()):
+        try:
+            engines.append(_engine(client, engine, sorted(found)))
+        except redis.ResponseError as exc:  # one engine's keys: the others are still shown
+            skipped.append(_skipped(engine, exc, user))
+    splits = [s.message() for s in splits_of(engines)]
+    return {"time_ms": now_ms, "engines": engines, "splits": splits, "skipped": skipped}
+
+
+def _skipped(engine: str, exc: redis.ResponseError, user: str | None) -> str:
+    refusal = denial(exc)
+    if refusal is not None:
+        return f"engine {engine}: " + denied_line(user, "read its keys", refusal)
+    logger.warning("inspect: engine %s skipped: %s", engine, exc)
+    return f"engine {engine}: a key is not what the protocol writes ({exc}); skipped"
+
+
+def splits_of(engines: list[Snapshot]) -> list[Any]:
+    """The splits (``split.Split``) among engines as :func:`fleet_snapshot` lists them."""
+    views = [
+        View(
+            e["engine_id"],
+            bool((e["scheduler"] or {}).get("owner")),
+            frozenset(r for r, info in e["ranks"].items() if info["heartbeat"]),
+        )
+        for e in engines
+    ]
+    return find_splits(views)
+
+
+def problems(snap: Snapshot) -> list[str]:
+    """What fails ``inspect --check`` of the fleet: conflicts and splits."""
+    found: list[str] = [line for e in snap["engines"] for line in e["conflicts"]]
+    found += snap["splits"]
+    return found
 
 
 def _scheduler(info: Snapshot | None) -> str:
@@ -146,25 +194,33 @@ def _ranks(ranks: dict[int, Snapshot]) -> str:
 
 
 def render_fleet(snap: Snapshot, url: str) -> str:
-    """The human-readable fleet report."""
+    """The human-readable fleet report (every line through ``shown``)."""
     engines = snap["engines"]
     lines = [f"ENGINES ({len(engines)}) on {url}", ""]
+    # Ids are never cut: an operator copies them into --engine-id.
+    wide = max((len(e["engine_id"]) for e in engines), default=6) + 2
+    schedulers = [_scheduler(e["scheduler"]) for e in engines]
+    swide = max(map(len, schedulers), default=9) + 2
     lines.append(
-        f"  {'engine':<26}{'state':<7}{'keys':<6}{'in-flight':<11}{'expires':<10}"
-        f"{'scheduler':<24}ranks (rank:heartbeat:host/pid)"
+        f"  {'engine':<{wide}}{'state':<7}{'keys':<6}{'in-flight':<11}{'expires':<10}"
+        f"{'scheduler':<{swide}}ranks (rank:heartbeat:host/pid)"
     )
-    for e in engines:
+    for e, sched in zip(engines, schedulers, strict=True):
         ttl = e["expires_in_ms"]
         expires = "-" if e["live"] else ("never" if ttl == -1 else f"{ttl / 1000:.0f}s")
         lines.append(
-            f"  {e['engine_id'][:25]:<26}{'live' if e['live'] else 'stale':<7}{e['keys']:<6}"
-            f"{e['inflight']:<11}{expires:<10}{_scheduler(e['scheduler'])[:23]:<24}"
-            f"{_ranks(e['ranks'])}"
+            f"  {e['engine_id']:<{wide}}{'live' if e['live'] else 'stale':<7}{e['keys']:<6}"
+            f"{e['inflight']:<11}{expires:<10}{sched:<{swide}}{_ranks(e['ranks'])}"
         )
     found = [line for e in engines for line in e["conflicts"]]
     lines += ["", f"CONFLICTS ({len(found)})"]
     lines += [f"  {line}" for line in found] or ["  none"]
-    return "\n".join(lines)
+    lines += ["", f"SPLITS ({len(snap['splits'])})"]
+    lines += [f"  {line}" for line in snap["splits"]] or ["  none"]
+    if snap.get("skipped"):
+        lines += ["", f"SKIPPED ({len(snap['skipped'])} engines)"]
+        lines += [f"  {line}" for line in snap["skipped"]]
+    return "\n".join(shown(line) for line in lines)
 
 
 def render_owners(roles: dict[str, Snapshot], lines: list[str]) -> None:
@@ -181,14 +237,22 @@ def render_owners(roles: dict[str, Snapshot], lines: list[str]) -> None:
         lines.append(f"  {name:<11}{held}{extra}")
 
 
-def run_fleet(client: redis.Redis, url: str, as_json: bool, check: bool, out: TextIO) -> int:
-    """Print every engine on the server; with ``check``, 1 if any role has a conflict.
+def run_fleet(
+    client: redis.Redis,
+    url: str,
+    as_json: bool,
+    check: bool,
+    out: TextIO,
+    user: str | None = None,
+) -> int:
+    """Print every engine on the server; with ``check``, 1 if any role has a conflict or
+    any engine is split.
 
     Raises:
         redis.RedisError: Redis failed (the caller translates it).
     """
-    snap = fleet_snapshot(client, int(time.time() * 1000))
-    found = [line for e in snap["engines"] for line in e["conflicts"]]
+    snap = fleet_snapshot(client, int(time.time() * 1000), user)
+    found = problems(snap)
     if as_json:
         snap["check"] = {"ok": not found, "reasons": found}
         snap["redis_url"] = url

@@ -24,13 +24,16 @@ import redis
 
 from broker_lookup.config import LookupConfig, redact_url
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
+from broker_lookup.ops.access import acting_user, denial, denied_line
 from broker_lookup.ops.fleet import conflicts, engine_roles, render_owners, run_fleet
 from broker_lookup.ops.rank_latency import rank_latency, render_rank_latency
+from broker_lookup.ops.split import View, find_splits, instance_pattern
+from broker_lookup.printable import shown
 from broker_lookup.protocol import lookup_hash
-from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace, engine_of, validate_engine_id
 from broker_lookup.transport.connection import make_factory
 
-__all__ = ["RECENT", "check", "rank_latency", "render", "run_inspect", "snapshot"]
+__all__ = ["RECENT", "check", "namespaces", "rank_latency", "render", "run_inspect", "snapshot"]
 
 Snapshot = dict[str, Any]
 
@@ -93,6 +96,8 @@ def _ranks(client: redis.Redis, keys: KeySpace, now_ms: int) -> dict[int, Snapsh
         try:
             info = json.loads(value)
         except ValueError:
+            info = {"raw": _s(value)}
+        if not isinstance(info, dict):  # JSON, but not what a rank writes: show it raw
             info = {"raw": _s(value)}
         ts = info.get("ts_ms")
         age = (now_ms - ts) / 1000 if isinstance(ts, int) else None
@@ -243,32 +248,88 @@ def render(snap: Snapshot, url: str, reasons: list[str] | None) -> str:
     if reasons is not None:
         lines += ["", "CHECK " + ("OK" if not reasons else "FAILED")]
         lines += [f"  {r}" for r in reasons]
-    return "\n".join(lines)
+    # Lookup ids, dead letters and hosts come from callers and processes: no line may
+    # carry a character the operator's terminal would act on.
+    return "\n".join(shown(line) for line in lines)
+
+
+def namespaces(client: redis.Redis, engine_id: str) -> list[str]:
+    """The namespaces with a key that ``--engine-id engine_id`` selects: the id itself and
+    every vLLM instance of it (``<engine_id>.<instance>``)."""
+    patterns = (KeySpace(engine_id).pattern, instance_pattern(engine_id))
+    with translate_redis_errors(f"listing the namespaces of engine {engine_id}"):
+        found = {engine_of(k) for p in patterns for k in client.scan_iter(match=p, count=1000)}
+    return sorted(e for e in found if e is not None)
+
+
+def _view(snap: Snapshot) -> View:
+    sched = snap["roles"].get(SCHEDULER_ROLE) or {}
+    return View(snap["engine_id"], bool(sched.get("owner")), frozenset(snap["ranks"]))
 
 
 def _once(
     client: redis.Redis,
-    keys: KeySpace | None,
+    engine_id: str | None,
     config: LookupConfig,
     opts: dict[str, Any],
     out: TextIO,
 ) -> int:
     url = redact_url(config.redis_url)
-    if keys is None:
+    if engine_id is None:
         with translate_redis_errors("inspecting every engine"):
-            return run_fleet(client, url, opts["as_json"], opts["check"], out)
-    snap = snapshot(client, keys, opts["world_size"], opts["limit"], opts["recent"])
-    if not snap["keys"]:
-        print(f"no key of engine {keys.engine_id} on {url} ({keys.pattern})", file=sys.stderr)
+            return run_fleet(client, url, opts["as_json"], opts["check"], out, acting_user(config))
+    found = namespaces(client, engine_id)
+    if not found:
+        where = f"{KeySpace(engine_id).pattern} or {instance_pattern(engine_id)}"
+        print(f"no key of engine {engine_id} on {url} ({where})", file=sys.stderr)
         return 1
-    reasons = check(snap, keys)
+    args = (opts["world_size"], opts["limit"], opts["recent"])
+    snaps = [snapshot(client, KeySpace(ns), *args) for ns in found]
+    splits = [s.message() for s in find_splits(map(_view, snaps))]
+    reasons = [r for snap in snaps for r in check(snap, KeySpace(snap["engine_id"]))] + splits
+    if found == [engine_id]:  # the engine's own namespace alone: the one-engine report
+        _print_one(snaps[0], reasons, config, opts, out)
+    else:
+        _print_instances(engine_id, snaps, splits, reasons, config, opts, out)
+    return 1 if opts["check"] and reasons else 0
+
+
+def _print_one(
+    snap: Snapshot, reasons: list[str], config: LookupConfig, opts: dict[str, Any], out: TextIO
+) -> None:
     if opts["as_json"]:
         snap["check"] = {"ok": not reasons, "reasons": reasons}
-        snap["redis_url"] = url
+        snap["redis_url"] = redact_url(config.redis_url)
         print(json.dumps(snap, default=str), file=out, flush=True)
     else:
         print(render(snap, config.redis_url, reasons if opts["check"] else None), file=out)
-    return 1 if opts["check"] and reasons else 0
+
+
+def _print_instances(
+    engine_id: str,
+    snaps: list[Snapshot],
+    splits: list[str],
+    reasons: list[str],
+    config: LookupConfig,
+    opts: dict[str, Any],
+    out: TextIO,
+) -> None:
+    """A configured id's namespaces: one report each, then its splits and the check."""
+    if opts["as_json"]:
+        body: Snapshot = {"engine_id": engine_id, "instances": snaps, "splits": splits}
+        body["redis_url"] = redact_url(config.redis_url)
+        body["check"] = {"ok": not reasons, "reasons": reasons}
+        print(json.dumps(body, default=str), file=out, flush=True)
+        return
+    parts = [render(snap, config.redis_url, None) for snap in snaps]
+    tail = [f"SPLITS ({len(splits)})", *(f"  {line}" for line in splits or ["none"])]
+    if opts["check"]:
+        tail += ["", "CHECK " + ("OK" if not reasons else "FAILED")]
+        tail += [f"  {r}" for r in reasons]
+    names = ", ".join(s["engine_id"] for s in snaps)
+    head = f"{len(snaps)} namespace(s) of engine {engine_id}: {names}"
+    body_text = ("\n\n" + "-" * 72 + "\n").join(parts)
+    print(shown(head), "", body_text, "", *map(shown, tail), sep="\n", file=out)
 
 
 #: Home the cursor and clear the screen: ``--watch`` redraws in place on a terminal.
@@ -290,13 +351,19 @@ def run_inspect(
 ) -> int:
     """Print one report, or one every ``watch_s`` seconds until Ctrl-C; return the exit code.
 
-    ``engine_id`` None: every engine on the server. ``recent``: completion entries read
-    for the per-rank latency (newest first).
+    ``engine_id`` None: every engine on the server; else that engine and its vLLM
+    instances (``<engine_id>.<instance>``), and whether it is split. ``recent``:
+    completion entries read for the per-rank latency (newest first).
 
-    Exit codes: 0 ok, 1 ``check`` failed or no key of ``engine_id``, 3 Redis unreachable.
+    Exit codes: 0 ok, 1 ``check`` failed or no key of ``engine_id``, 3 Redis unreachable
+    or refused a read.
+
+    Raises:
+        ConfigError: ``engine_id`` is not an engine id.
     """
     stream = out or sys.stdout
-    keys = KeySpace(engine_id) if engine_id is not None else None
+    if engine_id is not None:
+        validate_engine_id(engine_id, "--engine-id")
     opts = {
         "world_size": world_size,
         "limit": limit,
@@ -309,9 +376,13 @@ def run_inspect(
     try:
         while True:
             try:
-                code = _once(client, keys, config, opts, stream)
+                code = _once(client, engine_id, config, opts, stream)
             except BrokerLookupError as exc:
-                print(f"cannot inspect {redact_url(config.redis_url)}: {exc}", file=sys.stderr)
+                refusal = denial(exc)
+                why = (
+                    denied_line(acting_user(config), "read these keys", refusal) if refusal else exc
+                )
+                print(f"cannot inspect {redact_url(config.redis_url)}: {why}", file=sys.stderr)
                 code = 3
             if not watch_s:
                 return code

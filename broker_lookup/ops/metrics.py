@@ -187,7 +187,13 @@ EXPORTER_METRICS: dict[str, tuple[str, str]] = {
     "broker_lookup_exporter_snapshots": (
         "gauge",
         "Metrics snapshots read at this scrape, by state (read: one per live scheduler and "
-        "rank; malformed: not decoded).",
+        "rank; malformed: not decoded, skipped; denied: the ACL user may not read it).",
+    ),
+    "broker_lookup_engine_split": (
+        "gauge",
+        "1 while this namespace is one side of a split engine: its scheduler misses ranks "
+        "that serve another namespace of the same configured engine id, or its ranks serve "
+        "no scheduler while such a one exists (give every process one explicit engine id).",
     ),
     "broker_lookup_redis_up": (
         "gauge",

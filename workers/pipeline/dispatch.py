@@ -30,6 +30,7 @@ import redis
 from broker_lookup.config import LookupConfig
 from broker_lookup.engine import LookupEngine
 from broker_lookup.histogram import LATENCY_BUCKETS
+from broker_lookup.printable import shown
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, Keep, LookupRequest, Request
 from broker_lookup.protocol.scripts import report_answer
@@ -137,7 +138,7 @@ class Dispatcher:
                     logging.WARNING,
                     "rank %d: report for %s which is not running; ignored",
                     self._rank,
-                    lookup_id,
+                    shown(lookup_id),
                 )
             return
         self._observe(now - job.started)
@@ -196,7 +197,7 @@ class Dispatcher:
             "rank %d: engine did not report %s (gen %d) by its deadline + %d ms; "
             "reporting 0 and releasing its memory",
             self._rank,
-            job.lookup_id,
+            shown(job.lookup_id),
             job.gen,
             self._grace_ms,
         )
@@ -255,7 +256,7 @@ class Dispatcher:
         logger.error(
             "rank %d: engine failed to start %s; reporting 0",
             self._rank,
-            req.lookup_id,
+            shown(req.lookup_id),
             exc_info=exc,
         )
         self.report(req.lookup_id, 0)
@@ -270,7 +271,7 @@ class Dispatcher:
             keep(lookup_id, tokens)
         except Exception:
             self.count("engine_errors")
-            logger.exception("rank %d: engine failed to keep %s", self._rank, lookup_id)
+            logger.exception("rank %d: engine failed to keep %s", self._rank, shown(lookup_id))
 
     def _release(self, lookup_id: str) -> None:
         self.count("released")
@@ -282,7 +283,7 @@ class Dispatcher:
             self._engine.cleanup_memory_objs(lookup_id)
         except Exception:  # engine bug: count and log, the loop must go on
             self.count("engine_errors")
-            logger.exception("rank %d: engine failed to release %s", self._rank, lookup_id)
+            logger.exception("rank %d: engine failed to release %s", self._rank, shown(lookup_id))
 
     def _invalid_hits(self, job: Job, hits: object) -> int:
         """0 for ``hits`` outside ``0..job.tokens``: counted and logged."""
@@ -291,7 +292,7 @@ class Dispatcher:
             "rank %d: engine reported %r hits for %s (%d tokens); reporting 0",
             self._rank,
             hits,
-            job.lookup_id,
+            shown(job.lookup_id),
             job.tokens,
         )
         return 0

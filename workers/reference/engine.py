@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from broker_lookup.engine import ResponseSink
+from broker_lookup.printable import shown
 from workers.reference.chunk_store import (
     ChunkKey,
     ChunkLoadError,
@@ -262,7 +263,7 @@ class ReferenceEngine:
             for tokens in self._walk(lookup_id, chunks, pin, progress):
                 loaded += tokens
         except Exception:
-            logger.exception("prefetch of %s failed after %d tokens", lookup_id, loaded)
+            logger.exception("prefetch of %s failed after %d tokens", shown(lookup_id), loaded)
             self._count("prefetch_errors")
         finally:
             try:
@@ -305,7 +306,7 @@ class ReferenceEngine:
         try:
             progress(lookup_id, tokens)
         except Exception:
-            logger.exception("response sink failed on progress of %s", lookup_id)
+            logger.exception("response sink failed on progress of %s", shown(lookup_id))
             self._count("report_errors")
 
     def _load(self, key: ChunkKey, tokens: int, owner: str | None) -> bool:
@@ -349,7 +350,7 @@ class ReferenceEngine:
             sink.send_response_to_scheduler(lookup_id, tokens)
         except Exception:
             # Must not escape into the pool, where nobody would see it.
-            logger.exception("response sink failed on %s (%d tokens)", lookup_id, tokens)
+            logger.exception("response sink failed on %s (%d tokens)", shown(lookup_id), tokens)
             self._count("report_errors")
 
     def _forget_future(self, future: Future[None]) -> None:
