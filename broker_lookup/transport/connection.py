@@ -242,6 +242,9 @@ def make_factory(
     if scheme is Scheme.CLUSTER:
         return _cluster_factory(config, name)
     kwargs = _common_kwargs(config, name, socket_timeout_s)
+    if scheme is Scheme.UNIX:
+        # TCP keepalive is a TCP socket option: redis-py's unix connection refuses it.
+        del kwargs["socket_keepalive"]
     if own_retries or socket_timeout_s is not None:
         kwargs["retry"] = Retry(NoBackoff(), 0)
     if scheme is Scheme.REDISS:
