@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -30,6 +30,7 @@ from redis.exceptions import ResponseError
 from redis.retry import Retry
 
 from broker_lookup.config import LookupConfig, Scheme, redact_url, url_scheme
+from broker_lookup.config.urls import MultiHostUrl
 from broker_lookup.errors import ConfigError, translate_redis_errors
 
 __all__ = [
@@ -80,40 +81,16 @@ def _tls_kwargs(config: LookupConfig) -> dict[str, Any]:
     return kwargs
 
 
-class _MultiHostUrl:
-    """The parts of ``redis+sentinel://`` and ``redis+cluster://`` URLs.
-
-    ``[user[:password]@]host:port[,host:port...][/path...][?option=value&...]``; hosts
-    may be IPv6 in brackets. Options are booleans (``true``/``false``, ``1``/``0``).
-    """
-
-    def __init__(self, url: str, options: tuple[str, ...]) -> None:
-        parts = urlsplit(url)
-        creds, _, hostpart = parts.netloc.rpartition("@")
-        user, _, password = creds.partition(":") if creds else ("", "", "")
-        self.user = unquote(user) or None
-        self.password = unquote(password) or None
-        self.hosts: list[tuple[str, int]] = []
-        for item in hostpart.split(","):
-            host, _, port = item.rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"redis_url={redact_url(url)!r}: {item!r} is not host:port")
-            self.hosts.append((host.strip("[]"), int(port)))
-        self.path = [unquote(p) for p in parts.path.split("/") if p]
-        self.flags: dict[str, bool] = {}
-        for key, value in parse_qsl(parts.query, keep_blank_values=True):
-            if key not in options or value.lower() not in _BOOLS:
-                raise ConfigError(
-                    f"redis_url={redact_url(url)!r}: option {key}={value!r} is not one of "
-                    f"{', '.join(options) or '(none)'} with a value of true or false"
-                )
-            self.flags[key] = _BOOLS[value.lower()]
+def _multi_host(config: LookupConfig) -> MultiHostUrl:
+    """The parsed ``redis_url`` of a Sentinel or Cluster config (checked when it was built)."""
+    scheme = url_scheme(config.redis_url)
+    try:
+        return MultiHostUrl(config.redis_url, scheme.options if scheme else ())
+    except ValueError as exc:  # a config built around its own checks
+        raise ConfigError(f"redis_url={redact_url(config.redis_url)!r}: {exc}") from None
 
 
-_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-
-def _node_kwargs(config: LookupConfig, name: str, url: _MultiHostUrl) -> dict[str, Any]:
+def _node_kwargs(config: LookupConfig, name: str, url: MultiHostUrl) -> dict[str, Any]:
     """Connection kwargs for data nodes: config credentials win over the URL's."""
     kwargs = _common_kwargs(config, name)
     if "username" not in kwargs and url.user is not None:
@@ -135,7 +112,7 @@ def _sentinel_factory(config: LookupConfig, name: str) -> ConnectionFactory:
     """
     from redis.sentinel import SentinelConnectionPool
 
-    url = _MultiHostUrl(config.redis_url, ("ssl", "sentinel_auth"))
+    url = _multi_host(config)
     if not url.path or len(url.path) > 2 or (len(url.path) == 2 and not url.path[1].isdigit()):
         raise ConfigError(
             f"redis_url={redact_url(config.redis_url)!r}: name the Sentinel service and "
@@ -169,7 +146,7 @@ def _cluster_factory(config: LookupConfig, name: str) -> ConnectionFactory:
 
     from broker_lookup.transport.cluster import SharedCluster
 
-    url = _MultiHostUrl(config.redis_url, ("ssl",))
+    url = _multi_host(config)
     if url.path:
         raise ConfigError(
             f"redis_url={redact_url(config.redis_url)!r}: Redis Cluster has only db 0; "
@@ -260,7 +237,7 @@ def redis_cli_args(url: str) -> str:
     """
     scheme = url_scheme(url)
     if scheme is not None and scheme.multi_host:
-        parsed = _MultiHostUrl(url, ("ssl", "sentinel_auth"))
+        parsed = MultiHostUrl(url, scheme.options)
         (host, port), tls = parsed.hosts[0], " --tls" if parsed.flags.get("ssl") else ""
         if scheme is Scheme.CLUSTER:
             return f"-c -h {host} -p {port}{tls}"
