@@ -150,6 +150,11 @@ def translated(exc: BaseException, what: str) -> BrokerLookupError | None:
         return AuthFailed(f"Redis refused the credentials while {what} ({exc}): {AUTH_HINT}")
     if isinstance(exc, (rexc.ConnectionError, rexc.TimeoutError)):
         return BrokerUnavailable(f"Redis unavailable while {what}: {exc}")
+    if isinstance(exc, rexc.InvalidResponse):  # the URL's port is some other server's
+        return BrokerUnavailable(
+            f"no Redis answered while {what}: the server does not speak the Redis protocol "
+            f"({exc}); check redis_url's host and port"
+        )
     if isinstance(exc, (rexc.RedisClusterException, rexc.ClusterError)):
         # Redis Cluster: slot not covered, CLUSTERDOWN, redirects exhausted ("TTL
         # exhausted"), no node reachable. RedisClusterException is no RedisError, and

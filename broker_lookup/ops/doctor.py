@@ -192,12 +192,15 @@ def diagnose(
     config: LookupConfig,
     engine_id: str | None = None,
     wait: Callable[[float], None] = time.sleep,
+    connect_timeout_s: float | None = None,
 ) -> list[Finding]:
     """Every check, in order; stops after the first failed connection or authentication.
 
     ``wait`` sleeps between the two heartbeat reads (tests pass their own).
+    ``connect_timeout_s``: each answer of Redis is waited for this long, once (default:
+    ``socket_timeout_ms``, retried).
     """
-    client = make_factory(config, "bl-doctor")()
+    client = make_factory(config, "bl-doctor", socket_timeout_s=connect_timeout_s)()
     try:
         try:
             started = time.perf_counter()
@@ -209,7 +212,7 @@ def diagnose(
                 Finding("FAIL", "auth", str(exc)),
             ]
         except BrokerLookupError as exc:
-            return [Finding("FAIL", "connect", str(exc))]
+            return [Finding("FAIL", "connect", _gave_up(exc, connect_timeout_s))]
         ms = (time.perf_counter() - started) * 1000
         found = [Finding("ok", "connect", f"PING answered in {ms:.1f} ms")]
         found.append(Finding("ok", "auth", "accepted"))
@@ -253,13 +256,22 @@ def render(findings: list[Finding], url: str) -> str:
     return "\n".join(lines)
 
 
+def _gave_up(exc: BrokerLookupError, connect_timeout_s: float | None) -> str:
+    if connect_timeout_s is None:
+        return str(exc)
+    return f"{exc} (--connect-timeout {connect_timeout_s:g}s)"
+
+
 def run_doctor(
-    config: LookupConfig, engine_id: str | None = None, out: TextIO | None = None
+    config: LookupConfig,
+    engine_id: str | None = None,
+    out: TextIO | None = None,
+    connect_timeout_s: float | None = None,
 ) -> int:
     """Print the report; 0 if no check failed, else 1."""
     try:
-        findings = diagnose(config, engine_id)
+        findings = diagnose(config, engine_id, connect_timeout_s=connect_timeout_s)
     except BrokerLookupError as exc:  # the server went away between two checks
-        findings = [Finding("FAIL", "connect", str(exc))]
+        findings = [Finding("FAIL", "connect", _gave_up(exc, connect_timeout_s))]
     print(render(findings, config.redis_url), file=out or sys.stdout, flush=True)
     return ExitCode.FAILED if any(f.status == "FAIL" for f in findings) else ExitCode.OK

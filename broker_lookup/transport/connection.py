@@ -90,9 +90,11 @@ def _multi_host(config: LookupConfig) -> MultiHostUrl:
         raise ConfigError(f"redis_url={redact_url(config.redis_url)!r}: {exc}") from None
 
 
-def _node_kwargs(config: LookupConfig, name: str, url: MultiHostUrl) -> dict[str, Any]:
+def _node_kwargs(
+    config: LookupConfig, name: str, url: MultiHostUrl, socket_timeout_s: float | None
+) -> dict[str, Any]:
     """Connection kwargs for data nodes: config credentials win over the URL's."""
-    kwargs = _common_kwargs(config, name)
+    kwargs = _common_kwargs(config, name, socket_timeout_s)
     if "username" not in kwargs and url.user is not None:
         kwargs["username"] = url.user
     if "password" not in kwargs and url.password is not None:
@@ -103,7 +105,9 @@ def _node_kwargs(config: LookupConfig, name: str, url: MultiHostUrl) -> dict[str
     return kwargs
 
 
-def _sentinel_factory(config: LookupConfig, name: str) -> ConnectionFactory:
+def _sentinel_factory(
+    config: LookupConfig, name: str, socket_timeout_s: float | None, own_retries: bool
+) -> ConnectionFactory:
     """Clients of the master Sentinel names; all share one master-tracking pool.
 
     The pool asks the sentinels for the master's address whenever it connects, drops
@@ -118,7 +122,9 @@ def _sentinel_factory(config: LookupConfig, name: str) -> ConnectionFactory:
             f"redis_url={redact_url(config.redis_url)!r}: name the Sentinel service and "
             "optionally the db, e.g. redis+sentinel://h1:26379,h2:26379/mymaster/0"
         )
-    kwargs = _node_kwargs(config, name, url)
+    kwargs = _node_kwargs(config, name, url, socket_timeout_s)
+    if own_retries:
+        kwargs["retry"] = Retry(NoBackoff(), 0)
     sentinel_kwargs: dict[str, Any] = {
         # A dead sentinel costs at most this per discovery; the next one is asked.
         "socket_timeout": _SENTINEL_TIMEOUT_S,
@@ -140,7 +146,9 @@ def _sentinel_factory(config: LookupConfig, name: str) -> ConnectionFactory:
 _SENTINEL_TIMEOUT_S = 1.0
 
 
-def _cluster_factory(config: LookupConfig, name: str) -> ConnectionFactory:
+def _cluster_factory(
+    config: LookupConfig, name: str, socket_timeout_s: float | None
+) -> ConnectionFactory:
     """Handles on one shared ``RedisCluster`` (thread-safe, one pool per node)."""
     from redis.cluster import ClusterNode, RedisCluster
 
@@ -152,7 +160,7 @@ def _cluster_factory(config: LookupConfig, name: str) -> ConnectionFactory:
             f"redis_url={redact_url(config.redis_url)!r}: Redis Cluster has only db 0; "
             "drop the path, e.g. redis+cluster://h1:6379,h2:6379"
         )
-    kwargs = _node_kwargs(config, name, url)
+    kwargs = _node_kwargs(config, name, url, socket_timeout_s)
     # Not per-connection options in cluster mode: the cluster client retries itself
     # (re-reading the slot map), and health checks are not passed to node pools.
     retry = kwargs.pop("retry")
@@ -214,15 +222,17 @@ def make_factory(
     """
     url = config.redis_url
     scheme = url_scheme(url)
+    own_retries = own_retries or socket_timeout_s is not None
     if scheme is Scheme.SENTINEL:
-        return _sentinel_factory(config, name)
+        return _sentinel_factory(config, name, socket_timeout_s, own_retries)
     if scheme is Scheme.CLUSTER:
-        return _cluster_factory(config, name)
+        # The cluster client's retries follow the slot map (MOVED, a failover): kept.
+        return _cluster_factory(config, name, socket_timeout_s)
     kwargs = _common_kwargs(config, name, socket_timeout_s)
     if scheme is Scheme.UNIX:
         # TCP keepalive is a TCP socket option: redis-py's unix connection refuses it.
         del kwargs["socket_keepalive"]
-    if own_retries or socket_timeout_s is not None:
+    if own_retries:
         kwargs["retry"] = Retry(NoBackoff(), 0)
     if scheme is Scheme.REDISS:
         kwargs.update(_tls_kwargs(config))
