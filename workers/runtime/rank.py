@@ -23,6 +23,7 @@ from broker_lookup.ops.metrics import ServerCollector
 from broker_lookup.processes import ExitCode
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.transport.connection import close_factory, make_factory
+from workers.runtime.access import denied_access
 from workers.runtime.health import HealthServer, Pinger
 from workers.server import RedisAsyncLookupServer
 
@@ -169,6 +170,10 @@ class RankRunner:
                 error,
             )
             return ExitCode.UNREACHABLE
+        denied = denied_access(spec.config, spec.metadata, spec.connect_timeout_s)
+        if denied is not None:  # like a wrong password: retrying will not help
+            logger.error("%s", denied)
+            return ExitCode.USAGE
         engine = self._engine()
         try:
             if spec.preload:
