@@ -306,7 +306,11 @@ def test_a_password_given_is_kept_over_the_environment(
     monkeypatch: pytest.MonkeyPatch, given: dict[str, str]
 ) -> None:
     monkeypatch.setenv(PASSWORD, "from-env")
-    assert LookupConfig(**given).redis_password == given.get("redis_password")
+    cfg = LookupConfig(
+        redis_url=given.get("redis_url", "redis://cache:6379/0"),
+        redis_password=given.get("redis_password"),
+    )
+    assert cfg.redis_password == given.get("redis_password")
 
 
 def test_an_environment_given_to_a_loader_is_the_only_one_read(

@@ -35,9 +35,13 @@ def _reach(client: redis.Redis, user: str) -> str:
             rules = client.acl_getuser(user)
     except BrokerLookupError:
         return "its own rules are unreadable to it (ACL GETUSER denied), so not known here"
-    keys = (rules or {}).get("keys") or []
-    shown = [k.decode() if isinstance(k, bytes) else str(k) for k in keys]
+    keys: object = rules.get("keys") if isinstance(rules, dict) else None
+    shown = [k.decode() if isinstance(k, bytes) else str(k) for k in _listed(keys)]
     return f"it may reach keys {' '.join(shown)}" if shown else "it may reach no key"
+
+
+def _listed(value: object) -> list[object]:
+    return list(value) if isinstance(value, (list, tuple)) else []
 
 
 def denied_access(config: LookupConfig, metadata: LookupMetadata, timeout_s: float) -> str | None:
