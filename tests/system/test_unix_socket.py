@@ -46,7 +46,6 @@ def test_a_rank_process_and_the_client_answer_a_lookup(
 ) -> None:
     tokens = prompt(7000)
     rank = rank_procs(socket_url, engine_id, 1, 0, [{"tokens": tokens}])
-    rank.start()
     client = clients(config(socket_url, lookup_timeout_ms=10_000), engine_id)
     alive(client)
     assert client.lookup(tokens, "unix-1") is None
