@@ -26,6 +26,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.connection import parse_url
 from redis.exceptions import ResponseError
 from redis.retry import Retry
 
@@ -236,7 +237,11 @@ def make_factory(
         kwargs["retry"] = Retry(NoBackoff(), 0)
     if scheme is Scheme.REDISS:
         kwargs.update(_tls_kwargs(config))
-    return PooledFactory(redis.ConnectionPool.from_url(url, **kwargs))
+    # What from_url does, but the config's credentials win over the URL's, as documented
+    # (from_url lets every URL option win).
+    options = {**kwargs, **parse_url(url)}
+    options.update({k: kwargs[k] for k in ("username", "password") if k in kwargs})
+    return PooledFactory(redis.ConnectionPool(**options))
 
 
 def redis_cli_args(url: str) -> str:

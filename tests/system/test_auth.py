@@ -160,6 +160,17 @@ def test_the_readme_session_takes_the_password_from_the_environment(
         client.close()
 
 
+def test_the_configs_password_wins_over_the_urls(
+    locked: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(env_name("redis_password"), raising=False)
+    assert _ping(LookupConfig(redis_url=_url(locked, WRONG), redis_password=RIGHT))
+    # A unix socket's URL alike (no socket here: the pool's options are what is checked).
+    url = f"unix:///nonexistent.sock?db=0&password={WRONG}"
+    client = make_factory(LookupConfig(redis_url=url, redis_password=RIGHT), "t")()
+    assert client.connection_pool.connection_kwargs["password"] == RIGHT
+
+
 def _cli_output(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_LOOKUP_")}
     return subprocess.run(
