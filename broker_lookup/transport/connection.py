@@ -239,7 +239,7 @@ def make_factory(
         kwargs.update(_tls_kwargs(config))
     # What from_url does, but the config's credentials win over the URL's, as documented
     # (from_url lets every URL option win).
-    options = {**kwargs, **parse_url(url)}
+    options = {**kwargs, **parse_url(url)}  # type: ignore[no-untyped-call]  # redis-py: untyped
     options.update({k: kwargs[k] for k in ("username", "password") if k in kwargs})
     return PooledFactory(redis.ConnectionPool(**options))
 
