@@ -177,9 +177,15 @@ def _check_port(port: str, where: str) -> None:
 
 
 def given_credentials(url: str) -> tuple[bool, bool]:
-    """Whether ``url`` gives (a user, a password): in its netloc or as ``?password=``."""
-    netloc = urlsplit(url).netloc
-    creds, at, _ = netloc.rpartition("@")
+    """Whether ``url`` gives (a user, a password): in its netloc or as ``?password=``.
+
+    Never raises: a URL urllib cannot split gives neither (the config refuses it).
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return False, False
+    creds, at, _ = parts.netloc.rpartition("@")
     user, colon, password = creds.partition(":")
-    in_query = any(k == "password" for k, _ in parse_qsl(urlsplit(url).query))
+    in_query = any(k == "password" for k, _ in parse_qsl(parts.query))
     return bool(at and user), bool((at and colon and password) or in_query)

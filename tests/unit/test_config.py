@@ -264,6 +264,7 @@ def test_redact_url_hides_the_whole_password(url: str, shown: str) -> None:
             "option password is not one of ssl, sentinel_auth with a value of true or false",
         ),
         ("redis+cluster://h:7000?ssl=maybe", "option ssl='maybe' is not one of ssl"),
+        ("redis://:S3cr3t@[::1/0", "Invalid IPv6 URL"),
     ],
 )
 def test_a_url_no_connection_can_use_is_refused_in_one_line_without_secrets(
