@@ -9,7 +9,8 @@
     ├── BrokerUnavailable             Redis unreachable or timed out (translated here)
     │   └── AuthFailed                Redis refused our credentials: a config error, not retried
     ├── BrokerResponseError           Redis answered with an error we do not handle
-    │   └── NoGroup                   a consumer group is gone (NOGROUP): re-create it
+    │   ├── NoGroup                   a consumer group is gone (NOGROUP): re-create it
+    │   └── NoPermission              the ACL denies this user a command or key (NOPERM)
     ├── UnknownScheme (ValueError)    an external lookup URI names a scheme nobody registered
     ├── UsageError                    a bad flag, env var or preload file of ``python -m workers``
     └── BenchError (RuntimeError)     ``broker-lookup bench`` could not run
@@ -39,6 +40,7 @@ __all__ = [
     "InvalidRequest",
     "MalformedMessage",
     "NoGroup",
+    "NoPermission",
     "UnknownScheme",
     "raise_translated",
     "translate_redis_errors",
@@ -103,6 +105,10 @@ class NoGroup(BrokerResponseError):
     """A stream command named a consumer group the server does not have (Redis's NOGROUP)."""
 
 
+class NoPermission(BrokerResponseError):
+    """Redis's ACL denies this user a command or a key (NOPERM): waiting will not help."""
+
+
 class UnknownScheme(BrokerLookupError, ValueError):
     """An external lookup URI uses a scheme that no plugin registered."""
 
@@ -150,11 +156,18 @@ def translated(exc: BaseException, what: str) -> BrokerLookupError | None:
         return AuthFailed(f"Redis refused the credentials while {what} ({exc}): {AUTH_HINT}")
     if isinstance(exc, (rexc.ConnectionError, rexc.TimeoutError)):
         return BrokerUnavailable(f"Redis unavailable while {what}: {exc}")
+    if isinstance(exc, rexc.InvalidResponse):  # the URL's port is some other server's
+        return BrokerUnavailable(
+            f"no Redis answered while {what}: the server does not speak the Redis protocol "
+            f"({exc}); check redis_url's host and port"
+        )
     if isinstance(exc, (rexc.RedisClusterException, rexc.ClusterError)):
         # Redis Cluster: slot not covered, CLUSTERDOWN, redirects exhausted ("TTL
         # exhausted"), no node reachable. RedisClusterException is no RedisError, and
         # ClusterError no ConnectionError: untranslated, they would end a loop thread.
         return BrokerUnavailable(f"Redis Cluster unavailable while {what}: {exc}")
+    if isinstance(exc, rexc.NoPermissionError):
+        return NoPermission(f"Redis denied it while {what}: {exc}")
     if isinstance(exc, rexc.ResponseError):
         # Redis 7 answers a blocked XREADGROUP whose stream was deleted (expired, flushed)
         # with UNBLOCKED, not NOGROUP: the group went with the stream all the same.

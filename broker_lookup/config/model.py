@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -21,6 +23,7 @@ import msgspec
 
 from broker_lookup.config.sources import (
     config_file,
+    env_credentials,
     env_name,
     env_origin,
     env_settings,
@@ -32,7 +35,7 @@ from broker_lookup.config.sources import (
     read_file,
     unknown_variables,
 )
-from broker_lookup.config.urls import Scheme, redact_url, scheme_hint, url_scheme
+from broker_lookup.config.urls import given_credentials, redact_url, url_problem
 from broker_lookup.errors import ConfigError
 from broker_lookup.protocol.keys import validate_engine_id
 
@@ -56,6 +59,18 @@ _POSITIVE = (
 ).split()
 #: The longest an engine's keys may outlive its last process (``engine_ttl_ms``).
 ENGINE_TTL_MAX_MS = 3_600_000
+#: True while a loader that read the environment itself builds a config: the
+#: credentials it did not find there are not looked up again in ``os.environ``.
+_ENV_READ: ContextVar[bool] = ContextVar("_ENV_READ", default=False)
+
+
+@contextmanager
+def _env_read() -> Iterator[None]:
+    token = _ENV_READ.set(True)
+    try:
+        yield
+    finally:
+        _ENV_READ.reset(token)
 
 
 class DeadlineRule(NamedTuple):
@@ -208,6 +223,19 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     #: shorter one publishes more often). At least heartbeat_interval_ms; 0: publish nothing
     metrics_interval_ms: int = 5000
 
+    def __post_init__(self) -> None:
+        if not _ENV_READ.get() and isinstance(self.redis_url, str):
+            # A secret belongs in the environment however the rest is given: built from
+            # keywords or a file, a config without credentials takes the variables' (the
+            # ones an authentication error names), as the loaders do.
+            url_user, url_password = given_credentials(self.redis_url)
+            found = env_credentials(
+                url_user, url_password, self.redis_username, self.redis_password
+            )
+            for field, value in found.items():
+                msgspec.structs.force_setattr(self, field, value)
+        super().__post_init__()
+
     def __repr__(self) -> str:
         shown = ", ".join(f"{f}={_shown(f, getattr(self, f))}" for f in self.__struct_fields__)
         return f"LookupConfig({shown})"
@@ -219,14 +247,8 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             value = getattr(self, name)
             _require(value > 0, name, value, "must be > 0")
         _require(self.key_grace_ms >= 0, "key_grace_ms", self.key_grace_ms, "must be >= 0")
-        _require(
-            url_scheme(self.redis_url) is not None,
-            "redis_url",
-            self.redis_url,
-            "must start with one of "
-            + ", ".join(s.prefix for s in Scheme)
-            + scheme_hint(self.redis_url),
-        )
+        problem = url_problem(self.redis_url)
+        _require(problem is None, "redis_url", self.redis_url, problem or "")
         _require(
             self.block_ms + 1000 <= self.socket_timeout_ms,
             "block_ms",
@@ -432,7 +454,7 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         values = msgspec.structs.asdict(base) if base is not None else {}
         origins: dict[str, str] = {}
         _read_env(values, origins, environ)
-        return _build(cls, values, origins)
+        return _build(cls, values, origins, env_read=True)
 
     @classmethod
     def from_file(cls, path: str | Path) -> LookupConfig:
@@ -447,10 +469,15 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         environ: Mapping[str, str] | None = None,
         *,
         flags: Mapping[str, str] | None = None,
+        **fields: Any,
     ) -> LookupConfig:
         """The defaults, overridden by the file (``path``, or ``BROKER_LOOKUP_CONFIG_FILE``),
         then by the ``BROKER_LOOKUP_*`` variables, then by ``flags`` (field -> the text a
-        command-line flag gave). Validated once, so an error names where its value came from.
+        command-line flag gave), then by ``fields`` (keywords, as ``LookupConfig(...)``
+        takes them). Validated once, so an error names where its value came from.
+
+        >>> LookupConfig.load(environ={}, redis_url="redis://cache:6379/0").redis_url
+        'redis://cache:6379/0'
         """
         env = environment(environ)
         path = path or config_file(env)
@@ -467,7 +494,10 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         for field, raw in (flags or {}).items():
             origins[field] = flag_origin(field)
             values[field] = parse_env(field, raw, types[field], origins[field])
-        return _build(cls, values, origins)
+        _refuse_unknown(fields, "LookupConfig.load()")
+        values.update(fields)
+        origins.update({f: f"LookupConfig.load({f}=...)" for f in fields})
+        return _build(cls, values, origins, env_read=True)
 
 
 def _refuse_unknown(values: Mapping[str, Any], source: str) -> None:
@@ -496,11 +526,19 @@ def _read_env(
 
 
 def _build(
-    cls: type[LookupConfig], values: dict[str, Any], origins: Mapping[str, str]
+    cls: type[LookupConfig],
+    values: dict[str, Any],
+    origins: Mapping[str, str],
+    *,
+    env_read: bool = False,
 ) -> LookupConfig:
     """``cls`` from ``values`` (lax about str/int forms); an error names the origin of the
-    value at fault (``origins``: field -> where it came from)."""
+    value at fault (``origins``: field -> where it came from). ``env_read``: ``values``
+    hold what the environment gives, so credentials are not looked up there again."""
     try:
+        if env_read:
+            with _env_read():
+                return msgspec.convert(values, cls, strict=False)
         return msgspec.convert(values, cls, strict=False)
     except msgspec.ValidationError as exc:
         raise _located(exc, values, origins) from None

@@ -28,6 +28,7 @@ __all__ = [
     "ENV_PREFIX",
     "OTHER_VARIABLES",
     "config_file",
+    "env_credentials",
     "env_name",
     "env_origin",
     "env_settings",
@@ -82,6 +83,23 @@ OTHER_VARIABLES: dict[str, str] = {
 # are never settings of ours, so they are not refused.
 _SERVICE_LINK_NAME = re.compile(r"_SERVICE_(HOST|PORT)(_\w+)?$|_PORT_\d+_(TCP|UDP|SCTP)(_\w+)?$")
 _SERVICE_LINK_VALUE = re.compile(r"^(tcp|udp|sctp)://")
+
+
+def env_credentials(
+    url_user: bool, url_password: bool, username: str | None, password: str | None
+) -> dict[str, str]:
+    """The ``redis_username``/``redis_password`` a config given neither (by a keyword, a
+    file or its URL) takes from their variables in ``os.environ``, by field."""
+    env = environment()
+    found: dict[str, str] = {}
+    for field, given in (
+        ("redis_username", username is not None or url_user),
+        ("redis_password", password is not None or url_password),
+    ):
+        raw = env.get(env_name(field))
+        if not given and raw:
+            found[field] = raw
+    return found
 
 
 def env_origin(field: str) -> str:

@@ -28,9 +28,71 @@ from broker_lookup.processes import ExitCode, child_env, python_module
 if TYPE_CHECKING:
     from broker_lookup.config import LookupConfig
 
-__all__ = ["COMMANDS", "Subcommand", "build_parser", "main"]
+__all__ = ["COMMANDS", "Subcommand", "bounded", "build_parser", "main"]
 
 _URL_HELP = f"Redis URL (default: {env_name('redis_url')})"
+
+
+def bounded(
+    kind: Callable[[str], float], low: float, high: float | None = None, *, above: bool = False
+) -> Callable[[str], float]:
+    """An argparse ``type``: ``kind`` of the text, refused unless ``>= low`` (``> low`` with
+    ``above``) and ``<= high``; argparse's error then names the flag and the value.
+
+    >>> bounded(int, 0, 65535)("70000")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: 70000 is not in [0, 65535]
+    """
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {_KINDS.get(kind, 'valid')}"
+            ) from None
+        if (
+            value != value
+            or (value <= low if above else value < low)
+            or (high is not None and value > high)
+        ):
+            rule = f"> {low:g}" if above else f">= {low:g}"
+            if high is not None:
+                rule = f"in {'(' if above else '['}{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"{text} is not {rule}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the kind in its message with it
+    return parse
+
+
+_KINDS: dict[object, str] = {int: "an integer", float: "a number"}
+
+
+def _engine_id(text: str) -> str:
+    """An argparse ``type``: an engine id that can be a key's hash tag."""
+    from broker_lookup.errors import ConfigError
+    from broker_lookup.protocol.keys import validate_engine_id
+
+    try:
+        return validate_engine_id(text, "--engine-id")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--engine-id=")) from None
+
+
+#: How long a tool waits for each answer of Redis before it gives up (``--connect-timeout``).
+CONNECT_TIMEOUT_S = 5.0
+
+
+def _add_connect_timeout(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--connect-timeout",
+        type=bounded(float, 0, above=True),
+        default=CONNECT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="give up when Redis has not answered within this long, once, not retried: a "
+        f"stalled or unreachable server (default {CONNECT_TIMEOUT_S:g})",
+    )
 
 
 @dataclass(frozen=True)
@@ -148,15 +210,26 @@ def _run_server(args: argparse.Namespace) -> int:
 def _setup_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help=_URL_HELP)
     p.add_argument(
-        "--engine-id", help="engine whose keys to show (default: every engine on the server)"
+        "--engine-id",
+        type=_engine_id,
+        help="engine whose keys to show (default: every engine on the server)",
     )
-    p.add_argument("--world-size", type=int, help="ranks expected (default: from the groups)")
+    p.add_argument(
+        "--world-size", type=bounded(int, 1), help="ranks expected (default: from the groups)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--watch", type=float, metavar="SECONDS", help="repeat until Ctrl-C")
-    p.add_argument("--limit", type=int, default=50, help="in-flight lookups shown (default 50)")
+    p.add_argument(
+        "--watch",
+        type=bounded(float, 0, above=True),
+        metavar="SECONDS",
+        help="repeat until Ctrl-C",
+    )
+    p.add_argument(
+        "--limit", type=bounded(int, 0), default=50, help="in-flight lookups shown (default 50)"
+    )
     p.add_argument(
         "--recent",
-        type=int,
+        type=bounded(int, 0),
         default=1000,
         metavar="N",
         help="completions read for the per-rank latency and last-to-report share (default 1000)",
@@ -168,6 +241,7 @@ def _setup_inspect(p: argparse.ArgumentParser) -> None:
         "role (scheduler, rank) has a second process waiting for it; without --engine-id, "
         "exit 1 on any such conflict",
     )
+    _add_connect_timeout(p)
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
@@ -184,6 +258,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
             check=args.check,
             limit=args.limit,
             recent=args.recent,
+            connect_timeout_s=args.connect_timeout,
         )
     except ConfigError as exc:
         print(f"broker-lookup inspect: {exc}", file=sys.stderr)
@@ -195,7 +270,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 def _setup_doctor(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help=_URL_HELP)
-    p.add_argument("--engine-id", help="check this engine only (default: every engine)")
+    p.add_argument(
+        "--engine-id", type=_engine_id, help="check this engine only (default: every engine)"
+    )
+    _add_connect_timeout(p)
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
@@ -207,7 +285,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"broker-lookup doctor: {exc}", file=sys.stderr)
         return ExitCode.USAGE
-    return run_doctor(config, args.engine_id)
+    return run_doctor(config, args.engine_id, connect_timeout_s=args.connect_timeout)
 
 
 # -- exporter -----------------------------------------------------------------------
@@ -223,38 +301,50 @@ def _setup_exporter(p: argparse.ArgumentParser) -> None:
         "worker), host, plus each metric's own."
     )
     p.add_argument("--redis-url", help=_URL_HELP)
-    p.add_argument("--engine-id", help="this engine and its vLLM instances only (default: all)")
+    p.add_argument(
+        "--engine-id",
+        type=_engine_id,
+        help="this engine and its vLLM instances only (default: all)",
+    )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument(
-        "--port", type=int, default=EXPORTER_PORT, help=f"port (default {EXPORTER_PORT})"
+        "--port",
+        type=bounded(int, 0, 65535),
+        default=EXPORTER_PORT,
+        help=f"port (default {EXPORTER_PORT})",
     )
     p.add_argument("--once", action="store_true", help="print one scrape to stdout and exit")
+    _add_connect_timeout(p)
 
 
 def _run_exporter(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from broker_lookup.config import LookupConfig, redact_url
-    from broker_lookup.errors import REDIS_ERRORS, ConfigError
+    from broker_lookup.config import redact_url
+    from broker_lookup.errors import REDIS_ERRORS, ConfigError, translated
     from broker_lookup.ops.exporter import FleetCollector, render_once, serve
-    from broker_lookup.protocol.keys import validate_engine_id
     from broker_lookup.transport.connection import make_factory
 
-    overrides = {env_name("redis_url"): args.redis_url} if args.redis_url else {}
     try:
-        config = LookupConfig.load(environ={**os.environ, **overrides})
-        if args.engine_id is not None:
-            validate_engine_id(args.engine_id, "--engine-id")
+        config = _config(args)
     except ConfigError as exc:
         print(f"broker-lookup exporter: {exc}", file=sys.stderr)
         return ExitCode.USAGE
-    collector = FleetCollector(make_factory(config, "bl-exporter"), args.engine_id)
+    # Each read gives up after --connect-timeout, not retried: a scrape of a stalled server
+    # answers 503 within it, and --once exits within it.
+    factory = make_factory(config, "bl-exporter", socket_timeout_s=args.connect_timeout)
+    collector = FleetCollector(factory, args.engine_id)
     if args.once:
         try:
             sys.stdout.write(render_once(collector).decode())
         except REDIS_ERRORS as exc:
-            print(f"cannot read {redact_url(config.redis_url)}: {exc}", file=sys.stderr)
+            print(
+                f"cannot read {redact_url(config.redis_url)} "
+                f"(--connect-timeout {args.connect_timeout:g}s): "
+                f"{translated(exc, 'reading the snapshots') or exc}",
+                file=sys.stderr,
+            )
             return ExitCode.UNREACHABLE
         finally:
             collector.close()
@@ -291,7 +381,11 @@ def _run_worker(args: argparse.Namespace) -> int:
 def _setup_acl(p: argparse.ArgumentParser) -> None:
     from broker_lookup.ops.acl import ROLES
 
-    p.add_argument("--engine-id", help="scope the users to this engine (and its vLLM instances)")
+    p.add_argument(
+        "--engine-id",
+        type=_engine_id,
+        help="scope the users to this engine (and its vLLM instances)",
+    )
     p.add_argument(
         "--role",
         choices=ROLES,

@@ -249,13 +249,15 @@ def diagnose(
     config: LookupConfig,
     engine_id: str | None = None,
     wait: Callable[[float], None] = time.sleep,
+    connect_timeout_s: float | None = None,
 ) -> list[Finding]:
     """Every check, in order; stops after the first failed connection or authentication.
 
     ``engine_id``: that engine and its vLLM instances only. ``wait`` sleeps between the
-    two heartbeat reads (tests pass their own).
+    two heartbeat reads (tests pass their own). ``connect_timeout_s``: each answer of Redis
+    is waited for this long, once (default: ``socket_timeout_ms``, retried).
     """
-    client = make_factory(config, "bl-doctor")()
+    client = make_factory(config, "bl-doctor", socket_timeout_s=connect_timeout_s)()
     try:
         try:
             started = time.perf_counter()
@@ -267,7 +269,7 @@ def diagnose(
                 Finding("FAIL", "auth", str(exc)),
             ]
         except BrokerLookupError as exc:
-            return [Finding("FAIL", "connect", str(exc))]
+            return [Finding("FAIL", "connect", _gave_up(exc, connect_timeout_s))]
         ms = (time.perf_counter() - started) * 1000
         found = [Finding("ok", "connect", f"PING answered in {ms:.1f} ms")]
         found.append(Finding("ok", "auth", "accepted"))
@@ -362,8 +364,17 @@ def render(findings: list[Finding], url: str) -> str:
     return "\n".join(shown(line) for line in lines)
 
 
+def _gave_up(exc: BrokerLookupError, connect_timeout_s: float | None) -> str:
+    if connect_timeout_s is None:
+        return str(exc)
+    return f"{exc} (--connect-timeout {connect_timeout_s:g}s)"
+
+
 def run_doctor(
-    config: LookupConfig, engine_id: str | None = None, out: TextIO | None = None
+    config: LookupConfig,
+    engine_id: str | None = None,
+    out: TextIO | None = None,
+    connect_timeout_s: float | None = None,
 ) -> int:
     """Print the report; 0 if no check failed, 1 if one did, 2 for a bad ``engine_id``."""
     if engine_id is not None:
@@ -373,8 +384,8 @@ def run_doctor(
             print(f"broker-lookup doctor: {exc}", file=sys.stderr)
             return ExitCode.USAGE
     try:
-        findings = diagnose(config, engine_id)
+        findings = diagnose(config, engine_id, connect_timeout_s=connect_timeout_s)
     except BrokerLookupError as exc:  # the server went away between two checks
-        findings = [Finding("FAIL", "connect", str(exc))]
+        findings = [Finding("FAIL", "connect", _gave_up(exc, connect_timeout_s))]
     print(render(findings, config.redis_url), file=out or sys.stdout, flush=True)
     return ExitCode.FAILED if any(f.status == "FAIL" for f in findings) else ExitCode.OK

@@ -348,12 +348,14 @@ def run_inspect(
     recent: int = RECENT,
     out: TextIO | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    connect_timeout_s: float | None = None,
 ) -> int:
     """Print one report, or one every ``watch_s`` seconds until Ctrl-C; return the exit code.
 
     ``engine_id`` None: every engine on the server; else that engine and its vLLM
-    instances (``<engine_id>.<instance>``), and whether it is split. ``recent``:
-    completion entries read for the per-rank latency (newest first).
+    instances, and whether it is split. ``recent``: completion entries read for the
+    per-rank latency (newest first). ``connect_timeout_s``: each answer of Redis is waited
+    for this long, once (default: ``socket_timeout_ms``, retried).
 
     Exit codes: 0 ok, 1 ``check`` failed or no key of ``engine_id``, 3 Redis unreachable
     or refused a read.
@@ -371,7 +373,8 @@ def run_inspect(
         "as_json": as_json,
         "check": check,
     }
-    client = make_factory(config, "bl-inspect")()
+    client = make_factory(config, "bl-inspect", socket_timeout_s=connect_timeout_s)()
+    waited = f" (--connect-timeout {connect_timeout_s:g}s)" if connect_timeout_s else ""
     code = 0
     try:
         while True:
@@ -382,7 +385,10 @@ def run_inspect(
                 why = (
                     denied_line(acting_user(config), "read these keys", refusal) if refusal else exc
                 )
-                print(f"cannot inspect {redact_url(config.redis_url)}: {why}", file=sys.stderr)
+                print(
+                    f"cannot inspect {redact_url(config.redis_url)}{waited}: {why}",
+                    file=sys.stderr,
+                )
                 code = 3
             if not watch_s:
                 return code

@@ -22,14 +22,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.connection import parse_url
 from redis.exceptions import ResponseError
 from redis.retry import Retry
 
 from broker_lookup.config import LookupConfig, Scheme, redact_url, url_scheme
+from broker_lookup.config.urls import MultiHostUrl
 from broker_lookup.errors import ConfigError, translate_redis_errors
 
 __all__ = [
@@ -80,42 +82,20 @@ def _tls_kwargs(config: LookupConfig) -> dict[str, Any]:
     return kwargs
 
 
-class _MultiHostUrl:
-    """The parts of ``redis+sentinel://`` and ``redis+cluster://`` URLs.
-
-    ``[user[:password]@]host:port[,host:port...][/path...][?option=value&...]``; hosts
-    may be IPv6 in brackets. Options are booleans (``true``/``false``, ``1``/``0``).
-    """
-
-    def __init__(self, url: str, options: tuple[str, ...]) -> None:
-        parts = urlsplit(url)
-        creds, _, hostpart = parts.netloc.rpartition("@")
-        user, _, password = creds.partition(":") if creds else ("", "", "")
-        self.user = unquote(user) or None
-        self.password = unquote(password) or None
-        self.hosts: list[tuple[str, int]] = []
-        for item in hostpart.split(","):
-            host, _, port = item.rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"redis_url={redact_url(url)!r}: {item!r} is not host:port")
-            self.hosts.append((host.strip("[]"), int(port)))
-        self.path = [unquote(p) for p in parts.path.split("/") if p]
-        self.flags: dict[str, bool] = {}
-        for key, value in parse_qsl(parts.query, keep_blank_values=True):
-            if key not in options or value.lower() not in _BOOLS:
-                raise ConfigError(
-                    f"redis_url={redact_url(url)!r}: option {key}={value!r} is not one of "
-                    f"{', '.join(options) or '(none)'} with a value of true or false"
-                )
-            self.flags[key] = _BOOLS[value.lower()]
+def _multi_host(config: LookupConfig) -> MultiHostUrl:
+    """The parsed ``redis_url`` of a Sentinel or Cluster config (checked when it was built)."""
+    scheme = url_scheme(config.redis_url)
+    try:
+        return MultiHostUrl(config.redis_url, scheme.options if scheme else ())
+    except ValueError as exc:  # a config built around its own checks
+        raise ConfigError(f"redis_url={redact_url(config.redis_url)!r}: {exc}") from None
 
 
-_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-
-def _node_kwargs(config: LookupConfig, name: str, url: _MultiHostUrl) -> dict[str, Any]:
+def _node_kwargs(
+    config: LookupConfig, name: str, url: MultiHostUrl, socket_timeout_s: float | None
+) -> dict[str, Any]:
     """Connection kwargs for data nodes: config credentials win over the URL's."""
-    kwargs = _common_kwargs(config, name)
+    kwargs = _common_kwargs(config, name, socket_timeout_s)
     if "username" not in kwargs and url.user is not None:
         kwargs["username"] = url.user
     if "password" not in kwargs and url.password is not None:
@@ -126,7 +106,9 @@ def _node_kwargs(config: LookupConfig, name: str, url: _MultiHostUrl) -> dict[st
     return kwargs
 
 
-def _sentinel_factory(config: LookupConfig, name: str) -> ConnectionFactory:
+def _sentinel_factory(
+    config: LookupConfig, name: str, socket_timeout_s: float | None, own_retries: bool
+) -> ConnectionFactory:
     """Clients of the master Sentinel names; all share one master-tracking pool.
 
     The pool asks the sentinels for the master's address whenever it connects, drops
@@ -135,13 +117,15 @@ def _sentinel_factory(config: LookupConfig, name: str) -> ConnectionFactory:
     """
     from redis.sentinel import SentinelConnectionPool
 
-    url = _MultiHostUrl(config.redis_url, ("ssl", "sentinel_auth"))
+    url = _multi_host(config)
     if not url.path or len(url.path) > 2 or (len(url.path) == 2 and not url.path[1].isdigit()):
         raise ConfigError(
             f"redis_url={redact_url(config.redis_url)!r}: name the Sentinel service and "
             "optionally the db, e.g. redis+sentinel://h1:26379,h2:26379/mymaster/0"
         )
-    kwargs = _node_kwargs(config, name, url)
+    kwargs = _node_kwargs(config, name, url, socket_timeout_s)
+    if own_retries:
+        kwargs["retry"] = Retry(NoBackoff(), 0)
     sentinel_kwargs: dict[str, Any] = {
         # A dead sentinel costs at most this per discovery; the next one is asked.
         "socket_timeout": _SENTINEL_TIMEOUT_S,
@@ -163,19 +147,21 @@ def _sentinel_factory(config: LookupConfig, name: str) -> ConnectionFactory:
 _SENTINEL_TIMEOUT_S = 1.0
 
 
-def _cluster_factory(config: LookupConfig, name: str) -> ConnectionFactory:
+def _cluster_factory(
+    config: LookupConfig, name: str, socket_timeout_s: float | None
+) -> ConnectionFactory:
     """Handles on one shared ``RedisCluster`` (thread-safe, one pool per node)."""
     from redis.cluster import ClusterNode, RedisCluster
 
     from broker_lookup.transport.cluster import SharedCluster
 
-    url = _MultiHostUrl(config.redis_url, ("ssl",))
+    url = _multi_host(config)
     if url.path:
         raise ConfigError(
             f"redis_url={redact_url(config.redis_url)!r}: Redis Cluster has only db 0; "
             "drop the path, e.g. redis+cluster://h1:6379,h2:6379"
         )
-    kwargs = _node_kwargs(config, name, url)
+    kwargs = _node_kwargs(config, name, url, socket_timeout_s)
     # Not per-connection options in cluster mode: the cluster client retries itself
     # (re-reading the slot map), and health checks are not passed to node pools.
     retry = kwargs.pop("retry")
@@ -237,16 +223,25 @@ def make_factory(
     """
     url = config.redis_url
     scheme = url_scheme(url)
+    own_retries = own_retries or socket_timeout_s is not None
     if scheme is Scheme.SENTINEL:
-        return _sentinel_factory(config, name)
+        return _sentinel_factory(config, name, socket_timeout_s, own_retries)
     if scheme is Scheme.CLUSTER:
-        return _cluster_factory(config, name)
+        # The cluster client's retries follow the slot map (MOVED, a failover): kept.
+        return _cluster_factory(config, name, socket_timeout_s)
     kwargs = _common_kwargs(config, name, socket_timeout_s)
-    if own_retries or socket_timeout_s is not None:
+    if scheme is Scheme.UNIX:
+        # TCP keepalive is a TCP socket option: redis-py's unix connection refuses it.
+        del kwargs["socket_keepalive"]
+    if own_retries:
         kwargs["retry"] = Retry(NoBackoff(), 0)
     if scheme is Scheme.REDISS:
         kwargs.update(_tls_kwargs(config))
-    return PooledFactory(redis.ConnectionPool.from_url(url, **kwargs))
+    # What from_url does, but the config's credentials win over the URL's, as documented
+    # (from_url lets every URL option win).
+    options = {**kwargs, **parse_url(url)}  # type: ignore[no-untyped-call]  # redis-py: untyped
+    options.update({k: kwargs[k] for k in ("username", "password") if k in kwargs})
+    return PooledFactory(redis.ConnectionPool(**options))
 
 
 def redis_cli_args(url: str) -> str:
@@ -257,7 +252,7 @@ def redis_cli_args(url: str) -> str:
     """
     scheme = url_scheme(url)
     if scheme is not None and scheme.multi_host:
-        parsed = _MultiHostUrl(url, ("ssl", "sentinel_auth"))
+        parsed = MultiHostUrl(url, scheme.options)
         (host, port), tls = parsed.hosts[0], " --tls" if parsed.flags.get("ssl") else ""
         if scheme is Scheme.CLUSTER:
             return f"-c -h {host} -p {port}{tls}"

@@ -132,3 +132,79 @@ def test_inspect_with_a_wrong_password_names_the_setting(
     code = cli_main(["inspect", "--redis-url", _url(locked), "--engine-id", "e"])
     err = capsys.readouterr().err
     assert code != 0 and AUTH_HINT in err and WRONG not in err, err
+
+
+def _ping(config: LookupConfig) -> bool:
+    conn = make_factory(config, "t")()
+    try:
+        return bool(conn.ping())
+    finally:
+        conn.close()
+
+
+def test_the_readme_session_takes_the_password_from_the_environment(
+    locked: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(env_name("redis_password"), RIGHT)
+    assert _ping(LookupConfig(redis_url=_url(locked), enable_async_loading=True))
+    assert _ping(LookupConfig.load(redis_url=_url(locked)))
+    # The client the README builds from it connects: it reads liveness, it does not
+    # count the lookup unavailable.
+    config = _config(_url(locked))
+    client = RedisAsyncLookupClient(config, LookupMetadata(engine_id="auth-env", world_size=1))
+    try:
+        wait_until(lambda: client.stats().liveness_known, timeout=30)
+        assert client.lookup(list(range(64)), "l1") == 0
+        assert client.stats().outcomes.get("dead_rank") == 1
+    finally:
+        client.close()
+
+
+def test_the_configs_password_wins_over_the_urls(
+    locked: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(env_name("redis_password"), raising=False)
+    assert _ping(LookupConfig(redis_url=_url(locked, WRONG), redis_password=RIGHT))
+    # A unix socket's URL alike (no socket here: the pool's options are what is checked).
+    url = f"unix:///nonexistent.sock?db=0&password={WRONG}"
+    client = make_factory(LookupConfig(redis_url=url, redis_password=RIGHT), "t")()
+    assert client.connection_pool.connection_kwargs["password"] == RIGHT
+
+
+def _cli_output(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_LOOKUP_")}
+    return subprocess.run(
+        python_module("broker_lookup.ops.cli", list(args)),
+        env=child_env(env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("tool", ["doctor", "inspect"])
+def test_a_password_in_the_query_is_used_and_never_printed(
+    locked: EmbeddedServer, tool: str
+) -> None:
+    url = f"redis://127.0.0.1:{locked.port}/0?password={RIGHT}"
+    proc = _cli_output(tool, "--redis-url", url)
+    assert proc.returncode == 0, proc.stderr
+    assert "password=***" in proc.stdout
+    assert RIGHT not in proc.stdout + proc.stderr
+
+
+def test_a_rank_never_logs_a_password_given_in_the_query(locked: EmbeddedServer) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_LOOKUP_")}
+    url = f"redis://127.0.0.1:{locked.port}/0?password={WRONG}"
+    args = ["--engine-id", "auth", "--world-size", "1", "--rank", "0", "--metrics-port", "0"]
+    args += ["--redis-url", url, "--connect-timeout", "3600", "--log-level", "DEBUG"]
+    proc = subprocess.run(
+        python_module("workers", args),
+        env=child_env(env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == ExitCode.USAGE, proc.stderr
+    assert "connecting to redis://127.0.0.1" in proc.stderr and "password=***" in proc.stderr
+    assert WRONG not in proc.stderr

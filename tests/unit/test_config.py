@@ -233,12 +233,48 @@ def test_repr_hides_passwords_of_sentinel_urls_and_password_only_urls() -> None:
         ("unix:///run/a@b.sock", "unix:///run/a@b.sock"),
         ("redis://redis:6379/0", "redis://redis:6379/0"),
         ("not a url", "not a url"),
+        # redis-py reads ?password= on every scheme; the unix form documents it.
+        ("unix:///tmp/r.sock?db=0&password=S3cr3t", "unix:///tmp/r.sock?db=0&password=***"),
+        ("redis://h:6379/0?password=S3cr3t&db=1", "redis://h:6379/0?password=***&db=1"),
+        ("redis://:a@h/0?Password=b", "redis://:***@h/0?Password=***"),
+        ("rediss://h/0?sentinel_password=S3cr3t", "rediss://h/0?sentinel_password=***"),
     ],
 )
 def test_redact_url_hides_the_whole_password(url: str, shown: str) -> None:
     assert redact_url(url) == shown
     if "://" in url:
-        assert shown in repr(LookupConfig(redis_url=url))
+        try:
+            text = repr(LookupConfig(redis_url=url))
+        except ConfigError as exc:  # a URL redis-py cannot read is refused, hidden alike
+            text = str(exc)
+        assert shown in text
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis://cache:99999/0", "the port of the host is out of range 0-65535"),
+        ("rediss://[::1]:70000/0", "the port of the host is out of range 0-65535"),
+        ("redis://cache:63x9/0", "the port of the host is not a number"),
+        ("redis://u:12345678/S3cr3t@h/0", "the port of the host is out of range 0-65535"),
+        ("redis+cluster://h1:7000,h2:99999", "the port of host 2 is out of range 0-65535"),
+        ("redis+sentinel://u:S3/cr3t@h:1/m", "host 1 is not host:port"),
+        (
+            "redis+sentinel://h:26379/m?password=S3cr3t",
+            "option password is not one of ssl, sentinel_auth with a value of true or false",
+        ),
+        ("redis+cluster://h:7000?ssl=maybe", "option ssl='maybe' is not one of ssl"),
+        ("redis://:S3cr3t@[::1/0", "Invalid IPv6 URL"),
+    ],
+)
+def test_a_url_no_connection_can_use_is_refused_in_one_line_without_secrets(
+    url: str, problem: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        LookupConfig.load(environ={env_name("redis_url"): url})
+    text = str(err.value)
+    assert f"(env {env_name('redis_url')}) is invalid: {problem}" in text
+    assert "S3" not in text and "12345678" not in text and "\n" not in text
 
 
 def test_errors_hide_passwords() -> None:

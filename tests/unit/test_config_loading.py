@@ -274,3 +274,65 @@ def test_every_variable_the_repository_uses_is_a_field_or_listed() -> None:
         if name not in fields and name not in OTHER_VARIABLES and name not in _NOT_VARIABLES
     }
     assert not stray, f"add these to config.sources.OTHER_VARIABLES (or make them fields): {stray}"
+
+
+# -- credentials and keyword overrides -----------------------------------------------------
+
+PASSWORD = env_name("redis_password")
+USERNAME = env_name("redis_username")
+
+
+def test_a_config_built_from_keywords_takes_the_credentials_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(PASSWORD, "from-env")
+    monkeypatch.setenv(USERNAME, "worker")
+    cfg = LookupConfig(redis_url="redis://cache:6379/0")
+    assert (cfg.redis_username, cfg.redis_password) == ("worker", "from-env")
+    assert "from-env" not in repr(cfg)
+    assert LookupConfig.from_mapping({}).redis_password == "from-env"
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"redis_password": "keyword"},
+        {"redis_url": "redis://:in-url@cache:6379/0"},
+        {"redis_url": "unix:///run/redis.sock?db=0&password=in-url"},
+    ],
+    ids=["keyword", "url", "url-query"],
+)
+def test_a_password_given_is_kept_over_the_environment(
+    monkeypatch: pytest.MonkeyPatch, given: dict[str, str]
+) -> None:
+    monkeypatch.setenv(PASSWORD, "from-env")
+    cfg = LookupConfig(
+        redis_url=given.get("redis_url", "redis://cache:6379/0"),
+        redis_password=given.get("redis_password"),
+    )
+    assert cfg.redis_password == given.get("redis_password")
+
+
+def test_an_environment_given_to_a_loader_is_the_only_one_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(PASSWORD, "process-env")
+    assert LookupConfig.from_env(environ={}).redis_password is None
+    assert LookupConfig.load(environ={PASSWORD: "given"}).redis_password == "given"
+
+
+def test_load_takes_fields_as_keywords_over_everything_else() -> None:
+    env = {PASSWORD: "from-env", env_name("chunk_size"): "16"}
+    cfg = LookupConfig.load(environ=env, redis_url="redis://cache:6379/0", chunk_size=32)
+    assert (cfg.redis_url, cfg.chunk_size, cfg.redis_password) == (
+        "redis://cache:6379/0",
+        32,
+        "from-env",
+    )
+
+
+def test_load_names_a_bad_or_unknown_keyword() -> None:
+    with pytest.raises(ConfigError, match=r"chunk_size=0 \(LookupConfig.load\(chunk_size=...\)\)"):
+        LookupConfig.load(environ={}, chunk_size=0)
+    with pytest.raises(ConfigError, match=r"redis_ulr.*redis_url"):
+        LookupConfig.load(environ={}, redis_ulr="redis://cache:6379/0")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 from redis import exceptions as rexc
 
-from broker_lookup.errors import BrokerResponseError, NoGroup, translated
+from broker_lookup.errors import (
+    BrokerResponseError,
+    BrokerUnavailable,
+    NoGroup,
+    NoPermission,
+    translated,
+)
 
 
 @pytest.mark.parametrize(
@@ -24,3 +30,15 @@ def test_a_missing_group_is_nogroup_whatever_the_server_says(text: str) -> None:
 def test_another_response_error_is_not_nogroup() -> None:
     ours = translated(rexc.ResponseError("WRONGTYPE Operation against a key"), "reading")
     assert isinstance(ours, BrokerResponseError) and not isinstance(ours, NoGroup)
+
+
+def test_an_acl_denial_is_no_permission_still_a_response_error() -> None:
+    ours = translated(rexc.NoPermissionError("No permissions to access a key"), "reading k")
+    assert isinstance(ours, NoPermission) and isinstance(ours, BrokerResponseError)
+    assert str(ours) == "Redis denied it while reading k: No permissions to access a key"
+
+
+def test_a_server_that_is_not_redis_is_unavailable_naming_the_url_to_check() -> None:
+    ours = translated(rexc.InvalidResponse('Protocol error, got "<" as reply type byte'), "ping")
+    assert isinstance(ours, BrokerUnavailable)
+    assert "does not speak the Redis protocol" in str(ours) and "redis_url" in str(ours)

@@ -22,7 +22,8 @@ from broker_lookup.errors import AuthFailed, BrokerLookupError, translate_redis_
 from broker_lookup.ops.metrics import ServerCollector
 from broker_lookup.processes import ExitCode
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
-from broker_lookup.transport.connection import make_factory
+from broker_lookup.transport.connection import close_factory, make_factory
+from workers.runtime.access import denied_access
 from workers.runtime.health import HealthServer, Pinger
 from workers.server import RedisAsyncLookupServer
 
@@ -113,9 +114,12 @@ def wait_for_redis(config: LookupConfig, timeout_s: float, stop: threading.Event
     Raises:
         AuthFailed: Redis refused the credentials: at once, since waiting will not help.
     """
-    factory = make_factory(config, "bl-worker-startup")
     deadline = time.monotonic() + timeout_s
     while True:
+        # Each PING waits at most what is left of timeout_s, and once: redis-py's own
+        # retries, connecting again each time, would outlast the bound the log promised.
+        left = min(deadline - time.monotonic(), config.socket_timeout_ms / 1000)
+        factory = make_factory(config, "bl-worker-startup", socket_timeout_s=max(left, 0.05))
         client = factory()
         try:
             with translate_redis_errors("connecting at startup"):
@@ -127,10 +131,11 @@ def wait_for_redis(config: LookupConfig, timeout_s: float, stop: threading.Event
             error = str(exc)
         finally:
             client.close()
-        if time.monotonic() >= deadline or stop.is_set():
+            close_factory(factory)
+        if time.monotonic() >= deadline - 0.05 or stop.is_set():
             return error
         logger.info("Redis not reachable yet (%s); retrying", error)
-        stop.wait(0.5)
+        stop.wait(min(0.5, max(deadline - time.monotonic(), 0.0)))
 
 
 class RankRunner:
@@ -165,6 +170,10 @@ class RankRunner:
                 error,
             )
             return ExitCode.UNREACHABLE
+        denied = denied_access(spec.config, spec.metadata, spec.connect_timeout_s)
+        if denied is not None:  # like a wrong password: retrying will not help
+            logger.error("%s", denied)
+            return ExitCode.USAGE
         engine = self._engine()
         try:
             if spec.preload:

@@ -28,7 +28,9 @@ from dataclasses import dataclass, replace
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
 from broker_lookup.config.sources import CONFIG_FILE_ENV
 from broker_lookup.errors import ConfigError
+from broker_lookup.ops.cli import bounded
 from broker_lookup.processes import ExitCode, child_env, long_options
+from broker_lookup.protocol.keys import validate_engine_id
 from broker_lookup.threads import set_from_signal
 from workers.runtime.rank import RankRunner, RankSpec, UsageError
 from workers.runtime.supervisor import supervise
@@ -62,7 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", help=f"HTTP port, 0 = off (env {env['metrics_port']})")
     p.add_argument("--metrics-host", default="0.0.0.0", help="address to bind the HTTP port")
     p.add_argument("--config", help=f"YAML/TOML LookupConfig file (env {env['config']})")
-    p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to wait for Redis")
+    p.add_argument(
+        "--connect-timeout",
+        type=bounded(float, 0, above=True),
+        default=30.0,
+        help="seconds to wait for Redis at startup, then exit 3 (default 30)",
+    )
     p.add_argument("--memory-chunks", type=int, default=4096, help="memory tier capacity")
     p.add_argument("--disk-dir", help="disk tier directory (one subdirectory per rank)")
     p.add_argument("--disk-chunks", type=int, default=16384, help="disk tier capacity")
@@ -70,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preload", help="JSON file of prompts to store at startup")
     p.add_argument(
         "--claim-timeout",
-        type=float,
+        type=bounded(float, 0),
         help="seconds a rank may wait for its lease while another process serves it before "
         "it exits with code 4 (default: twice the lease plus 10; 0: wait forever)",
     )
@@ -190,6 +197,10 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
     engine_id = _value(args, env, "engine_id")
     if engine_id is None:
         raise UsageError(f"{_flag('engine_id')} is required")
+    try:  # named here, as its flag or its variable (the metadata names only the variable)
+        validate_engine_id(engine_id, _origin(args, "engine_id"))
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
     world_size = _int(args, env, "world_size", 1, 1 << 16)
     ranks = _ranks(args, env, world_size)
     port = _int(args, env, "metrics_port", 0, 65535) if _value(args, env, "metrics_port") else 9400
