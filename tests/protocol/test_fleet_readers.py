@@ -60,7 +60,7 @@ def value(series: Series, name: str, **labels: str) -> float | None:
 def tools_on(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> Backend:
     """``inspect`` and ``doctor`` read the test's backend."""
     for module in (doctor, inspect):
-        monkeypatch.setattr(module, "make_factory", lambda _config, _name: backend.factory)
+        monkeypatch.setattr(module, "make_factory", lambda _config, _name, **_kw: backend.factory)
     return backend
 
 

@@ -64,7 +64,7 @@ def test_a_bad_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None
     assert "(flag --redis-url)" in capsys.readouterr().err
     for tool in ("doctor", "inspect"):  # before dialling anything
         assert cli_main([tool, "--redis-url", "redis://127.0.0.1:1/0", "--engine-id", "a{b"]) == 2
-        assert "--engine-id='a{b' is invalid" in capsys.readouterr().err
+        assert "argument --engine-id: 'a{b' is invalid" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
