@@ -56,6 +56,9 @@ _POSITIVE = (
 ).split()
 #: The longest an engine's keys may outlive its last process (``engine_ttl_ms``).
 ENGINE_TTL_MAX_MS = 3_600_000
+#: The fewest heartbeat intervals a heartbeat TTL and an owner lease may span: one late
+#: beat (a slow round trip, a GC pause) must not make a live process look dead.
+LIVENESS_BEATS = 3
 
 
 class DeadlineRule(NamedTuple):
@@ -102,12 +105,40 @@ def _require(ok: bool, field: str, value: object, rule: str) -> None:
         raise _bad(field, _shown(field, value), f"is invalid: {rule}")
 
 
-def _bad(field: str, shown: str, problem: str, origin: str | None = None) -> ConfigError:
+def _require_pair(
+    ok: bool, field: str, value: object, other: str, other_value: object, rule: str
+) -> None:
+    """Refuse a combination of two fields: the error names both values and their sources."""
+    if not ok:
+        raise _bad(field, _shown(field, value), rule, other=(other, _shown(other, other_value)))
+
+
+def _bad(
+    field: str,
+    shown: str,
+    problem: str,
+    origin: str | None = None,
+    *,
+    other: tuple[str, str] | None = None,
+    other_origin: str | None = None,
+) -> ConfigError:
     """The error of ``field``'s value: ``origin`` is where it came from; unknown (the
-    object was built directly), the variable that would set it."""
+    object was built directly), the variable that would set it. ``other``: the (field,
+    shown value) that ``field``'s value can't go with, from ``other_origin``."""
     where = origin or env_origin(field)
+    if other is None:
+        return ConfigError(
+            f"{field}={shown} ({where}) {problem}", field=field, shown=shown, problem=problem
+        )
+    name, other_shown = other
+    there = other_origin or env_origin(name)
     return ConfigError(
-        f"{field}={shown} ({where}) {problem}", field=field, shown=shown, problem=problem
+        f"{field}={shown} ({where}) does not go with {name}={other_shown} ({there}): {problem}",
+        field=field,
+        shown=shown,
+        problem=problem,
+        other=name,
+        other_shown=other_shown,
     )
 
 
@@ -227,27 +258,7 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             + ", ".join(s.prefix for s in Scheme)
             + scheme_hint(self.redis_url),
         )
-        _require(
-            self.block_ms + 1000 <= self.socket_timeout_ms,
-            "block_ms",
-            self.block_ms,
-            f"must be at least 1000 ms under socket_timeout_ms={self.socket_timeout_ms} "
-            "(a blocking read longer than the socket timeout fails)",
-        )
-        _require(
-            self.heartbeat_ttl_ms >= 2 * self.heartbeat_interval_ms,
-            "heartbeat_ttl_ms",
-            self.heartbeat_ttl_ms,
-            "must be at least twice heartbeat_interval_ms",
-        )
-        lease = self.lease_ms
-        _require(
-            lease >= 2 * self.heartbeat_interval_ms,
-            "owner_lease_ms",
-            lease,
-            f"must be at least twice heartbeat_interval_ms={self.heartbeat_interval_ms} "
-            "(a holder renews it every interval)",
-        )
+        self._check_liveness()
         _require(
             self.worker_pin_ttl_ms > self.lookup_timeout_ms,
             "worker_pin_ttl_ms",
@@ -312,6 +323,47 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             every,
             f"must be 0 (off) or at least heartbeat_interval_ms={self.heartbeat_interval_ms} "
             "(a snapshot goes with a heartbeat)",
+        )
+
+    def _check_liveness(self) -> None:
+        """Refuse timers that cannot keep a lease or a heartbeat alive: each error names
+        both values and where each came from."""
+        interval = self.heartbeat_interval_ms
+        _require_pair(
+            self.block_ms + 1000 <= self.socket_timeout_ms,
+            "block_ms",
+            self.block_ms,
+            "socket_timeout_ms",
+            self.socket_timeout_ms,
+            "block_ms must be at least 1000 ms under socket_timeout_ms (a blocking read "
+            "longer than the socket timeout fails, and the connection with it)",
+        )
+        _require_pair(
+            self.block_ms < self.heartbeat_ttl_ms,
+            "block_ms",
+            self.block_ms,
+            "heartbeat_ttl_ms",
+            self.heartbeat_ttl_ms,
+            "block_ms must be under heartbeat_ttl_ms (a loop blocked in one read longer "
+            "than a heartbeat lives sees its ranks die between two reads)",
+        )
+        _require_pair(
+            self.heartbeat_ttl_ms >= LIVENESS_BEATS * interval,
+            "heartbeat_ttl_ms",
+            self.heartbeat_ttl_ms,
+            "heartbeat_interval_ms",
+            interval,
+            f"heartbeat_ttl_ms must be at least {LIVENESS_BEATS} times heartbeat_interval_ms "
+            "(one late beat must not make a live rank look dead)",
+        )
+        _require_pair(
+            self.lease_ms >= LIVENESS_BEATS * interval,
+            "owner_lease_ms",
+            self.lease_ms,
+            "heartbeat_interval_ms",
+            interval,
+            f"the owner lease must be at least {LIVENESS_BEATS} times heartbeat_interval_ms "
+            "(a holder renews it every interval; one late renewal must not lapse it)",
         )
 
     def _check_engine_ttl(self) -> None:
@@ -515,6 +567,12 @@ def _located(
         if cause.field is None:
             return cause
         where = origins.get(cause.field, "the default")
+        if cause.other is not None:
+            there = origins.get(cause.other, "the default")
+            other = (cause.other, cause.other_shown)
+            return _bad(
+                cause.field, cause.shown, cause.problem, where, other=other, other_origin=there
+            )
         return _bad(cause.field, cause.shown, cause.problem, where)
     text = str(exc)
     found = _AT_FIELD.search(text)
