@@ -394,6 +394,13 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         return (self.block_ms + self.breaker_open_ms) / 1000
 
     @property
+    def beat_timeout_s(self) -> float:
+        """Socket timeout, in seconds, of a process's beat (lease, heartbeat, refreshes):
+        a loop's (:attr:`loop_timeout_s`) but at most half a lease, so a renewal waiting
+        on a stalled server costs one beat, never the lease it renews."""
+        return min(self.loop_timeout_s, self.lease_ms / 2000)
+
+    @property
     def metrics_ttl_ms(self) -> int:
         """PX of a published metrics snapshot: 3 intervals, so a late publish never
         blinks a live process's series out and a gone process's vanish soon; at most

@@ -27,10 +27,10 @@ from broker_lookup.errors import (
     translate_redis_errors,
 )
 from broker_lookup.processes import ExitCode
-from broker_lookup.protocol.fingerprint import live_members
 from broker_lookup.protocol.keys import EVERY_REQUEST_STREAM, KeySpace, engine_of
 from broker_lookup.protocol.messages import decode_done
 from broker_lookup.transport.connection import make_factory
+from broker_lookup.transport.fingerprint import live_members
 
 __all__ = ["Finding", "diagnose", "run_doctor"]
 
