@@ -11,12 +11,18 @@ not fit is answered ``overflow`` at once, so its lookup is released instead of q
 without limit while Redis is away.
 
 Every report's answer (the script's, or ``error`` or ``overflow``) goes to ``settle``.
+
+A lapse never costs a promise: a report answered ``fenced`` while no other process took
+the rank over is queued again (:meth:`Reporter.resend`), and this thread sends it under
+the token the beat holds then, once it holds one (it waits for the lease's renewal,
+within :data:`FENCED_WAIT_S`, rather than send a report certain to be fenced).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NamedTuple
@@ -47,6 +53,11 @@ MAX_BATCH = 256
 #: bell, so this only bounds a wake-up lost to a bug: long, because each idle wake-up
 #: of the 100 ms default cost an idle rank about 1 ms of CPU a second.
 IDLE_TICK_S = 2.0
+#: How many times a report answered ``fenced`` is sent again under a newer token.
+MAX_RESENDS = 3
+#: The longest the reporter's thread waits for the lease before a batch: sending while it
+#: is not held (a lapse the beat is renewing) only gets the batch fenced.
+FENCED_WAIT_S = 2.0
 
 
 class Report(NamedTuple):
@@ -56,6 +67,7 @@ class Report(NamedTuple):
     gen: int
     hits: int  #: tokens loaded and pinned: the final count, or so far when ``progress``
     progress: bool = False  #: ``progress.lua`` (a prefix confirmed so far), not the report
+    resends: int = 0  #: times it was sent again after a ``fenced`` answer
 
 
 class Served(NamedTuple):
@@ -137,6 +149,14 @@ class Reporter(Batcher[Report]):
                 return
         if not self._put(report):
             self._overflow(report)
+
+    def resend(self, report: Report) -> bool:
+        """Queue ``report`` again after a ``fenced`` answer, for this reporter's thread to
+        send under the token held then; False (nothing queued) after MAX_RESENDS."""
+        if report.resends >= MAX_RESENDS:
+            return False
+        self._enqueue(report._replace(resends=report.resends + 1))
+        return True
 
     def riding(self) -> _Window:
         """On the read loop, around serving one batch: collects the reports made meanwhile.
@@ -221,6 +241,11 @@ class Reporter(Batcher[Report]):
             riding.clear()
 
     def _send_batch(self, client: redis.Redis, batch: list[Report]) -> None:
+        lease = self._lease
+        if lease is not None and lease.holder is None and not lease.held():
+            # Lapsed, and nobody else took the rank: the beat is renewing it (the calls
+            # below take the token of the moment they are made).
+            lease.wait_held(min(FENCED_WAIT_S, max(0.0, self._stop_by - time.monotonic())))
         calls = [self._call(r) for r in batch]
         results: list[Any] | None = None
         for attempt in self._attempts(len(calls)):
