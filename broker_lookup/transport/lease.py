@@ -81,6 +81,9 @@ class Lease:
         #: to another process; ``claims``: leases taken (first or after an expiry).
         self.counts = {"conflicts": 0, "lost": 0, "claims": 0}
         self._changed = threading.Condition()  # notified on every claim reply
+        #: Claims and renewals that succeeded: a report fenced under an older token waits
+        #: for the next one (it learns the token Redis holds, or that another process does).
+        self.renewals = 0
 
     # -- what the owner thread sends -----------------------------------------------------
 
@@ -119,6 +122,16 @@ class Lease:
         another holder; True if it may serve then."""
         with self._changed:
             self._changed.wait_for(lambda: self.held() or self.holder is not None, timeout_s)
+        return self.held()
+
+    def wait_renewed(self, after: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a renewal beyond the ``after``-th (see
+        :attr:`renewals`), or a claim that found another holder; True if this process may
+        serve the role then."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self.renewals > after or self.holder is not None, timeout_s
+            )
         return self.held()
 
     def _notify(self) -> None:
@@ -191,6 +204,7 @@ class Lease:
         self._unheld_since = None
         self._contended_since = None
         self._lapse_logged = False
+        self.renewals += 1
         self._notify()
         return self.held()
 

@@ -14,8 +14,9 @@ Every report's answer (the script's, or ``error`` or ``overflow``) goes to ``set
 
 A lapse never costs a promise: a report answered ``fenced`` while no other process took
 the rank over is queued again (:meth:`Reporter.resend`), and this thread sends it under
-the token the beat holds then, once it holds one (it waits for the lease's renewal,
-within :data:`FENCED_WAIT_S`, rather than send a report certain to be fenced).
+the token the beat learns at its next renewal (it waits for that renewal, within
+:data:`FENCED_WAIT_S`, rather than send it again under the token just fenced). Any
+batch waits likewise, while the lease lapsed, for the beat to renew it.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ class Reporter(Batcher[Report]):
         self._window = _Window(self)
         #: Reports that did not fit in the queue.
         self.overflows = 0
+        self._fenced_after = 0  # the lease's renewals when the last fenced answer came
 
     def put(self, report: Report) -> None:
         """Send ``report`` (any thread): with the batch being served (the read loop sends
@@ -155,6 +157,8 @@ class Reporter(Batcher[Report]):
         send under the token held then; False (nothing queued) after MAX_RESENDS."""
         if report.resends >= MAX_RESENDS:
             return False
+        if self._lease is not None:
+            self._fenced_after = self._lease.renewals
         self._enqueue(report._replace(resends=report.resends + 1))
         return True
 
@@ -241,11 +245,7 @@ class Reporter(Batcher[Report]):
             riding.clear()
 
     def _send_batch(self, client: redis.Redis, batch: list[Report]) -> None:
-        lease = self._lease
-        if lease is not None and lease.holder is None and not lease.held():
-            # Lapsed, and nobody else took the rank: the beat is renewing it (the calls
-            # below take the token of the moment they are made).
-            lease.wait_held(min(FENCED_WAIT_S, max(0.0, self._stop_by - time.monotonic())))
+        self._await_lease(batch)
         calls = [self._call(r) for r in batch]
         results: list[Any] | None = None
         for attempt in self._attempts(len(calls)):
@@ -254,6 +254,19 @@ class Reporter(Batcher[Report]):
         answers = ["error"] * len(batch) if results is None else [self._answer(r) for r in results]
         for report, answer in zip(batch, answers, strict=True):
             self._settle(report, answer)
+
+    def _await_lease(self, batch: list[Report]) -> None:
+        """Before a batch is sent: where nobody else took the rank, wait for the beat's
+        next renewal if the batch holds a report fenced, and for the lease if it lapsed
+        (the calls take the token of the moment they are made)."""
+        lease = self._lease
+        if lease is None or lease.holder is not None:
+            return
+        deadline = time.monotonic() + min(FENCED_WAIT_S, max(0.0, self._stop_by - time.monotonic()))
+        if any(r.resends for r in batch):
+            lease.wait_renewed(self._fenced_after, max(0.0, deadline - time.monotonic()))
+        if not lease.held():
+            lease.wait_held(max(0.0, deadline - time.monotonic()))
 
     # -- the script -------------------------------------------------------------------
 
