@@ -39,10 +39,11 @@ def publish(client: redis.Redis, keys: KeySpace, role: str, hasher: Hasher, ttl_
         BrokerUnavailable: Redis could not be reached.
         BrokerResponseError: Redis refused a command.
     """
+    (_, key, name, value), (_, _, ttl) = publish_commands(keys, role, hasher, ttl_ms)
     with translate_redis_errors("publishing the hash fingerprint"):
         pipe = client.pipeline(transaction=False)
-        for command in publish_commands(keys, role, hasher, ttl_ms):
-            pipe.execute_command(*command)
+        pipe.hset(str(key), str(name), str(value))
+        pipe.pexpire(str(key), int(ttl))
         pipe.execute()
 
 

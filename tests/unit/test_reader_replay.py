@@ -4,6 +4,7 @@ comes between reads of new ones, never instead of them, however long a turn take
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,7 +27,8 @@ def _reads(turn_s: float, turns: int, monkeypatch: pytest.MonkeyPatch) -> list[s
     """What each read asks for ('0': the own pending entries, '>': new ones) when every
     turn takes ``turn_s`` and nothing is pending."""
     clock = _Clock()
-    monkeypatch.setattr(reader_module.time, "monotonic", clock)
+    # The reader's clock alone (its module's ``time``), not every thread's.
+    monkeypatch.setattr(reader_module, "time", SimpleNamespace(monotonic=clock))
     reader = Reader(LookupConfig(), KeySpace("e"), 0, ServerClock())
     asked = []
     for _ in range(turns):
