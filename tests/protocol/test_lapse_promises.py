@@ -55,7 +55,7 @@ def test_a_report_fenced_by_a_lapse_is_sent_again_under_the_token_held_then(
     # A claim of this process whose reply it never got: Redis holds a newer token of ours.
     conn.set(_owner_key(server), f"{newer} {server.lease.identity.encode()}", px=60_000)
     engine.report("lapse", FULL)
-    wait_until(lambda: _count(server, "report_resent") == 1, message="fenced, queued again")
+    wait_until(lambda: _count(server, "reports_resent") == 1, message="fenced, queued again")
     assert client.lookup_cache("lapse") is None  # nothing recorded under the old token
     server.beat.renew(conn, None)  # the beat's next renewal learns the token
     assert server.lease.token == newer
@@ -85,7 +85,7 @@ def test_a_report_fenced_by_a_takeover_keeps_the_progress_that_reached_redis(
     engine.report("progressed", FULL)
     engine.report("silent", FULL)
     wait_until(lambda: _count(server, "report_fenced") == 2, message="both fenced")
-    assert _count(server, "report_resent") == 0  # another process's: its answer stands
+    assert _count(server, "reports_resent") == 0  # another process's: its answer stands
     # The promise may stand on the progress: that prefix is held, as a keep holds it.
     assert server.lifecycle.sizes()["held"] == 1
     assert engine.released == ["silent"]

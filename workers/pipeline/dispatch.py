@@ -192,7 +192,7 @@ class Dispatcher:
         lease = self._lease
         if lease is None or lease.holder is not None or not self.reporter.resend(report):
             return False
-        self.count("report_resent")
+        self.count("reports_resent")
         return True
 
     # -- from the sweeper's clock ----------------------------------------------------
