@@ -57,7 +57,14 @@ class ConfigError(BrokerLookupError, ValueError):
     it came from (a flag, a file, an environment variable)."""
 
     def __init__(
-        self, message: str, *, field: str | None = None, shown: str = "", problem: str = ""
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        shown: str = "",
+        problem: str = "",
+        other: str | None = None,
+        other_shown: str = "",
     ) -> None:
         super().__init__(message)
         #: The field at fault, if one is, with its value as shown (secrets redacted) and
@@ -65,6 +72,10 @@ class ConfigError(BrokerLookupError, ValueError):
         self.field = field
         self.shown = shown
         self.problem = problem
+        #: The second field of a combination refused (its value can't go with the
+        #: first's), with its value as shown: the loader names where it came from too.
+        self.other = other
+        self.other_shown = other_shown
 
 
 class InvalidRequest(BrokerLookupError, ValueError):

@@ -5,6 +5,9 @@ construction, dispatches lookups to the engine's ``async_lookup_and_prefetch``, 
 the engine reports through :meth:`send_response_to_scheduler`. This class wires the
 rank's parts together; each is one step of the data path::
 
+    Beat (its thread)       the lease's renewal with the heartbeat, the engine keys'
+                            refresh, metrics snapshot, fingerprint: liveness, never
+                            waiting on the engine or a batch
     RankLoop (its thread)   Reader.read: XREADGROUP, decode, dead letters -> a Batch
                             Dispatcher.handle: the Lifecycle decides, the engine starts
                             Reporter.send_with_ack: the reports made meanwhile + XACK
@@ -25,12 +28,13 @@ import logging
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.engine import LookupEngine
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
-from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace, rank_role
 from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.protocol.stats import RankStats
+from broker_lookup.transport.beat import Beat, Heartbeat
 from broker_lookup.transport.connection import ConnectionFactory, close_factory
+from broker_lookup.transport.fingerprint import Publisher
 from broker_lookup.transport.lease import Lease
 from broker_lookup.transport.script_runner import ScriptSet
 from workers.pipeline.connections import rank_factories
@@ -74,9 +78,11 @@ class RedisAsyncLookupServer:
         self.keys = KeySpace(metadata.engine_id)
         self.engine = engine
         self._closed = False
-        factory, read_factory, self._own_factories = rank_factories(
+        factories = rank_factories(
             cfg, f"bl-worker-{metadata.engine_id}-{self.rank}", connection_factory
         )
+        factory = factories.general
+        self._own_factories = factories.owned
         #: The one owner of every lookup id's lifecycle on this rank.
         self.lifecycle = Lifecycle(
             cfg.worker_dedupe_capacity,
@@ -85,7 +91,7 @@ class RedisAsyncLookupServer:
             cfg.worker_watchdog_grace_ms / 1000,
             progress_delay_s=SWEEP_EVERY_S,
         )
-        #: Publishes this rank's hashing fingerprint from the read loop, and checks.
+        #: Publishes this rank's hashing fingerprint from the beat, and checks.
         self.fingerprint = Publisher(
             self.keys,
             f"rank{self.rank}",
@@ -114,14 +120,23 @@ class RedisAsyncLookupServer:
             cfg,
             self.keys,
             self.rank,
-            read_factory,
+            factories.read,
             self._dispatcher,
             self._reporter,
-            self.fingerprint,
             lease=self.lease,
             world_size=metadata.world_size,
             redis_retries=connection_factory is not None,
-            configured_engine_id=metadata.configured_engine_id,
+        )
+        #: Liveness: the lease with the heartbeat, the engine keys, snapshot, fingerprint.
+        self.beat = Beat(
+            cfg,
+            self.keys,
+            self.lease,
+            factories.beat,
+            f"rank {self.rank} beat",
+            heartbeat=Heartbeat(
+                self.rank, cfg.heartbeat_ttl_ms, self._loop.beat_info, metadata.configured_engine_id
+            ),
             metrics=MetricsPublisher(
                 self.keys,
                 rank_role(self.rank),
@@ -131,12 +146,14 @@ class RedisAsyncLookupServer:
                 ttl_ms=cfg.metrics_ttl_ms,
                 configured_engine_id=metadata.configured_engine_id,
             ),
+            fingerprint=self.fingerprint,
         )
         post_init = getattr(engine, "post_init", None)
         if callable(post_init):
             post_init(async_lookup_server=self)
         self._reporter.start()
         self._sweeper.start()
+        self.beat.start()
         self._loop.start()
 
     # -- LMCache's contract ---------------------------------------------------------
@@ -164,6 +181,7 @@ class RedisAsyncLookupServer:
         ok = self._loop.stop(grace)
         ok = self._sweeper.stop(grace) and ok
         ok = self._reporter.stop(grace) and ok
+        ok = self.beat.stop(grace) and ok  # before the release: it would claim again
         self._release_lease()  # after the reports' flush: a released lease fences them
         self.fingerprint.close()
         self._dispatcher.release_all()
@@ -215,11 +233,14 @@ class RedisAsyncLookupServer:
             consumer=loop.reader.consumer_stats(),
             reporter_errors=self._reporter.errors,
             unexpected_errors=(
-                loop.guard.count + self._reporter.guard.count + self._sweeper.guard.count
+                loop.guard.count
+                + self._reporter.guard.count
+                + self._sweeper.guard.count
+                + self.beat.guard.count
             ),
-            last_heartbeat=loop.heartbeat.last_beat,
+            last_heartbeat=self.beat.last_beat,
             ready=self.ready,
-            alive=loop.alive() and self._sweeper.alive(),
+            alive=loop.alive() and self._sweeper.alive() and self.beat.alive(),
             ownership=self.lease.state(),
         )
 

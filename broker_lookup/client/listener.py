@@ -7,13 +7,10 @@ lookups past their deadline end as 0 and are cancelled even if nobody polls them
 (LMCache D11); ranks without a heartbeat fail their lookups at once (D8); lookups
 whose completion event was missed (a reconnect, a flushed stream) are reconciled
 from their hash, once Redis confirmed their submit (a lookup still queued behind a
-burst is never taken for vanished). Every heartbeat interval it also renews the
-scheduler's lease (one scheduler per engine): while another scheduler holds it, or
-once ours lapsed, ``lookup()`` answers 0 without submitting. Once per
-``heartbeat_interval_ms`` it also refreshes the TTL of the engine's streams and
-fingerprint hash (see :mod:`broker_lookup.protocol.lifetime`), off the hot path: an idle
-engine whose scheduler lives keeps them; with that refresh, every ``metrics_interval_ms``,
-it writes the scheduler's metrics snapshot (:mod:`broker_lookup.protocol.snapshot`).
+burst is never taken for vanished). The scheduler's own liveness (its lease, the
+engine keys' refresh, its metrics snapshot and fingerprint) is not the listener's: the
+client's :class:`~broker_lookup.transport.beat.Beat` does it, on its own thread, so a
+blocking read or a burst of completions never lapses it.
 
 Its commands go over the transport's :class:`~broker_lookup.transport.link.LeanLink`
 (raw replies, no redis-py callbacks) except on Redis Cluster, where redis-py's client
@@ -37,7 +34,6 @@ from broker_lookup.errors import (
     REDIS_ERRORS,
     AuthFailed,
     BrokerLookupError,
-    BrokerResponseError,
     MalformedMessage,
     raise_translated,
     translate_redis_errors,
@@ -45,13 +41,9 @@ from broker_lookup.errors import (
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.lifetime import refresh_commands
 from broker_lookup.protocol.messages import decode_done
-from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.threads import LoopThread
-from broker_lookup.transport.lease import Lease, run_claim
-from broker_lookup.transport.link import LeanLink, Link, open_link, stream_entries
-from broker_lookup.transport.script_runner import ScriptSet
+from broker_lookup.transport.link import LeanLink, open_link, stream_entries
 
 __all__ = ["Listener"]
 
@@ -72,16 +64,9 @@ class Listener(LoopThread):
         factory: Callable[[], redis.Redis],
         expected: tuple[int, ...],
         breaker: Breaker,
-        on_sweep: Callable[[redis.Redis], None] | None = None,
         insights: RankInsights | None = None,
-        lease: Lease | None = None,
-        metrics: MetricsPublisher | None = None,
     ) -> None:
         super().__init__("client listener", "listener")
-        #: The scheduler's metrics snapshot, written with the engine keys' refresh.
-        self.metrics = metrics
-        #: Called with the listener's connection on every sweep (the fingerprint's tick).
-        self._on_sweep = on_sweep
         self._config = config
         self._keys = keys
         self._table = table
@@ -97,26 +82,19 @@ class Listener(LoopThread):
         self.checked = False
         self.errors = 0
         self.connected = False
-        self._next = {"hb": 0.0, "lease": 0.0, "reconcile": 0.0, "evict": 0.0, "refresh": 0.0}
+        self._next = {"hb": 0.0, "reconcile": 0.0, "evict": 0.0}
         #: The lean connection of the thread's hot reads (None: redis-py's client).
         self._link: LeanLink | None = None
-        #: The thread's link for the refresh (lean, or redis-py's pipeline on a cluster).
-        self._any_link: Link | None = None
-        self._refresh = refresh_commands(keys, config.engine_ttl_ms)
         self._heartbeat_keys = [self._keys.heartbeat(r) for r in expected]
         self._mget: Command = ("MGET", *self._heartbeat_keys)
         #: Per-rank latency and disagreement (``rank_insights``); None when it is off.
         self.insights = insights
-        #: The scheduler's lease, renewed here every heartbeat interval (None: none).
-        self.lease = lease
-        self._scripts = ScriptSet()
 
     def prime(self, client: redis.Redis) -> None:
         """Learn liveness and the stream position now, before :meth:`start`."""
         try:
             self._position(client)
             self.check_heartbeats(client)
-            self.renew(client)
         except AuthFailed as exc:
             logger.error("%s; lookups answer 0 until Redis accepts us", exc)
         except BrokerLookupError as exc:
@@ -131,7 +109,6 @@ class Listener(LoopThread):
     def _run(self) -> None:
         client = self._factory()
         link = open_link(client)
-        self._any_link = link
         # Redis Cluster's client routes by slot: the listener keeps it there.
         self._link = link if isinstance(link, LeanLink) else None
         try:
@@ -208,14 +185,6 @@ class Listener(LoopThread):
         now = time.monotonic()
         for lookup_id, entry in self._table.overdue(now):
             self._table.on_deadline(lookup_id, entry, now)
-        lease = self.lease
-        # Every sweep while ours lapsed (back from a stall longer than the lease: lookups
-        # answer 0 until this succeeds; another holder is retried every interval), before
-        # the heartbeats: ranks seen alive again then mean the lease was tried too.
-        lapsed = lease is not None and lease.holder is None and not lease.held(now)
-        if now >= self._next["lease"] or lapsed:
-            self._next["lease"] = now + self._config.heartbeat_interval_ms / 1000
-            self.renew(client)
         if now >= self._next["hb"]:
             self._next["hb"] = now + self._config.heartbeat_interval_ms / 2000
             self.check_heartbeats(client)
@@ -225,31 +194,6 @@ class Listener(LoopThread):
         if now >= self._next["evict"]:
             self._next["evict"] = now + _EVICT_EVERY_S
             self._table.evict_finished(now)
-        if now >= self._next["refresh"]:
-            self._next["refresh"] = now + self._config.heartbeat_interval_ms / 1000
-            self.refresh_engine_keys(self._snapshot(now))
-        if self._on_sweep is not None:
-            self._on_sweep(client)
-
-    def _snapshot(self, now: float) -> list[Command]:
-        """The metrics snapshot's write when due, while this scheduler holds the lease
-        (one snapshot per role: a second scheduler's counters would overwrite it)."""
-        metrics, lease = self.metrics, self.lease
-        if metrics is None or (lease is not None and not lease.held(now)):
-            return []
-        command = metrics.command(now)
-        return [command] if command is not None else []
-
-    def refresh_engine_keys(self, extra: list[Command] | None = None) -> None:
-        """Set the TTL of the engine's lasting keys to ``engine_ttl_ms`` again (the
-        scheduler's beat: while it lives, an idle engine loses nothing); ``extra`` (the
-        metrics snapshot) goes in the same round trip."""
-        link = self._any_link
-        if link is None:
-            return
-        with translate_redis_errors("refreshing the engine's keys"):
-            for reply in link.call([*self._refresh, *(extra or ())]):
-                _raise_error(reply)
 
     def check_heartbeats(self, client: redis.Redis) -> None:
         """Refresh :attr:`dead`; fail the in-flight lookups of ranks that just died."""
@@ -278,22 +222,6 @@ class Listener(LoopThread):
         if newly:
             for lookup_id, entry in self._table.waiting_on(newly):
                 self._table.expire(lookup_id, entry, "dead_rank")
-
-    def renew(self, client: redis.Redis) -> None:
-        """Claim or renew the scheduler's lease (the lease logs and counts a conflict)."""
-        lease = self.lease
-        if lease is None:
-            return
-        for _ in range(2):  # again at once if ours came back later than the lease
-            now = time.monotonic()
-            lease.note_lapse(now)
-            with translate_redis_errors("claiming the scheduler's lease"):
-                reply = run_claim(self._scripts, client, self._link, lease.claim_call())
-                try:
-                    if lease.on_reply(reply, now) or lease.holder is not None:
-                        return
-                except ValueError as exc:
-                    raise BrokerResponseError(f"claiming the scheduler's lease: {exc}") from None
 
     def _reconcile(self, client: redis.Redis, now: float) -> None:
         due = self._table.due_for_reconcile(now, _RECONCILE_BATCH)

@@ -29,13 +29,14 @@ from broker_lookup.client.table import Entry, LookupTable, Outcome
 from broker_lookup.config import LookupConfig, LookupMetadata, expected_ranks
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
 from broker_lookup.interface import LookupClientInterface
-from broker_lookup.protocol.fingerprint import Publisher
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace
 from broker_lookup.protocol.messages import LookupRequest
 from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.protocol.stats import ClientStats
+from broker_lookup.transport.beat import Beat
 from broker_lookup.transport.connection import ConnectionFactory, close_factory, make_factory
+from broker_lookup.transport.fingerprint import Publisher
 from broker_lookup.transport.lease import Lease
 from broker_lookup.transport.script_runner import ScriptSet
 
@@ -84,9 +85,10 @@ class RedisAsyncLookupClient(LookupClientInterface):
             # A stalled server must cost the listener at most BLOCK plus the breaker's
             # threshold, so its timeout sweeps never pause for a full socket timeout.
             reader = make_factory(config, name, socket_timeout_s=config.loop_timeout_s)
-            self._factories = [writer, reader]
+            beat = make_factory(config, name + "-beat", socket_timeout_s=config.beat_timeout_s)
+            self._factories = [writer, reader, beat]
         else:
-            writer = reader = connection_factory
+            writer = reader = beat = connection_factory
         self._retention_s = config.retention_ms / 1000
         self._table = LookupTable(
             self._cancel_gen,
@@ -110,7 +112,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             config, self.keys, self._table, writer, ScriptSet(), self._breaker, self.insights
         )
         #: One scheduler per engine: this client submits only while it holds this lease
-        #: (claimed now, renewed by the listener; never on the hot path).
+        #: (claimed now, renewed by the beat; never on the hot path).
         self.lease = Lease(
             self.keys, SCHEDULER_ROLE, "the scheduler", config.lease_ms, config.epochs_ttl_ms
         )
@@ -118,16 +120,17 @@ class RedisAsyncLookupClient(LookupClientInterface):
         #: Publishes our hashing fingerprint and lists processes that hash differently.
         self.fingerprint = Publisher(self.keys, "client", self.hasher, ttl_ms=config.engine_ttl_ms)
         self._listener = Listener(
+            config, self.keys, self._table, reader, self.expected, self._breaker, self.insights
+        )
+        #: The scheduler's liveness: its lease, the engine keys' refresh, its metrics
+        #: snapshot and fingerprint, on a thread of its own.
+        self._beat = Beat(
             config,
             self.keys,
-            self._table,
-            reader,
-            self.expected,
-            self._breaker,
-            self.fingerprint.tick,
-            self.insights,
             self.lease,
-            MetricsPublisher(
+            beat,
+            "scheduler beat",
+            metrics=MetricsPublisher(
                 self.keys,
                 SCHEDULER_ROLE,
                 "client",
@@ -136,14 +139,17 @@ class RedisAsyncLookupClient(LookupClientInterface):
                 ttl_ms=config.metrics_ttl_ms,
                 configured_engine_id=metadata.configured_engine_id,
             ),
+            fingerprint=self.fingerprint,
         )
         self._closed = False
         self._sender.start(",".join(map(str, self.expected)))
         probe = reader()
         try:
             self._listener.prime(probe)
-            self._listener.start()
+            self._beat.prime(probe)
             self.fingerprint.run(probe)
+            self._listener.start()
+            self._beat.start()
         finally:
             probe.close()
 
@@ -314,7 +320,9 @@ class RedisAsyncLookupClient(LookupClientInterface):
             send_queue_full=self._sender.dropped,
             direct_submits=self._sender.direct_submits,
             redis_errors=self._sender.errors + self._listener.errors,
-            unexpected_errors=self._sender.guard.count + self._listener.guard.count,
+            unexpected_errors=(
+                self._sender.guard.count + self._listener.guard.count + self._beat.guard.count
+            ),
             dead_ranks=tuple(sorted(self._listener.dead)),
             liveness_known=self._listener.checked,
             ownership=self.lease.state(),
@@ -336,8 +344,10 @@ class RedisAsyncLookupClient(LookupClientInterface):
             grace = self.config.loop_timeout_s + 2.0
             deadline = time.monotonic() + grace
             self._listener.stop(0.0)  # it ends its read while the sender drains
+            self._beat.stop(0.0)  # before the release: it would claim again
             ok = self._sender.stop(grace)
             ok = self._listener.stop(max(0.0, deadline - time.monotonic())) and ok
+            ok = self._beat.stop(max(0.0, deadline - time.monotonic())) and ok
             if not ok:
                 logger.error("lookup client threads did not stop within %.1fs", grace)
             # Released only where Redis answers: the release's round trip has no grace left

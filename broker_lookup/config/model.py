@@ -73,6 +73,11 @@ def _env_read() -> Iterator[None]:
         _ENV_READ.reset(token)
 
 
+#: The fewest heartbeat intervals a heartbeat TTL and an owner lease may span: one late
+#: beat (a slow round trip, a GC pause) must not make a live process look dead.
+LIVENESS_BEATS = 3
+
+
 class DeadlineRule(NamedTuple):
     """A lookup's deadline in ms after its submit: ``base_ms`` plus ``per_1k_ms`` per 1,000
     prompt tokens, at most ``ceiling_ms`` (``LookupConfig.deadline_rule`` builds it)."""
@@ -117,12 +122,40 @@ def _require(ok: bool, field: str, value: object, rule: str) -> None:
         raise _bad(field, _shown(field, value), f"is invalid: {rule}")
 
 
-def _bad(field: str, shown: str, problem: str, origin: str | None = None) -> ConfigError:
+def _require_pair(
+    ok: bool, field: str, value: object, other: str, other_value: object, rule: str
+) -> None:
+    """Refuse a combination of two fields: the error names both values and their sources."""
+    if not ok:
+        raise _bad(field, _shown(field, value), rule, other=(other, _shown(other, other_value)))
+
+
+def _bad(
+    field: str,
+    shown: str,
+    problem: str,
+    origin: str | None = None,
+    *,
+    other: tuple[str, str] | None = None,
+    other_origin: str | None = None,
+) -> ConfigError:
     """The error of ``field``'s value: ``origin`` is where it came from; unknown (the
-    object was built directly), the variable that would set it."""
+    object was built directly), the variable that would set it. ``other``: the (field,
+    shown value) that ``field``'s value can't go with, from ``other_origin``."""
     where = origin or env_origin(field)
+    if other is None:
+        return ConfigError(
+            f"{field}={shown} ({where}) {problem}", field=field, shown=shown, problem=problem
+        )
+    name, other_shown = other
+    there = other_origin or env_origin(name)
     return ConfigError(
-        f"{field}={shown} ({where}) {problem}", field=field, shown=shown, problem=problem
+        f"{field}={shown} ({where}) does not go with {name}={other_shown} ({there}): {problem}",
+        field=field,
+        shown=shown,
+        problem=problem,
+        other=name,
+        other_shown=other_shown,
     )
 
 
@@ -249,27 +282,7 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         _require(self.key_grace_ms >= 0, "key_grace_ms", self.key_grace_ms, "must be >= 0")
         problem = url_problem(self.redis_url)
         _require(problem is None, "redis_url", self.redis_url, problem or "")
-        _require(
-            self.block_ms + 1000 <= self.socket_timeout_ms,
-            "block_ms",
-            self.block_ms,
-            f"must be at least 1000 ms under socket_timeout_ms={self.socket_timeout_ms} "
-            "(a blocking read longer than the socket timeout fails)",
-        )
-        _require(
-            self.heartbeat_ttl_ms >= 2 * self.heartbeat_interval_ms,
-            "heartbeat_ttl_ms",
-            self.heartbeat_ttl_ms,
-            "must be at least twice heartbeat_interval_ms",
-        )
-        lease = self.lease_ms
-        _require(
-            lease >= 2 * self.heartbeat_interval_ms,
-            "owner_lease_ms",
-            lease,
-            f"must be at least twice heartbeat_interval_ms={self.heartbeat_interval_ms} "
-            "(a holder renews it every interval)",
-        )
+        self._check_liveness()
         _require(
             self.worker_pin_ttl_ms > self.lookup_timeout_ms,
             "worker_pin_ttl_ms",
@@ -336,6 +349,47 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
             "(a snapshot goes with a heartbeat)",
         )
 
+    def _check_liveness(self) -> None:
+        """Refuse timers that cannot keep a lease or a heartbeat alive: each error names
+        both values and where each came from."""
+        interval = self.heartbeat_interval_ms
+        _require_pair(
+            self.block_ms + 1000 <= self.socket_timeout_ms,
+            "block_ms",
+            self.block_ms,
+            "socket_timeout_ms",
+            self.socket_timeout_ms,
+            "block_ms must be at least 1000 ms under socket_timeout_ms (a blocking read "
+            "longer than the socket timeout fails, and the connection with it)",
+        )
+        _require_pair(
+            self.block_ms < self.heartbeat_ttl_ms,
+            "block_ms",
+            self.block_ms,
+            "heartbeat_ttl_ms",
+            self.heartbeat_ttl_ms,
+            "block_ms must be under heartbeat_ttl_ms (a loop blocked in one read longer "
+            "than a heartbeat lives sees its ranks die between two reads)",
+        )
+        _require_pair(
+            self.heartbeat_ttl_ms >= LIVENESS_BEATS * interval,
+            "heartbeat_ttl_ms",
+            self.heartbeat_ttl_ms,
+            "heartbeat_interval_ms",
+            interval,
+            f"heartbeat_ttl_ms must be at least {LIVENESS_BEATS} times heartbeat_interval_ms "
+            "(one late beat must not make a live rank look dead)",
+        )
+        _require_pair(
+            self.lease_ms >= LIVENESS_BEATS * interval,
+            "owner_lease_ms",
+            self.lease_ms,
+            "heartbeat_interval_ms",
+            interval,
+            f"the owner lease must be at least {LIVENESS_BEATS} times heartbeat_interval_ms "
+            "(a holder renews it every interval; one late renewal must not lapse it)",
+        )
+
     def _check_engine_ttl(self) -> None:
         ttl = self.engine_ttl_ms
         floor = max(self.heartbeat_ttl_ms, self.lease_ms, self.key_ttl_ms)
@@ -362,6 +416,13 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         sweeps, heartbeats and watchdog run on after it, never after the general
         ``socket_timeout_ms``), and so how long ``close()`` waits for such a loop to end."""
         return (self.block_ms + self.breaker_open_ms) / 1000
+
+    @property
+    def beat_timeout_s(self) -> float:
+        """Socket timeout, in seconds, of a process's beat (lease, heartbeat, refreshes):
+        a loop's (:attr:`loop_timeout_s`) but at most half a lease, so a renewal waiting
+        on a stalled server costs one beat, never the lease it renews."""
+        return min(self.loop_timeout_s, self.lease_ms / 2000)
 
     @property
     def metrics_ttl_ms(self) -> int:
@@ -553,6 +614,12 @@ def _located(
         if cause.field is None:
             return cause
         where = origins.get(cause.field, "the default")
+        if cause.other is not None:
+            there = origins.get(cause.other, "the default")
+            other = (cause.other, cause.other_shown)
+            return _bad(
+                cause.field, cause.shown, cause.problem, where, other=other, other_origin=there
+            )
         return _bad(cause.field, cause.shown, cause.problem, where)
     text = str(exc)
     found = _AT_FIELD.search(text)

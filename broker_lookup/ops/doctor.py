@@ -37,7 +37,6 @@ from broker_lookup.ops.fleet import conflicts, engine_roles
 from broker_lookup.ops.split import EVERY_SCHEDULER_LEASE, View, find_splits, instance_pattern
 from broker_lookup.printable import shown
 from broker_lookup.processes import ExitCode
-from broker_lookup.protocol.fingerprint import live_members
 from broker_lookup.protocol.keys import (
     EVERY_REQUEST_STREAM,
     SCHEDULER_ROLE,
@@ -47,6 +46,7 @@ from broker_lookup.protocol.keys import (
 )
 from broker_lookup.protocol.messages import decode_done
 from broker_lookup.transport.connection import make_factory
+from broker_lookup.transport.fingerprint import live_members
 
 __all__ = ["Finding", "diagnose", "run_doctor"]
 

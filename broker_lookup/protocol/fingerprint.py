@@ -10,7 +10,10 @@ process therefore writes :meth:`ChunkedTokenHasher.fingerprint` into one hash::
 and compares its own against every other member, logging ``HASH MISMATCH`` loudly.
 The key lives as long as the engine (``engine_ttl_ms``, refreshed by each publish and
 by every process's beat: see ``lifetime``); members not refreshed within
-:data:`STALE_MS` are dropped by :func:`check`, so restarts do not pile up.
+:data:`STALE_MS` are dropped, so restarts do not pile up.
+
+This module is the data: the member's name and value, and how a hash's members compare.
+The reads and writes are :mod:`broker_lookup.transport.fingerprint`'s.
 """
 
 from __future__ import annotations
@@ -20,22 +23,22 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol
 
-import redis
-
-from broker_lookup.errors import translate_redis_errors
+from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 
 __all__ = [
     "PUBLISH_EVERY_S",
     "STALE_MS",
-    "Publisher",
-    "check",
-    "live_members",
+    "Compared",
+    "Fingerprint",
+    "Hasher",
+    "compare",
+    "live",
     "member",
-    "publish",
+    "publish_commands",
 ]
 
 logger = logging.getLogger(__name__)
@@ -45,6 +48,7 @@ STALE_MS = 60_000
 #: How often a live process re-publishes.
 PUBLISH_EVERY_S = 10.0
 
+#: One process's fingerprint as published (``ts_ms`` included).
 Fingerprint = Mapping[str, Any]
 
 
@@ -54,25 +58,23 @@ class Hasher(Protocol):
     def fingerprint(self) -> dict[str, str | int | bool]: ...
 
 
+class Compared(NamedTuple):
+    """A fingerprint hash's members against this process's own, both lists sorted."""
+
+    stale: list[str]  #: not refreshed within STALE_MS: to drop
+    mismatches: list[str]  #: hash differently (or undecodable)
+
+
 def member(role: str) -> str:
     """This process's field in the fingerprint hash: ``<role>:<host>:<pid>``."""
     return f"{role}:{socket.gethostname()}:{os.getpid()}"
 
 
-def publish(client: redis.Redis, keys: KeySpace, role: str, hasher: Hasher, ttl_ms: int) -> None:
-    """Write this process's fingerprint (with ``ts_ms``) and set the key's TTL to ``ttl_ms``
-    (the engine's: ``engine_ttl_ms``).
-
-    Raises:
-        BrokerUnavailable: Redis could not be reached.
-        BrokerResponseError: Redis refused a command.
-    """
+def publish_commands(keys: KeySpace, role: str, hasher: Hasher, ttl_ms: int) -> list[Command]:
+    """The writes of this process's fingerprint (with ``ts_ms``) and of the key's TTL
+    (``ttl_ms``: the engine's ``engine_ttl_ms``)."""
     value = json.dumps({**hasher.fingerprint(), "ts_ms": int(time.time() * 1000)}, sort_keys=True)
-    with translate_redis_errors("publishing the hash fingerprint"):
-        pipe = client.pipeline(transaction=False)
-        pipe.hset(keys.fingerprint, member(role), value)
-        pipe.pexpire(keys.fingerprint, ttl_ms)
-        pipe.execute()
+    return [("HSET", keys.fingerprint, member(role), value), ("PEXPIRE", keys.fingerprint, ttl_ms)]
 
 
 def _text(raw: str | bytes) -> str:
@@ -87,19 +89,12 @@ def _decode(raw: str | bytes) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def check(client: redis.Redis, keys: KeySpace, own: Fingerprint) -> list[str]:
-    """Members whose fingerprint differs from ``own`` (``ts_ms`` ignored), sorted.
+def compare(keys: KeySpace, members: Mapping[Any, Any], own: Fingerprint) -> Compared:
+    """``members`` (an HGETALL of the hash) against ``own`` (``ts_ms`` ignored).
 
-    Each mismatch is logged at ERROR with ``HASH MISMATCH`` and both fingerprints.
-    Members not refreshed for :data:`STALE_MS` are deleted and ignored; an undecodable
-    member counts as a mismatch.
-
-    Raises:
-        BrokerUnavailable: Redis could not be reached.
-        BrokerResponseError: Redis refused a command.
+    Each mismatch is logged at ERROR with ``HASH MISMATCH`` and both fingerprints; an
+    undecodable member counts as one.
     """
-    with translate_redis_errors("reading hash fingerprints"):
-        members: dict[Any, Any] = client.hgetall(keys.fingerprint)
     ours = {k: v for k, v in own.items() if k != "ts_ms"}
     cutoff = int(time.time() * 1000) - STALE_MS
     stale: list[str] = []
@@ -113,22 +108,12 @@ def check(client: redis.Redis, keys: KeySpace, own: Fingerprint) -> list[str]:
         elif theirs != ours:
             bad.append(name)
             _report(keys, name, theirs, ours)
-    if stale:
-        with translate_redis_errors("dropping stale hash fingerprints"):
-            client.hdel(keys.fingerprint, *stale)
-    return sorted(bad)
+    return Compared(sorted(stale), sorted(bad))
 
 
-def live_members(client: redis.Redis, keys: KeySpace) -> dict[str, dict[str, Any] | None]:
-    """Every process's fingerprint (``ts_ms`` dropped; None: undecodable), stale ones left
-    out: what ``broker-lookup doctor`` compares. Reads only.
-
-    Raises:
-        BrokerUnavailable: Redis could not be reached.
-        BrokerResponseError: Redis refused a command.
-    """
-    with translate_redis_errors("reading hash fingerprints"):
-        members: dict[Any, Any] = client.hgetall(keys.fingerprint)
+def live(members: Mapping[Any, Any]) -> dict[str, dict[str, Any] | None]:
+    """Every process's fingerprint in ``members`` (``ts_ms`` dropped; None: undecodable),
+    stale ones left out: what ``broker-lookup doctor`` compares."""
     cutoff = int(time.time() * 1000) - STALE_MS
     found: dict[str, dict[str, Any] | None] = {}
     for raw_name, raw_value in members.items():
@@ -152,58 +137,3 @@ def _report(keys: KeySpace, name: str, theirs: dict[str, Any] | None, ours: Fing
         os.getpid(),
         json.dumps(dict(ours), sort_keys=True),
     )
-
-
-class Publisher:
-    """One process's fingerprint duty: publish and check now, then every PUBLISH_EVERY_S.
-
-    Never raises: failures are logged at WARNING (the fingerprint is a diagnostic). It
-    uses the Redis client it is handed, or one of its own made by ``factory``; ``ttl_ms``
-    is the key's TTL (the engine's ``engine_ttl_ms``).
-    """
-
-    def __init__(
-        self,
-        keys: KeySpace,
-        role: str,
-        hasher: Hasher,
-        factory: Callable[[], redis.Redis] | None = None,
-        *,
-        ttl_ms: int,
-    ) -> None:
-        self._keys = keys
-        self._ttl_ms = ttl_ms
-        self._role = role
-        self._hasher = hasher
-        self._factory = factory
-        self._own: redis.Redis | None = None
-        self._next = 0.0
-        #: Members whose hashing differs from ours, as of the last check.
-        self.mismatches: list[str] = []
-
-    def run(self, client: redis.Redis | None = None) -> list[str]:
-        """Publish and check now; return (and remember) the mismatching members."""
-        self._next = time.monotonic() + PUBLISH_EVERY_S
-        try:
-            if client is None:
-                if self._own is None and self._factory is not None:
-                    self._own = self._factory()
-                client = self._own
-            if client is not None:
-                publish(client, self._keys, self._role, self._hasher, self._ttl_ms)
-                self.mismatches = check(client, self._keys, self._hasher.fingerprint())
-        except Exception as exc:  # a diagnostic must never break its host
-            logger.warning("hash fingerprint publish/check failed: %s", exc)
-        return self.mismatches
-
-    def tick(self, client: redis.Redis | None = None) -> None:
-        """:meth:`run` if PUBLISH_EVERY_S has passed since the last run."""
-        if time.monotonic() >= self._next:
-            self.run(client)
-
-    def close(self) -> None:
-        """Close the client this publisher made itself, if any."""
-        own = self._own
-        self._own = None
-        if own is not None:
-            own.close()

@@ -1,9 +1,11 @@
 """One process's claim on one role of an engine (a rank, or the scheduler): one owner each.
 
 :class:`Lease` keeps what ``claim.lua`` told this process and what its own clock says;
-it does no I/O itself: its owner thread (a rank's read loop, a client's listener) runs
+it does no I/O itself: its owner thread, the process's beat
+(:class:`~broker_lookup.transport.beat.Beat`, never a loop that serves), runs
 :meth:`Lease.claim_call` with :func:`run_claim` every heartbeat interval and hands the
-reply to :meth:`Lease.on_reply`.
+reply to :meth:`Lease.on_reply`. The threads that serve read :meth:`Lease.held` and
+:attr:`Lease.fence`, and wait on :meth:`Lease.wait_held` while it is not held.
 
 The rules it enforces locally, on top of the server's:
 
@@ -18,6 +20,7 @@ The rules it enforces locally, on top of the server's:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +80,10 @@ class Lease:
         #: ``conflicts``: episodes of finding another live holder; ``lost``: leases lost
         #: to another process; ``claims``: leases taken (first or after an expiry).
         self.counts = {"conflicts": 0, "lost": 0, "claims": 0}
+        self._changed = threading.Condition()  # notified on every claim reply
+        #: Claims and renewals that succeeded: a report fenced under an older token waits
+        #: for the next one (it learns the token Redis holds, or that another process does).
+        self.renewals = 0
 
     # -- what the owner thread sends -----------------------------------------------------
 
@@ -109,6 +116,27 @@ class Lease:
             return False
         t = self._clock() if now is None else now
         return t - self._renewed < self._lease_s
+
+    def wait_held(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until this process may serve the role, or a claim found
+        another holder; True if it may serve then."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.held() or self.holder is not None, timeout_s)
+        return self.held()
+
+    def wait_renewed(self, after: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a renewal beyond the ``after``-th (see
+        :attr:`renewals`), or a claim that found another holder; True if this process may
+        serve the role then."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self.renewals > after or self.holder is not None, timeout_s
+            )
+        return self.held()
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
 
     def unheld_for(self, now: float | None = None) -> float:
         """Seconds since this process last could serve the role (0.0 while it can)."""
@@ -163,6 +191,7 @@ class Lease:
         parsed = parse_claim_reply(reply)
         if parsed.status == "held":
             self._on_held(parsed.holder)
+            self._notify()
             return False
         if parsed.status == "claimed" or self.token is None:
             # (a first "renewed": a claim retried after its reply was lost)
@@ -175,6 +204,8 @@ class Lease:
         self._unheld_since = None
         self._contended_since = None
         self._lapse_logged = False
+        self.renewals += 1
+        self._notify()
         return self.held()
 
     def _on_claimed(self, token: str | None) -> None:

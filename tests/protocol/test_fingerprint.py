@@ -15,6 +15,7 @@ from broker_lookup.protocol import fingerprint
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.stub_engine import StubEngine
+from broker_lookup.transport import fingerprint as fingerprints
 
 CLIENT = fingerprint.member("client")
 RANK0 = fingerprint.member("rank0")
@@ -80,7 +81,7 @@ def test_stale_members_are_dropped_and_garbage_is_a_mismatch(
     redis.hset(
         keys.fingerprint, "rank7:same:3", json.dumps({**own, "ts_ms": int(time.time() * 1000)})
     )
-    assert fingerprint.check(redis, keys, own) == ["rank8:odd:2"]
+    assert fingerprints.check(redis, keys, own) == ["rank8:odd:2"]
     names = {text(m) for m in redis.hkeys(keys.fingerprint)}
     assert names == {"rank8:odd:2", "rank7:same:3"}
 
@@ -90,7 +91,7 @@ def test_publisher_never_raises(
     backend: Backend, engine_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     backend.fake.connected = False
-    publisher = fingerprint.Publisher(
+    publisher = fingerprints.Publisher(
         KeySpace(engine_id), "client", ChunkedTokenHasher(), backend.factory, ttl_ms=60_000
     )
     assert publisher.run() == []

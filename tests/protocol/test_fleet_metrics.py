@@ -213,7 +213,7 @@ def test_only_the_lease_holder_publishes(
     for i in range(3):
         assert other.lookup(prompt(i), f"o-{i}") == 0
     assert other.stats().outcomes["duplicate_scheduler"] == 3
-    mine, its = holder._listener.metrics, other._listener.metrics
+    mine, its = holder._beat.metrics, other._beat.metrics
     assert mine is not None and its is not None
     start = mine.published
     # Three more publishes of the holder: the second scheduler had as many chances.

@@ -14,7 +14,7 @@ from faultkit import MakeLookupClient, StartRank, alive, answer, beat, config, p
 from helpers import RealServer, wait_until
 
 from broker_lookup.processes import ExitCode, free_port
-from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.keys import KeySpace, rank_role
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -37,6 +37,14 @@ def _readyz(port: int) -> tuple[int, str]:
 def _holder_pid(conn: redis.Redis, ks: KeySpace) -> int | None:
     pid = beat(conn, ks.heartbeat(0)).get("pid")
     return pid if isinstance(pid, int) else None
+
+
+def _lease_record(conn: redis.Redis, ks: KeySpace) -> tuple[str, str]:
+    """Rank 0's lease record: its token and the holder's identity (JSON)."""
+    raw = conn.get(ks.owner(rank_role(0)))
+    assert isinstance(raw, bytes), raw
+    token, identity = raw.decode().split(" ", 1)
+    return token, identity
 
 
 def test_a_duplicated_rank_never_answers_waits_exits_4_then_takes_over(
@@ -76,7 +84,12 @@ def test_a_duplicated_rank_never_answers_waits_exits_4_then_takes_over(
     client.lookup(PROMPT, "after")
     assert answer(client, "after", timeout=30) == 0  # the new owner's engine: a miss
     assert client.stats().outcomes["miss"] == 1
-    assert "took over (epoch 2)" in newcomer.log()
+    # The lease record says who took over and as which owner: the second epoch, held by the
+    # newcomer. (Its log line names it "took over" or "holds the lease" depending on whether
+    # the owner's lease had expired before it first looked: timing, not state.)
+    token, identity = _lease_record(conn, ks)
+    assert token.split(".", 1)[0] == "2"
+    assert f'"pid":{newcomer.pid},' in identity
 
 
 def test_an_owner_paused_past_its_lease_comes_back_fenced(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -123,17 +124,60 @@ def test_hit_miss_ratio_bounds_are_inclusive(ratio: float) -> None:
 
 
 def test_block_must_stay_a_second_under_the_socket_timeout() -> None:
-    LookupConfig(block_ms=4000, socket_timeout_ms=5000)
+    LookupConfig(block_ms=4000, socket_timeout_ms=5000, heartbeat_ttl_ms=6000)
     with pytest.raises(ConfigError, match=r"block_ms=4001 .*socket_timeout_ms=5000"):
-        LookupConfig(block_ms=4001, socket_timeout_ms=5000)
+        LookupConfig(block_ms=4001, socket_timeout_ms=5000, heartbeat_ttl_ms=6000)
     with pytest.raises(ConfigError, match="block_ms"):
         LookupConfig(socket_timeout_ms=1000)  # default block_ms=200 no longer fits
 
 
-def test_heartbeat_ttl_must_cover_two_intervals() -> None:
-    LookupConfig(heartbeat_interval_ms=100, heartbeat_ttl_ms=200)
-    with pytest.raises(ConfigError, match=r"heartbeat_ttl_ms=199 .*heartbeat_interval_ms"):
-        LookupConfig(heartbeat_interval_ms=100, heartbeat_ttl_ms=199)
+def test_heartbeat_ttl_must_cover_three_intervals() -> None:
+    LookupConfig(heartbeat_interval_ms=100, heartbeat_ttl_ms=300)
+    with pytest.raises(ConfigError, match=r"heartbeat_ttl_ms=299 .*heartbeat_interval_ms=100"):
+        LookupConfig(heartbeat_interval_ms=100, heartbeat_ttl_ms=299)
+
+
+# -- combinations that cannot keep a lease: both values and both sources named ---------------
+
+
+def test_a_blocking_read_longer_than_a_heartbeat_lives_is_refused_naming_both_sources(
+    tmp_path: Path,
+) -> None:
+    LookupConfig(block_ms=1499, heartbeat_ttl_ms=1500, heartbeat_interval_ms=100)
+    path = tmp_path / "bl.yaml"
+    path.write_text("heartbeat_ttl_ms: 1500\nheartbeat_interval_ms: 100\n")
+    env = {"BROKER_LOOKUP_BLOCK_MS": "1500", "BROKER_LOOKUP_CONFIG_FILE": str(path)}
+    with pytest.raises(ConfigError) as info:
+        LookupConfig.load(environ=env)
+    assert str(info.value) == (
+        f"block_ms=1500 (env BROKER_LOOKUP_BLOCK_MS) does not go with heartbeat_ttl_ms=1500 "
+        f"(file {path}): block_ms must be under heartbeat_ttl_ms (a loop blocked in one read "
+        "longer than a heartbeat lives sees its ranks die between two reads)"
+    )
+
+
+def test_a_lease_shorter_than_three_beats_is_refused_naming_both_sources() -> None:
+    LookupConfig(owner_lease_ms=1500, heartbeat_interval_ms=500)
+    env = {"BROKER_LOOKUP_OWNER_LEASE_MS": "1499"}
+    with pytest.raises(ConfigError) as info:
+        LookupConfig.load(environ=env)
+    text = str(info.value)
+    assert text.startswith(
+        "owner_lease_ms=1499 (env BROKER_LOOKUP_OWNER_LEASE_MS) does not go with "
+        "heartbeat_interval_ms=500 (the default): the owner lease must be at least 3 times"
+    )
+    env["BROKER_LOOKUP_HEARTBEAT_INTERVAL_MS"] = "499"
+    assert LookupConfig.load(environ=env).lease_ms == 1499
+
+
+def test_a_blocking_read_at_the_socket_timeout_is_refused_naming_both_sources() -> None:
+    env = {"BROKER_LOOKUP_BLOCK_MS": "4500"}
+    with pytest.raises(ConfigError) as info:
+        LookupConfig.load(environ=env)
+    assert str(info.value).startswith(
+        "block_ms=4500 (env BROKER_LOOKUP_BLOCK_MS) does not go with socket_timeout_ms=5000 "
+        "(the default): block_ms must be at least 1000 ms under socket_timeout_ms"
+    )
 
 
 def test_engine_ttl_bounds_every_key_of_the_engine() -> None:

@@ -201,14 +201,18 @@ def test_flags_override_variables_override_the_file(tmp_path: Path) -> None:
 def test_file_and_variables_are_validated_together(tmp_path: Path) -> None:
     # block_ms must stay 1000 ms under socket_timeout_ms: valid only once both are applied.
     path = tmp_path / "c.yaml"
-    path.write_text("block_ms: 5000\n")
+    path.write_text("block_ms: 5000\nheartbeat_ttl_ms: 6000\n")
     cfg = LookupConfig.load(path, {"BROKER_LOOKUP_SOCKET_TIMEOUT_MS": "10000"})
     assert (cfg.block_ms, cfg.socket_timeout_ms) == (5000, 10000)
 
 
 def test_a_cross_field_failure_names_the_origin_of_the_field_at_fault() -> None:
     env = {"BROKER_LOOKUP_SOCKET_TIMEOUT_MS": "1000"}
-    with pytest.raises(ConfigError, match=r"block_ms=200 \(the default\) is invalid"):
+    with pytest.raises(
+        ConfigError,
+        match=r"block_ms=200 \(the default\) does not go with socket_timeout_ms=1000 "
+        r"\(env BROKER_LOOKUP_SOCKET_TIMEOUT_MS\)",
+    ):
         LookupConfig.load(environ=env)
 
 

@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 #: Report answers after which the rank holds the generation's pins.
 _KEEP = ("complete", "recorded", "duplicate")
+#: Report answers that say nothing of what the scheduler was answered: after one, a job
+#: whose progress may have reached Redis keeps that prefix (a partial answer may stand on it).
+_UNSURE = ("error", "overflow", "fenced")
 
 
 class Dispatcher:
@@ -81,6 +84,7 @@ class Dispatcher:
         #: Progress is only worth a Redis write where the deadline may answer with it.
         self._progress_on = config.partial_answers
         #: Sends the reports (its thread is started and stopped by the server).
+        self._lease = lease
         self.reporter = Reporter(config, keys, rank, factory, self.settle, lease)
         self._lock = threading.Lock()  # counts and the engine histogram: every thread
         self._counts: dict[str, int] = {}
@@ -168,14 +172,29 @@ class Dispatcher:
     def settle(self, report: Report, answer: str) -> None:
         """Redis answered ``report``: its generation's pins held, or released (the reporter)."""
         if report.progress:  # nothing to decide: the lookup runs on
-            self.count("progress_" + answer)
+            if not (answer == "fenced" and self._resend(report)):
+                self.count("progress_" + answer)
+            return
+        name, decided = report_answer(answer)
+        if name == "fenced" and self._resend(report):
             return
         now = self._clock()
-        name, decided = report_answer(answer)
         # After the deadline answered (settled): the promised prefix, at most what we hold.
         kept = None if decided is None else min(decided, report.hits)
+        if kept is None and name in _UNSURE:
+            # The deadline may have answered the progress sent: keep it, as a keep would.
+            kept = self._lifecycle.progress_sent(report.lookup_id, report.gen)
         step = self._lifecycle.on_settled(report.lookup_id, report.gen, name in _KEEP, now, kept)
         self._apply(report.lookup_id, step, "report_" + name)
+
+    def _resend(self, report: Report) -> bool:
+        """Send a report fenced by a lapse again, under the token held then: True if it
+        was queued. Not where another process took the rank over (its answer stands)."""
+        lease = self._lease
+        if lease is None or lease.holder is not None or not self.reporter.resend(report):
+            return False
+        self.count("reports_resent")
+        return True
 
     # -- from the sweeper's clock ----------------------------------------------------
 

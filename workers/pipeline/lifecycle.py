@@ -17,7 +17,9 @@ client sends a keep: the engine keeps that prefix and releases the rest
 answer is decided) but by the pin TTL from the keep, and is held once the engine
 reports, without sending that report. A report that reaches Redis after the deadline
 answered (``settled:<n>``) holds the smaller of ``n`` and its own count the same way,
-whether or not the keep was read yet.
+whether or not the keep was read yet. A report whose answer says nothing of the
+deadline's (``error``, ``overflow``, or ``fenced`` past its re-sends) holds the progress
+it sent, which may have reached Redis and been answered: a lapse never costs a promise.
 
 The engine never holds two generations of one id: a newer generation that arrives
 while one is running or reporting waits in a single slot per id (a still newer one
@@ -245,6 +247,16 @@ class Lifecycle:
                 return NOTHING
             job.kept = kept if job.kept is None else min(job.kept, kept)
             return Step(keep=job.kept)
+
+    def progress_sent(self, lookup_id: str, gen: int) -> int | None:
+        """The prefix of (``lookup_id``, ``gen``)'s progress handed to the reporter, which
+        may have reached Redis (and a partial answer at the deadline with it); None if
+        none was or that generation is not being reported."""
+        with self._lock:
+            job = self._jobs.get(lookup_id)
+            if job is None or job.gen != gen or job.state != "reporting":
+                return None
+            return job.progress_sent or None
 
     def on_progress(self, lookup_id: str, tokens: int, now: float) -> bool:
         """The engine confirmed ``tokens`` of ``lookup_id``'s prefix loaded and pinned.

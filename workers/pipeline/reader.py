@@ -13,6 +13,9 @@ anyway, the reader re-reads its own pending entries, so a delivery whose reply w
 lost between XREADGROUP and XACK (a reset, a held connection, redis-py retrying the
 read) is served then; dedupe by (id, gen) makes a re-served entry harmless. A group
 re-created after NOGROUP starts at ``0``, so entries written meanwhile are read.
+The timed replay never starves the new entries: it comes only after a read of new
+entries, and its second is counted from the end of the last replay, so a loop whose
+turns take longer than that second still alternates, never replaying only.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class Reader:
         self._replaying = True
         self._sent_replaying = True  # what the read in flight asked for
         self._next_replay = 0.0
+        self._read_new = False  # a read of new entries was sent since the last replay
         #: Counters for ``stats().consumer``, plus the group's pending and lag.
         self.stats: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
 
@@ -174,11 +178,10 @@ class Reader:
 
         Its reply goes to :meth:`parse`, before the next command is asked for.
         """
-        now = time.monotonic()
-        if now >= self._next_replay:
-            self._next_replay = now + REPLAY_EVERY_S
+        if not self._replaying and self._read_new and time.monotonic() >= self._next_replay:
             self._replaying = True
         self._sent_replaying = self._replaying
+        self._read_new = self._read_new or not self._replaying
         head = ("XREADGROUP", "GROUP", self._group, self._name, "COUNT", BATCH_SIZE)
         if self._replaying:
             return (*head, "STREAMS", self._keys.requests, "0")
@@ -190,6 +193,8 @@ class Reader:
         if self._sent_replaying:
             if not entries:
                 self._replaying = False  # nothing of ours is pending: read new entries
+                self._read_new = False
+                self._next_replay = time.monotonic() + REPLAY_EVERY_S
             self.stats["replayed"] += len(entries)
         self.stats["entries"] += len(entries)
         messages: list[tuple[Request, float]] = []

@@ -11,12 +11,19 @@ not fit is answered ``overflow`` at once, so its lookup is released instead of q
 without limit while Redis is away.
 
 Every report's answer (the script's, or ``error`` or ``overflow``) goes to ``settle``.
+
+A lapse never costs a promise: a report answered ``fenced`` while no other process took
+the rank over is queued again (:meth:`Reporter.resend`), and this thread sends it under
+the token the beat learns at its next renewal (it waits for that renewal, within
+:data:`FENCED_WAIT_S`, rather than send it again under the token just fenced). Any
+batch waits likewise, while the lease lapsed, for the beat to renew it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NamedTuple
@@ -47,6 +54,11 @@ MAX_BATCH = 256
 #: bell, so this only bounds a wake-up lost to a bug: long, because each idle wake-up
 #: of the 100 ms default cost an idle rank about 1 ms of CPU a second.
 IDLE_TICK_S = 2.0
+#: How many times a report answered ``fenced`` is sent again under a newer token.
+MAX_RESENDS = 3
+#: The longest the reporter's thread waits for the lease before a batch: sending while it
+#: is not held (a lapse the beat is renewing) only gets the batch fenced.
+FENCED_WAIT_S = 2.0
 
 
 class Report(NamedTuple):
@@ -56,6 +68,7 @@ class Report(NamedTuple):
     gen: int
     hits: int  #: tokens loaded and pinned: the final count, or so far when ``progress``
     progress: bool = False  #: ``progress.lua`` (a prefix confirmed so far), not the report
+    resends: int = 0  #: times it was sent again after a ``fenced`` answer
 
 
 class Served(NamedTuple):
@@ -126,6 +139,7 @@ class Reporter(Batcher[Report]):
         self._window = _Window(self)
         #: Reports that did not fit in the queue.
         self.overflows = 0
+        self._fenced_after = 0  # the lease's renewals when the last fenced answer came
 
     def put(self, report: Report) -> None:
         """Send ``report`` (any thread): with the batch being served (the read loop sends
@@ -137,6 +151,16 @@ class Reporter(Batcher[Report]):
                 return
         if not self._put(report):
             self._overflow(report)
+
+    def resend(self, report: Report) -> bool:
+        """Queue ``report`` again after a ``fenced`` answer, for this reporter's thread to
+        send under the token held then; False (nothing queued) after MAX_RESENDS."""
+        if report.resends >= MAX_RESENDS:
+            return False
+        if self._lease is not None:
+            self._fenced_after = self._lease.renewals
+        self._enqueue(report._replace(resends=report.resends + 1))
+        return True
 
     def riding(self) -> _Window:
         """On the read loop, around serving one batch: collects the reports made meanwhile.
@@ -221,6 +245,7 @@ class Reporter(Batcher[Report]):
             riding.clear()
 
     def _send_batch(self, client: redis.Redis, batch: list[Report]) -> None:
+        self._await_lease(batch)
         calls = [self._call(r) for r in batch]
         results: list[Any] | None = None
         for attempt in self._attempts(len(calls)):
@@ -229,6 +254,19 @@ class Reporter(Batcher[Report]):
         answers = ["error"] * len(batch) if results is None else [self._answer(r) for r in results]
         for report, answer in zip(batch, answers, strict=True):
             self._settle(report, answer)
+
+    def _await_lease(self, batch: list[Report]) -> None:
+        """Before a batch is sent: where nobody else took the rank, wait for the beat's
+        next renewal if the batch holds a report fenced, and for the lease if it lapsed
+        (the calls take the token of the moment they are made)."""
+        lease = self._lease
+        if lease is None or lease.holder is not None:
+            return
+        deadline = time.monotonic() + min(FENCED_WAIT_S, max(0.0, self._stop_by - time.monotonic()))
+        if any(r.resends for r in batch):
+            lease.wait_renewed(self._fenced_after, max(0.0, deadline - time.monotonic()))
+        if not lease.held():
+            lease.wait_held(max(0.0, deadline - time.monotonic()))
 
     # -- the script -------------------------------------------------------------------
 

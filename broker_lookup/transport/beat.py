@@ -1,0 +1,218 @@
+"""One process's liveness for one role: the beat, on its own thread and connection.
+
+Liveness is a beat, not a batch. Every ``heartbeat_interval_ms`` the beat of a process
+(a rank's server, the scheduler's client) does the periodic work that says it is alive,
+and nothing else:
+
+* renews the role's lease (``claim.lua``), with a rank's heartbeat in the same call;
+* refreshes the TTL of the engine's lasting keys (streams, fingerprint hash: see
+  :mod:`broker_lookup.protocol.lifetime`), with the metrics snapshot when one is due and
+  this process holds the lease (one snapshot per role);
+* publishes and checks the hashing fingerprint every
+  :data:`~broker_lookup.protocol.fingerprint.PUBLISH_EVERY_S`.
+
+It runs on a path that never waits on engine code, a batch or a blocking read: a slow
+engine, a slow link under a big batch or one stalled engine call never makes a live
+process look dead. What it knows is the :class:`~broker_lookup.transport.lease.Lease`'s
+state: the threads that serve read it (a lapse by this process's own clock still stops
+them, one owner per role) and wait on it while it is not held.
+
+Its connection has its own socket timeout (:attr:`LookupConfig.beat_timeout_s`, within
+half a lease), so a stalled server costs one beat, not the lease.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from redis.exceptions import ResponseError
+
+from broker_lookup.config import LookupConfig
+from broker_lookup.errors import (
+    AuthFailed,
+    BrokerLookupError,
+    BrokerResponseError,
+    translate_redis_errors,
+)
+from broker_lookup.protocol.commands import Command
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.lifetime import refresh_commands
+from broker_lookup.protocol.snapshot import MetricsPublisher
+from broker_lookup.threads import LoopThread
+from broker_lookup.transport.fingerprint import Publisher
+from broker_lookup.transport.lease import Lease, run_claim
+from broker_lookup.transport.link import Link, open_link
+from broker_lookup.transport.script_runner import ScriptSet
+
+__all__ = ["Beat", "Heartbeat"]
+
+logger = logging.getLogger(__name__)
+
+#: How long the beat waits after a Redis error before it tries again (at most one interval).
+ERROR_BACKOFF_S = 0.2
+
+
+class Heartbeat:
+    """A rank's heartbeat (``bl:{E}:hb:<r>``): a JSON string with a PX TTL that
+    ``claim.lua`` writes with the lease's renewal, only for the lease's holder.
+
+    ``info`` gives what the rank shows besides who it is (its map sizes, counters); it is
+    called on the beat's thread, so it reads state, never engine code.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        ttl_ms: int,
+        info: Callable[[], dict[str, Any]],
+        configured_engine_id: str | None = None,
+    ) -> None:
+        self._rank = rank
+        self._ttl_ms = ttl_ms
+        self._info = info
+        #: The engine id the operator configured, where the key namespace was derived
+        #: from it (a vLLM instance): shown in the heartbeat, for inspect and metrics.
+        self._configured = configured_engine_id
+        self._started_ms = int(time.time() * 1000)
+
+    def body(self) -> tuple[str, int]:
+        """The heartbeat ``claim.lua`` writes, and its TTL in ms."""
+        body: dict[str, Any] = {
+            "rank": self._rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started_ms": self._started_ms,
+            "ts_ms": int(time.time() * 1000),
+            **self._info(),
+        }
+        if self._configured is not None:
+            body["configured_engine_id"] = self._configured
+        return json.dumps(body), self._ttl_ms
+
+
+class Beat(LoopThread):
+    """Renews ``lease`` (and ``heartbeat``), refreshes the engine's keys, publishes the
+    metrics snapshot and the fingerprint, every heartbeat interval, on its own thread.
+
+    Args:
+        config: the process's config (``heartbeat_interval_ms``, ``engine_ttl_ms``).
+        keys: the engine's key space.
+        lease: the role's lease; this beat is the only thread that claims it.
+        factory: the beat's own connection (see :attr:`LookupConfig.beat_timeout_s`).
+        name: how the thread and its log lines name it, e.g. ``"rank 0 beat"``.
+        heartbeat: a rank's heartbeat, written with each renewal (None: the scheduler).
+        metrics: the process's metrics snapshot (None: none).
+        fingerprint: the process's hashing fingerprint (None: none).
+    """
+
+    def __init__(
+        self,
+        config: LookupConfig,
+        keys: KeySpace,
+        lease: Lease,
+        factory: Callable[[], redis.Redis],
+        name: str,
+        *,
+        heartbeat: Heartbeat | None = None,
+        metrics: MetricsPublisher | None = None,
+        fingerprint: Publisher | None = None,
+    ) -> None:
+        super().__init__(name, name.replace(" ", "-"))
+        self.lease = lease
+        self._factory = factory
+        self._heartbeat = heartbeat
+        #: The process's metrics snapshot (None: none), written with the keys' refresh.
+        self.metrics = metrics
+        self._fingerprint = fingerprint
+        self._interval_s = config.heartbeat_interval_ms / 1000
+        self._refresh = refresh_commands(keys, config.engine_ttl_ms)
+        self._scripts = ScriptSet()
+        self._claiming = f"claiming the lease of {name.removesuffix(' beat')}"
+        #: Wall-clock seconds of the last heartbeat written (0.0: none yet).
+        self.last_beat = 0.0
+        #: Beats that failed (Redis unreachable or refusing).
+        self.errors = 0
+
+    def prime(self, client: redis.Redis) -> None:
+        """Claim the lease now, through ``client``, before :meth:`start` (a client that
+        submits only while it holds it). A failure is left to the thread to retry."""
+        try:
+            self.renew(client, None)
+        except BrokerLookupError as exc:
+            logger.debug("%s: first claim failed (the beat retries): %s", self.guard.name, exc)
+
+    def _run(self) -> None:
+        client = self._factory()
+        link = open_link(client)
+        try:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                wait_s = self._beat(client, link)
+                self._stop.wait(max(0.0, started + wait_s - time.monotonic()))
+        finally:
+            link.close()
+            client.close()
+
+    def _beat(self, client: redis.Redis, link: Link) -> float:
+        """One beat; the seconds from its start to the next."""
+        try:
+            self.renew(client, link)
+            self._refresh_keys(link)
+            if self._fingerprint is not None:
+                self._fingerprint.tick(client)
+        except AuthFailed as exc:
+            self._on_error(exc)
+            return self._interval_s
+        except BrokerLookupError as exc:
+            self._on_error(exc)
+            return min(ERROR_BACKOFF_S, self._interval_s)
+        except Exception:  # a bug: counted and logged, never a silent dead beat
+            self.guard()
+        return self._interval_s
+
+    def _on_error(self, exc: BrokerLookupError) -> None:
+        self.errors += 1
+        if self.errors == 1 or self.errors % 100 == 0:
+            logger.warning("%s: Redis error #%d: %s (retrying)", self.guard.name, self.errors, exc)
+
+    def renew(self, client: redis.Redis, link: Link | None) -> None:
+        """Claim or renew the lease, with the heartbeat (the lease logs and counts a
+        conflict); once more at once if ours came back later than the lease."""
+        lease = self.lease
+        for _ in range(2):
+            now = time.monotonic()
+            lease.note_lapse(now)
+            body = self._heartbeat.body() if self._heartbeat is not None else None
+            with translate_redis_errors(self._claiming):
+                reply = run_claim(self._scripts, client, link, lease.claim_call(body))
+                if isinstance(reply, ResponseError):
+                    raise reply
+            try:
+                held = lease.on_reply(reply, now)
+            except ValueError as exc:
+                raise BrokerResponseError(f"{self._claiming}: {exc}") from None
+            if held and body is not None:
+                self.last_beat = time.time()
+            if held or lease.holder is not None:
+                return
+
+    def _refresh_keys(self, link: Link) -> None:
+        """The engine's lasting keys' TTL, by any live process of the engine, holder of the
+        lease or not; the metrics snapshot (the holder's only) in the same round trip."""
+        now = time.monotonic()
+        metrics = self.metrics
+        snapshot: Command | None = None
+        if metrics is not None and self.lease.held(now):
+            snapshot = metrics.command(now)
+        commands = [*self._refresh, *([snapshot] if snapshot is not None else [])]
+        with translate_redis_errors("refreshing the engine's keys"):
+            for reply in link.call(commands):
+                if isinstance(reply, ResponseError):
+                    raise reply
