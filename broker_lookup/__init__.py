@@ -18,6 +18,7 @@ from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.engine import (
     LookupEngine,
     PartialEngine,
+    ProbeEngine,
     ProgressSink,
     ResponseSink,
     SyncLookupEngine,
@@ -32,6 +33,7 @@ from broker_lookup.errors import (
     UnknownScheme,
 )
 from broker_lookup.interface import LookupClientInterface
+from broker_lookup.ops.fleet_query import EngineAnswer, FleetAnswer, FleetClient
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace
 
@@ -45,6 +47,9 @@ __all__ = [
     "ChunkStatisticsLookupClient",
     "ChunkedTokenHasher",
     "ConfigError",
+    "EngineAnswer",
+    "FleetAnswer",
+    "FleetClient",
     "HitLimitLookupClient",
     "InvalidRequest",
     "KeySpace",
@@ -55,6 +60,7 @@ __all__ = [
     "LookupMetadata",
     "MalformedMessage",
     "PartialEngine",
+    "ProbeEngine",
     "ProgressSink",
     "RedisAsyncLookupClient",
     "RedisLookupClient",

@@ -26,7 +26,14 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["LookupEngine", "PartialEngine", "ProgressSink", "ResponseSink", "SyncLookupEngine"]
+__all__ = [
+    "LookupEngine",
+    "PartialEngine",
+    "ProbeEngine",
+    "ProgressSink",
+    "ResponseSink",
+    "SyncLookupEngine",
+]
 
 
 @runtime_checkable
@@ -90,3 +97,22 @@ class SyncLookupEngine(Protocol):
         request_configs: dict[str, Any] | None = None,
     ) -> int:
         """Return how many prefix tokens are cached now."""
+
+
+@runtime_checkable
+class ProbeEngine(Protocol):
+    """An engine that answers the fleet query: how much of a prefix it holds now.
+
+    Optional. It must load nothing, pin nothing and return quickly (the rank calls it on
+    its probe thread, beside the lookups). A rank whose engine lacks it falls back to
+    LMCache's ``lookup(hashes=..., offsets=..., pin=False)``; one with neither answers
+    ``unsupported``.
+    """
+
+    def probe_prefix(
+        self,
+        hashes: list[int],
+        offsets: list[int],
+        request_configs: dict[str, Any] | None = None,
+    ) -> int:
+        """Return how many prefix tokens are cached now (any tier), touching nothing."""

@@ -41,6 +41,7 @@ from workers.pipeline.connections import rank_factories
 from workers.pipeline.dispatch import Dispatcher
 from workers.pipeline.lifecycle import Lifecycle
 from workers.pipeline.loop import RankLoop
+from workers.pipeline.prober import Prober
 from workers.pipeline.sweeper import Sweeper
 
 __all__ = ["RedisAsyncLookupServer"]
@@ -148,6 +149,10 @@ class RedisAsyncLookupServer:
             ),
             fingerprint=self.fingerprint,
         )
+        #: Answers the fleet query on its own thread and connection (never the loop's).
+        self.prober = Prober(
+            engine, self.keys, self.rank, factory, cfg.block_ms, lambda: self.lease.held()
+        )
         post_init = getattr(engine, "post_init", None)
         if callable(post_init):
             post_init(async_lookup_server=self)
@@ -155,6 +160,7 @@ class RedisAsyncLookupServer:
         self._sweeper.start()
         self.beat.start()
         self._loop.start()
+        self.prober.start()
 
     # -- LMCache's contract ---------------------------------------------------------
 
@@ -179,6 +185,7 @@ class RedisAsyncLookupServer:
         self._closed = True
         grace = self.config.block_ms / 1000 + 2.0
         ok = self._loop.stop(grace)
+        ok = self.prober.stop(grace) and ok
         ok = self._sweeper.stop(grace) and ok
         ok = self._reporter.stop(grace) and ok
         ok = self.beat.stop(grace) and ok  # before the release: it would claim again

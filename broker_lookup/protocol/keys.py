@@ -22,6 +22,9 @@ key                         type     content
 ``bl:{E}:metrics:<role>``   string   the role holder's counters and histograms (JSON, see
                                      ``snapshot``), PX a few publish intervals: what
                                      ``broker-lookup exporter`` serves
+``bl:{E}:probes``           stream   fleet queries (``probe``) each rank answers, read with
+                                     plain XREAD (no group); trimmed, PX ``PROBES_TTL_MS``
+``bl:{E}:probe:<qid>``      list     one query's answers, a line per rank; PX its deadline
 ==========================  =======  ====================================================
 
 The streams and ``fp`` live as long as the engine (:attr:`KeySpace.lasting`, see
@@ -149,6 +152,7 @@ class KeySpace:
         "epochs",
         "fingerprint",
         "lasting",
+        "probes",
         "requests",
     )
 
@@ -164,6 +168,13 @@ class KeySpace:
         self.lasting = (self.requests, self.done, self.dead, self.fingerprint)
         #: Per role, the last fencing epoch handed out by ``claim.lua``.
         self.epochs = self._base + "epochs"
+        #: Fleet queries for every rank of this engine (``protocol.probe``).
+        self.probes = self._base + "probes"
+
+    def probe_reply(self, query_id: str) -> str:
+        """List where the ranks answer one fleet query (``query_id`` is made key-safe by
+        its maker, ``protocol.probe.new_query_id``)."""
+        return f"{self._base}probe:{query_id}"
 
     def lookup(self, lookup_id: str) -> str:
         """Hash holding the state of one lookup, for any ``str`` id.

@@ -97,6 +97,7 @@ class RankLoop(LoopThread):
         #: The server's clock, sampled between reads; judges request budgets.
         self.clock = ServerClock()
         self.reader = Reader(config, keys, rank, self.clock, world_size)
+        self._world_size = world_size
         self.lease = lease
         #: Set while the group exists and the loop is reading.
         self.ready = threading.Event()
@@ -206,4 +207,6 @@ class RankLoop(LoopThread):
             "replayed": stats["replayed"],  # deliveries read again: lost ones among them
             "redis_errors": stats["redis_errors"],
             "lmcache": running_lmcache_version(),  # None: a rank without LMCache
+            # The fleet query's expected ranks: a rank missing from them is a dead rank.
+            "world_size": self._world_size,
         }

@@ -180,6 +180,22 @@ class ReferenceEngine:
             hits += tokens
         return hits
 
+    def probe_prefix(
+        self,
+        hashes: list[int],
+        offsets: list[int],
+        request_configs: dict[str, Any] | None = None,
+    ) -> int:
+        """The fleet query's lookup (``ProbeEngine``): the prefix held now, in memory or
+        on disk, loading and pinning nothing, and leaving the LRU order alone (a router's
+        question must not change what gets evicted)."""
+        hits = 0
+        for key, tokens in _chunks(hashes, offsets, request_configs):
+            if self._store.peek(key) is None and not self._store.on_disk(key):
+                break
+            hits += tokens
+        return hits
+
     def async_lookup_and_prefetch(
         self,
         lookup_id: str,

@@ -1,0 +1,327 @@
+"""The fleet query: which engine holds a prompt's prefix, asked of the ranks themselves.
+
+One implementation behind the Python API (:class:`FleetClient`), ``broker-lookup query``
+and the HTTP endpoint (``ops.query_http``). Per query:
+
+1. the candidates become key namespaces: explicit engine ids as given; a configured id
+   as every live vLLM instance of it (``<id>.<instance>``, as ``split`` finds them) plus
+   the id itself; no candidates, every engine on the server (both by SCAN, remembered for
+   ``RESOLVE_EVERY_S``);
+2. one pipeline reads each engine's known ranks (``epochs``), then one pipeline reads
+   their heartbeats and XADDs the probe to each engine with a rank (``protocol.probe``);
+3. each live rank answers on its own probe thread, never through its lookups' stream;
+   the client waits with BLPOP on the answer lists until every live rank answered or the
+   deadline passed.
+
+Per engine the answer is the minimum over its expected ranks (a heartbeat names its world
+size) of what each holds, exact at the moment it answered; ``age_ms`` bounds how long
+ago that was (the time since the probe was sent: no clocks compared). An engine answers
+0 with a ``reason``: ``no_ranks`` (no live rank), ``dead_rank`` (an expected rank has no
+heartbeat: its engine's lookups answer 0 too), ``deadline`` (a live rank did not answer
+in time), ``unavailable`` (Redis failed, or a rank's engine cannot answer), ``miss`` (every
+rank answered and one holds nothing). Nothing raises on request data or on Redis errors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from broker_lookup.config import LookupConfig
+from broker_lookup.errors import REDIS_ERRORS, BrokerLookupError, MalformedMessage
+from broker_lookup.ops.split import instance_pattern
+from broker_lookup.protocol.hashing import ChunkedTokenHasher
+from broker_lookup.protocol.keys import PREFIX, KeySpace, engine_of, validate_engine_id
+from broker_lookup.protocol.probe import (
+    PROBES_MAXLEN,
+    PROBES_TTL_MS,
+    Probe,
+    decode_answer,
+    new_query_id,
+    probe_fields,
+)
+from broker_lookup.ratelimit import RateLimitedLog
+from broker_lookup.transport.connection import ConnectionFactory, make_factory
+
+__all__ = ["EngineAnswer", "FleetAnswer", "FleetClient"]
+
+logger = logging.getLogger(__name__)
+
+#: How long a SCAN's list of engines (all, or a configured id's instances) is reused.
+RESOLVE_EVERY_S = 1.0
+#: The socket must outlast the longest BLPOP by this much.
+SOCKET_MARGIN_MS = 500
+
+
+@dataclass(frozen=True)
+class EngineAnswer:
+    """What one engine holds of the prompt (see the module docstring for ``reason``)."""
+
+    engine_id: str
+    tokens: int
+    expected: tuple[int, ...]  #: the ranks whose minimum the answer is
+    answered: tuple[int, ...]  #: the ranks that answered in time
+    age_ms: float | None  #: at most this old when returned (None: no rank answered)
+    reason: str | None  #: why ``tokens`` is 0; None when it is not
+
+
+@dataclass(frozen=True)
+class FleetAnswer:
+    """One query's answers, best first (most tokens, then fewest ranks missing)."""
+
+    tokens: int  #: the prompt's tokens in whole chunks: the most any engine can hold
+    engines: list[EngineAnswer] = field(default_factory=list)
+    elapsed_ms: float = 0.0
+    problem: str | None = None  #: why nothing was asked (bad input), if so
+
+    def best(self) -> EngineAnswer | None:
+        """The engine holding the longest prefix, None if none holds any."""
+        return self.engines[0] if self.engines and self.engines[0].tokens > 0 else None
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON-able form (the CLI's ``--json`` and the HTTP endpoint's body)."""
+        return {
+            "tokens": self.tokens,
+            "elapsed_ms": round(self.elapsed_ms, 3),
+            "problem": self.problem,
+            "engines": [asdict(e) for e in self.engines],
+        }
+
+
+@dataclass
+class _Engine:
+    keys: KeySpace
+    ranks: set[int] = field(default_factory=set)
+    expected: tuple[int, ...] = ()
+    live: set[int] = field(default_factory=set)
+    got: dict[int, int] = field(default_factory=dict)
+    bad: bool = False
+
+
+class FleetClient:
+    """Asks the ranks of many engines what they hold of a prompt (see the module).
+
+    >>> fleet = FleetClient(LookupConfig(redis_url="redis://redis:6379"))  # doctest: +SKIP
+    >>> fleet.query(token_ids, configured="llama").best()                   # doctest: +SKIP
+
+    Args:
+        config: ``redis_url`` and the hashing fields (``chunk_size``, ...) of the fleet.
+        connection_factory: clients to use instead of ones made from ``config``.
+        deadline_ms: default deadline of a query.
+    """
+
+    def __init__(
+        self,
+        config: LookupConfig,
+        connection_factory: ConnectionFactory | None = None,
+        deadline_ms: int = 100,
+    ) -> None:
+        self.config = config
+        self.deadline_ms = deadline_ms
+        self._factory = connection_factory or make_factory(config, "bl-fleet-query")
+        self._client: redis.Redis | None = None
+        self._hasher = ChunkedTokenHasher(config)
+        self._resolved: dict[str | None, tuple[float, list[str]]] = {}
+        self._warn = RateLimitedLog(logger, 30.0)
+
+    def close(self) -> None:
+        """Close the connection (a later query opens another)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # -- the query ------------------------------------------------------------------
+
+    def query(
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        hashes: Sequence[int] | None = None,
+        offsets: Sequence[int] | None = None,
+        engines: Sequence[str] | None = None,
+        configured: str | None = None,
+        deadline_ms: int | None = None,
+        request_configs: dict[str, Any] | None = None,
+    ) -> FleetAnswer:
+        """Ask the candidates (``engines``, or every instance of ``configured``, or every
+        engine) for the prefix of ``token_ids`` (or of chunk ``hashes``, with ``offsets``
+        per chunk, ``chunk_size`` each by default) they hold, waiting ``deadline_ms``."""
+        started = time.monotonic()
+        try:
+            chunk_hashes, chunk_offsets = self._chunks(token_ids, hashes, offsets)
+            names = [validate_engine_id(e, "engine id") for e in engines or ()]
+            if configured is not None:
+                validate_engine_id(configured, "configured engine id")
+        except (BrokerLookupError, ValueError, TypeError) as exc:
+            return FleetAnswer(0, problem=str(exc))
+        total = sum(chunk_offsets)
+        budget = self._budget(deadline_ms)
+        try:
+            client = self._connected()
+            if not names:
+                names = self._resolve(client, configured)
+            found = [_Engine(KeySpace(n)) for n in names]
+            probe = Probe(
+                query_id=new_query_id(),
+                hashes=chunk_hashes,
+                offsets=chunk_offsets,
+                budget_ms=budget,
+                request_configs=request_configs,
+            )
+            sent = self._send(client, found, probe)
+            self._wait(client, found, probe.query_id, started + budget / 1000)
+        except REDIS_ERRORS as exc:
+            # The pool reconnects by itself; the next query tries again.
+            self._warn(logging.WARNING, "fleet query: Redis failed: %s", exc)
+            answers = [EngineAnswer(n, 0, (), (), None, "unavailable") for n in (names or [])]
+            return FleetAnswer(total, answers, _ms_since(started), f"Redis failed: {exc}")
+        now = time.monotonic()
+        answers = [_answer(e, (now - sent) * 1000) for e in found]
+        answers.sort(key=lambda a: (-a.tokens, len(a.expected) - len(a.answered), a.engine_id))
+        return FleetAnswer(total, answers, _ms_since(started))
+
+    def _chunks(
+        self,
+        token_ids: Sequence[int] | None,
+        hashes: Sequence[int] | None,
+        offsets: Sequence[int] | None,
+    ) -> tuple[list[int], list[int]]:
+        if (token_ids is None) == (hashes is None):
+            raise ValueError("give token ids or chunk hashes, not both or neither")
+        if token_ids is not None:
+            chunks = list(self._hasher.process_tokens(list(token_ids)))
+            return [h for _, _, h in chunks], [e - s for s, e, _ in chunks]
+        assert hashes is not None
+        chunk = self.config.chunk_size
+        sizes = list(offsets) if offsets is not None else [chunk] * len(hashes)
+        if len(sizes) != len(hashes) or any(not isinstance(s, int) or s < 0 for s in sizes):
+            raise ValueError("offsets must be one non-negative token count per chunk hash")
+        if any(not isinstance(h, int) or not -(2**63) <= h < 2**64 for h in hashes):
+            raise ValueError("chunk hashes must be 64-bit integers")
+        return list(hashes), sizes
+
+    def _budget(self, deadline_ms: int | None) -> int:
+        wanted = self.deadline_ms if deadline_ms is None else int(deadline_ms)
+        ceiling = max(1, self.config.socket_timeout_ms - SOCKET_MARGIN_MS)
+        return max(1, min(wanted, ceiling))
+
+    def _connected(self) -> redis.Redis:
+        if self._client is None:
+            self._client = self._factory()
+        return self._client
+
+    def _resolve(self, client: redis.Redis, configured: str | None) -> list[str]:
+        """Namespaces of every engine with ranks (``configured``: its instances and itself)."""
+        now = time.monotonic()
+        cached = self._resolved.get(configured)
+        if cached is not None and now - cached[0] < RESOLVE_EVERY_S:
+            return cached[1]
+        if configured is None:
+            patterns = [f"{PREFIX}:{{*}}:epochs"]
+        else:
+            patterns = [instance_pattern(configured, "epochs"), KeySpace(configured).epochs]
+        names = sorted(
+            {
+                engine
+                for pattern in patterns
+                for raw in client.scan_iter(match=pattern, count=1000)
+                if (engine := engine_of(raw)) is not None
+            }
+        )
+        if configured is not None and configured not in names:
+            names.append(configured)  # named: shown, with no_ranks, rather than dropped
+        self._resolved[configured] = (now, names)
+        return names
+
+    def _send(self, client: redis.Redis, found: list[_Engine], probe: Probe) -> float:
+        """Read the engines' ranks and heartbeats; probe those with a rank. Returns when
+        the probes left (monotonic)."""
+        pipe = client.pipeline(transaction=False)
+        for e in found:
+            pipe.hkeys(e.keys.epochs)
+        for e, roles in zip(found, pipe.execute(), strict=True):
+            e.ranks = {int(r) for r in map(_text, roles) if r.isdigit()}
+        fields = probe_fields(probe)
+        pipe = client.pipeline(transaction=False)
+        asked = [e for e in found if e.ranks]
+        for e in asked:
+            for rank in sorted(e.ranks):
+                pipe.get(e.keys.heartbeat(rank))
+            pipe.xadd(e.keys.probes, fields, maxlen=PROBES_MAXLEN, approximate=True)  # type: ignore[arg-type]
+            pipe.pexpire(e.keys.probes, PROBES_TTL_MS)
+        replies = iter(pipe.execute())
+        sent = time.monotonic()
+        for e in asked:
+            world = 0
+            for rank in sorted(e.ranks):
+                beat = next(replies)
+                if beat is not None:
+                    e.live.add(rank)
+                    world = max(world, _world_size(beat))
+            next(replies), next(replies)
+            e.expected = tuple(range(world)) if world else tuple(sorted(e.live))
+        return sent
+
+    def _wait(self, client: redis.Redis, found: list[_Engine], query_id: str, until: float) -> None:
+        """BLPOP the answer lists until every live expected rank answered or ``until``."""
+        waiting = {
+            e.keys.probe_reply(query_id): e for e in found if e.live and set(e.expected) <= e.live
+        }
+        while waiting:
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            popped = client.blpop(list(waiting), timeout=max(left, 0.001))
+            if popped is None:
+                return
+            key, raw = _text(popped[0]), popped[1]
+            e = waiting[key]
+            try:
+                answer = decode_answer(raw)
+            except MalformedMessage as exc:
+                self._warn(logging.WARNING, "fleet query: %s", exc)
+                continue
+            if answer.status != "ok":
+                e.bad = True
+            e.got[answer.rank] = answer.tokens
+            if e.bad or set(e.expected) <= set(e.got):
+                del waiting[key]
+
+
+def _answer(e: _Engine, age_ms: float) -> EngineAnswer:
+    answered = tuple(sorted(e.got))
+    age = round(age_ms, 3) if answered else None
+    if not e.live:
+        return EngineAnswer(e.keys.engine_id, 0, e.expected, answered, age, "no_ranks")
+    if not set(e.expected) <= e.live:
+        return EngineAnswer(e.keys.engine_id, 0, e.expected, answered, age, "dead_rank")
+    if e.bad:
+        return EngineAnswer(e.keys.engine_id, 0, e.expected, answered, age, "unavailable")
+    if not set(e.expected) <= set(e.got):
+        return EngineAnswer(e.keys.engine_id, 0, e.expected, answered, age, "deadline")
+    tokens = min(e.got[r] for r in e.expected)
+    return EngineAnswer(
+        e.keys.engine_id, tokens, e.expected, answered, age, None if tokens else "miss"
+    )
+
+
+def _world_size(beat: bytes | str) -> int:
+    try:
+        size = json.loads(_text(beat)).get("world_size")
+    except (ValueError, AttributeError):
+        return 0
+    return size if isinstance(size, int) and size > 0 else 0
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _ms_since(started: float) -> float:
+    return (time.monotonic() - started) * 1000

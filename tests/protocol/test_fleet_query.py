@@ -1,0 +1,183 @@
+"""The fleet query, on fakeredis and on a real server, with in-process ranks:
+
+* per engine, the minimum over its ranks of the prefix each holds, exact, best engine
+  first; candidates as explicit ids, a configured id's instances, or every engine;
+* a probe loads and pins nothing, and never enters the request stream;
+* an engine answers 0 with its reason: ``no_ranks``, ``dead_rank`` (a rank closed, or
+  never started), ``deadline`` (a live rank that does not answer), ``unavailable`` (an
+  engine that cannot answer; Redis gone), ``miss``;
+* bad input and Redis failures are answers, never exceptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from faultkit import CHUNK, config, prompt, ready
+from helpers import Backend, Made
+
+from broker_lookup import FleetClient, LookupMetadata
+from broker_lookup.protocol.hashing import ChunkedTokenHasher
+from broker_lookup.protocol.keys import KeySpace, instance_engine_id
+from broker_lookup.stub_engine import StubEngine
+from workers.reference.engine import ReferenceEngine
+from workers.server import RedisAsyncLookupServer
+
+TOKENS = prompt(4000, chunks=4)
+FULL = len(TOKENS)
+
+
+class Fleet:
+    """Ranks of several engines on the test's backend, and a FleetClient."""
+
+    def __init__(self, backend: Backend, made: Made) -> None:
+        self.backend, self.made = backend, made
+        self.client = made.keep(FleetClient(config(), connection_factory=backend.factory))
+        chunks = list(ChunkedTokenHasher(config()).process_tokens(TOKENS))
+        self.hashes = [h for _, _, h in chunks]
+        self.offsets = [e - s for s, e, _ in chunks]
+
+    def engine(self, chunks_held: int, disk_dir: Any = None) -> ReferenceEngine:
+        """A reference engine holding the first ``chunks_held`` chunks of TOKENS."""
+        engine = ReferenceEngine(disk_dir=disk_dir)
+        self.made.keep(engine)
+        n = chunks_held
+        if disk_dir is None:
+            engine.store(self.hashes[:n], self.offsets[:n])
+        else:
+            engine.store(self.hashes[:n], self.offsets[:n], tier="disk")
+        return engine
+
+    def rank(
+        self, engine_id: str, engine: Any, rank: int = 0, world_size: int = 1
+    ) -> RedisAsyncLookupServer:
+        meta = LookupMetadata(engine_id=engine_id, world_size=world_size, worker_id=rank)
+        server = RedisAsyncLookupServer(
+            engine, meta, config(), connection_factory=self.backend.factory
+        )
+        self.made.keep(server)
+        ready(server)
+        return server
+
+
+@pytest.fixture
+def fleet(backend: Backend) -> Iterator[Fleet]:
+    with Made() as made:
+        yield Fleet(backend, made)
+
+
+def by_engine(answer: Any) -> dict[str, Any]:
+    return {e.engine_id: e for e in answer.engines}
+
+
+def test_each_engine_answers_the_minimum_over_its_ranks_best_first(
+    fleet: Fleet, engine_id: str
+) -> None:
+    a, b = engine_id + "-a", engine_id + "-b"
+    fleet.rank(a, fleet.engine(3), rank=0, world_size=2)
+    fleet.rank(a, fleet.engine(4), rank=1, world_size=2)
+    fleet.rank(b, fleet.engine(4))
+    answer = fleet.client.query(TOKENS, engines=[a, b], deadline_ms=2000)
+    assert answer.tokens == FULL and answer.problem is None
+    assert [e.engine_id for e in answer.engines] == [b, a]
+    got = by_engine(answer)
+    assert (got[a].tokens, got[a].expected, got[a].answered) == (3 * CHUNK, (0, 1), (0, 1))
+    assert (got[b].tokens, got[b].reason) == (FULL, None)
+    assert got[b].age_ms is not None and 0 <= got[b].age_ms <= answer.elapsed_ms
+    best = answer.best()
+    assert best is not None and best.engine_id == b
+    # Chunk hashes give the same answer as the tokens they hash.
+    again = fleet.client.query(hashes=fleet.hashes, offsets=fleet.offsets, engines=[a])
+    assert again.engines[0].tokens == 3 * CHUNK
+
+
+def test_a_configured_id_asks_every_instance_and_none_asks_every_engine(
+    fleet: Fleet, engine_id: str
+) -> None:
+    one, two = instance_engine_id(engine_id, "i1"), instance_engine_id(engine_id, "i2")
+    other = engine_id + "-other"
+    fleet.rank(one, fleet.engine(1))
+    fleet.rank(two, fleet.engine(2))
+    fleet.rank(other, fleet.engine(4))
+    answer = fleet.client.query(TOKENS, configured=engine_id, deadline_ms=2000)
+    got = by_engine(answer)
+    assert {n: e.tokens for n, e in got.items() if e.reason != "no_ranks"} == {
+        one: CHUNK,
+        two: 2 * CHUNK,
+    }
+    everyone = by_engine(fleet.client.query(TOKENS, deadline_ms=2000))
+    assert {one, two, other} <= set(everyone)
+    assert everyone[other].tokens == FULL
+
+
+def test_a_probe_loads_and_pins_nothing_and_never_enters_the_lookups_stream(
+    fleet: Fleet, engine_id: str, tmp_path: Any
+) -> None:
+    engine = fleet.engine(4, disk_dir=tmp_path)
+    fleet.rank(engine_id, engine)
+    answer = fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=2000)
+    assert answer.engines[0].tokens == FULL  # on disk counts: a lookup would load it
+    assert all(engine.get_chunk(h) is None for h in fleet.hashes)
+    assert engine.stats().get("pinned_chunks", 0) == 0
+    raw = fleet.backend.factory()
+    assert raw.xlen(KeySpace(engine_id).requests) == 0
+    assert raw.pttl(KeySpace(engine_id).probes) > 0
+
+
+def test_reasons_for_zero(fleet: Fleet, engine_id: str) -> None:
+    dead, silent, stub, empty = (engine_id + s for s in ("-dead", "-silent", "-stub", "-empty"))
+    fleet.rank(dead, fleet.engine(4), rank=0, world_size=2)  # rank 1 never started
+    fleet.rank(silent, fleet.engine(4)).prober.stop(5.0)
+    fleet.rank(stub, StubEngine())
+    fleet.rank(empty, fleet.engine(0))
+    answer = fleet.client.query(
+        TOKENS, engines=[dead, silent, stub, empty, engine_id + "-none"], deadline_ms=300
+    )
+    got = {e.engine_id: (e.tokens, e.reason) for e in answer.engines}
+    assert got == {
+        dead: (0, "dead_rank"),
+        silent: (0, "deadline"),
+        stub: (0, "unavailable"),
+        empty: (0, "miss"),
+        engine_id + "-none": (0, "no_ranks"),
+    }
+    assert answer.best() is None
+
+
+def test_a_rank_closed_turns_its_engine_to_dead_rank(fleet: Fleet, engine_id: str) -> None:
+    fleet.rank(engine_id, fleet.engine(4), rank=0, world_size=2)
+    one = fleet.rank(engine_id, fleet.engine(4), rank=1, world_size=2)
+    assert fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=2000).engines[0].tokens
+    one.close()  # releases its lease and heartbeat
+    gone = fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=2000).engines[0]
+    assert (gone.tokens, gone.reason, gone.expected) == (0, "dead_rank", (0, 1))
+
+
+@pytest.mark.parametrize(
+    "ask",
+    [
+        {"token_ids": None},
+        {"token_ids": TOKENS, "hashes": [1]},
+        {"hashes": [1, 2], "offsets": [4]},
+        {"hashes": [2**70]},
+        {"token_ids": TOKENS, "engines": ["no spaces"]},
+        {"token_ids": TOKENS, "configured": "{x}"},
+    ],
+)
+def test_bad_input_is_an_answer_not_an_exception(fleet: Fleet, ask: dict[str, Any]) -> None:
+    answer = fleet.client.query(**ask)
+    assert answer.problem and answer.engines == [] and answer.best() is None
+
+
+@pytest.mark.parametrize("backend", ["fake"], indirect=True)  # connection loss: fakeredis
+def test_redis_gone_answers_unavailable(fleet: Fleet, engine_id: str) -> None:
+    fleet.rank(engine_id, fleet.engine(4))
+    fleet.backend.fake.connected = False
+    answer = fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=200)
+    assert [(e.tokens, e.reason) for e in answer.engines] == [(0, "unavailable")]
+    assert answer.problem and "Redis" in answer.problem
+    fleet.backend.fake.connected = True
+    back = fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=2000)
+    assert back.engines[0].tokens == FULL

@@ -1,0 +1,151 @@
+"""The rank's answers to the fleet query: its own thread on its own connection.
+
+A router asks every rank of an engine how much of a prefix it holds (``protocol.probe``).
+The rank's lookups must not pay for that, so probes never enter the request stream, the
+consumer group or the dispatcher: this thread XREADs the engine's probe stream (plain
+XREAD from the newest entry, BLOCK ``block_ms``), asks the engine with a lookup that loads
+and pins nothing (:class:`~broker_lookup.engine.ProbeEngine`, or LMCache's
+``lookup(..., pin=False)``) and RPUSHes one answer per probe, every answer of one read in
+one pipeline. Only the rank's lease holder answers: a process waiting for the rank would
+answer for a cache nobody routes to. After a Redis error it reconnects and reads from the
+newest entry again; a probe missed meanwhile is answered by nobody, which its querier
+reports as the deadline, never as a wrong count.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from broker_lookup.errors import REDIS_ERRORS, MalformedMessage
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.probe import (
+    Probe,
+    ProbeAnswer,
+    decode_probe,
+    encode_answer,
+)
+from broker_lookup.ratelimit import RateLimitedLog
+from broker_lookup.threads import LoopThread
+from broker_lookup.transport.connection import ConnectionFactory
+
+__all__ = ["Prober", "probe_function"]
+
+logger = logging.getLogger(__name__)
+
+#: Most probes one read returns.
+BATCH_SIZE = 100
+#: Wait after a Redis error before connecting again.
+ERROR_BACKOFF_S = 0.2
+
+#: ``(hashes, offsets, request_configs) -> tokens held``; None: the engine cannot say.
+ProbeFunction = Callable[[list[int], list[int], dict[str, Any] | None], int]
+
+
+def probe_function(engine: object) -> ProbeFunction | None:
+    """How to ask ``engine`` for its held prefix without a load: ``probe_prefix`` (the
+    reference engine), else LMCache's ``lookup`` with ``pin=False``, else None."""
+    own = getattr(engine, "probe_prefix", None)
+    if callable(own):
+        return lambda h, o, c: int(own(h, o, request_configs=c))
+    lookup = getattr(engine, "lookup", None)
+    if callable(lookup):
+        return lambda h, o, c: int(lookup(hashes=h, offsets=o, pin=False, request_configs=c))
+    return None
+
+
+class Prober(LoopThread):
+    """Answers the probes of one rank (see the module docstring).
+
+    Args:
+        engine: the rank's engine.
+        keys: the engine's key space.
+        rank: this rank.
+        factory: connections (a pool of its own is not needed: the thread holds one).
+        block_ms: XREAD BLOCK, under the factory's socket timeout.
+        serving: whether this process holds the rank's lease now.
+    """
+
+    def __init__(
+        self,
+        engine: object,
+        keys: KeySpace,
+        rank: int,
+        factory: ConnectionFactory,
+        block_ms: int,
+        serving: Callable[[], bool],
+    ) -> None:
+        super().__init__(f"rank {rank} prober")
+        self._ask = probe_function(engine)
+        self._keys, self._rank, self._factory = keys, rank, factory
+        self._block_ms, self._serving = block_ms, serving
+        self._warn = RateLimitedLog(logger, 30.0)
+        #: Probes answered, by status, plus undecodable ones and Redis errors.
+        self.counts = {"ok": 0, "unsupported": 0, "error": 0, "malformed": 0, "redis_errors": 0}
+
+    def _run(self) -> None:
+        client: redis.Redis | None = None
+        last: bytes | str = "$"
+        while not self._stop.is_set():
+            try:
+                if client is None:
+                    client = self._factory()
+                    last = "$"
+                last = self._turn(client, last)
+            except REDIS_ERRORS as exc:
+                self.counts["redis_errors"] += 1
+                self._warn(logging.WARNING, "rank %d: probes: Redis: %s", self._rank, exc)
+                _dropped(client)
+                client = None
+                self._stop.wait(ERROR_BACKOFF_S)
+            except Exception:
+                self.guard()
+        _dropped(client)
+
+    def _turn(self, client: redis.Redis, last: bytes | str) -> bytes | str:
+        """One read and its answers; returns the id to read after."""
+        reply = client.xread({self._keys.probes: last}, count=BATCH_SIZE, block=self._block_ms)
+        if not reply:
+            return last
+        entries = reply[0][1]
+        last = entries[-1][0]
+        if not self._serving():
+            return last
+        pipe = client.pipeline(transaction=False)
+        for _, fields in entries:
+            try:
+                probe = decode_probe(fields)
+            except MalformedMessage as exc:
+                self.counts["malformed"] += 1
+                self._warn(logging.WARNING, "rank %d: probe ignored: %s", self._rank, exc)
+                continue
+            answer = self._answer(probe)
+            self.counts[answer.status] += 1
+            key = self._keys.probe_reply(probe.query_id)
+            pipe.rpush(key, encode_answer(answer))
+            pipe.pexpire(key, max(1, probe.budget_ms))
+        if len(pipe):
+            pipe.execute()
+        return last
+
+    def _answer(self, probe: Probe) -> ProbeAnswer:
+        if self._ask is None:
+            return ProbeAnswer(rank=self._rank, tokens=0, status="unsupported")
+        try:
+            tokens = self._ask(probe.hashes, probe.offsets, probe.request_configs)
+        except Exception:
+            logger.exception("rank %d: the engine failed a probe; answered 'error'", self._rank)
+            return ProbeAnswer(rank=self._rank, tokens=0, status="error")
+        # Never more than was asked: the count is a promise a router acts on.
+        return ProbeAnswer(rank=self._rank, tokens=max(0, min(tokens, sum(probe.offsets))))
+
+
+def _dropped(client: redis.Redis | None) -> None:
+    if client is not None:
+        try:
+            client.close()
+        except REDIS_ERRORS:
+            pass
