@@ -428,6 +428,18 @@ def _run_acl(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _setup_query(p: argparse.ArgumentParser) -> None:
+    from broker_lookup.ops.query_cli import setup
+
+    setup(p, _URL_HELP)
+
+
+def _run_query(args: argparse.Namespace) -> int:
+    from broker_lookup.ops.query_cli import run
+
+    return run(args)
+
+
 #: Every subcommand, by name.
 COMMANDS: dict[str, Subcommand] = {
     "demo": Subcommand(
@@ -457,6 +469,11 @@ COMMANDS: dict[str, Subcommand] = {
     ),
     "worker": Subcommand(
         "run worker ranks (same as python -m workers)", _setup_worker, _run_worker, True
+    ),
+    "query": Subcommand(
+        "ask every rank of some engines how much of a prompt they hold (for routers)",
+        _setup_query,
+        _run_query,
     ),
     "acl": Subcommand(
         "print least-privilege ACL users for one engine (deploy/users.acl's generator)",

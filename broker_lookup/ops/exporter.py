@@ -288,8 +288,25 @@ def _merge(
             into.add_sample(sample.name, labels, sample.value)
 
 
+#: A POST route: the request body in, (status, body, content type) out.
+PostRoute = Callable[[bytes], tuple[int, bytes, str]]
+#: The largest POST body read (a prompt's token ids as JSON fit many times over).
+MAX_POST_BYTES = 16 << 20
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
+
+    def do_POST(self) -> None:
+        route = self.server.owner.routes.get(self.path.split("?", 1)[0])
+        length = int(self.headers.get("Content-Length") or 0)
+        if route is None:
+            code, body, ctype = 404, b"no such POST route\n", "text/plain"
+        elif not 0 <= length <= MAX_POST_BYTES:
+            code, body, ctype = 413, b"body too large\n", "text/plain"
+        else:
+            code, body, ctype = route(self.rfile.read(length))
+        self._send(code, body, ctype)
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -304,6 +321,9 @@ class _Handler(BaseHTTPRequestHandler):
             body, ctype = (problem or "ok").encode() + b"\n", "text/plain"
         else:
             code, body, ctype = 404, b"try /metrics, /healthz or /readyz\n", "text/plain"
+        self._send(code, body, ctype)
+
+    def _send(self, code: int, body: bytes, ctype: str) -> None:
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
@@ -326,8 +346,17 @@ class ExporterServer:
     >>> server.start(); server.port                                        # doctest: +SKIP
     """
 
-    def __init__(self, collector: FleetCollector, host: str, port: int) -> None:
+    def __init__(
+        self,
+        collector: FleetCollector,
+        host: str,
+        port: int,
+        routes: dict[str, PostRoute] | None = None,
+    ) -> None:
         self.collector = collector
+        #: POST routes served beside the GET ones (``broker-lookup query --listen``'s
+        #: ``/query``), by path.
+        self.routes = dict(routes or {})
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(collector)
         self._http = _HTTPServer((host, port), _Handler)
@@ -393,9 +422,11 @@ def serve(
     port: int,
     stop: threading.Event,
     announce: Callable[[str], None] = print,
+    routes: dict[str, PostRoute] | None = None,
 ) -> int:
-    """Serve until ``stop`` is set; returns the exit code."""
-    server = ExporterServer(collector, host, port).start()
+    """Serve until ``stop`` is set (``routes``: POST routes beside ``/metrics``); returns
+    the exit code."""
+    server = ExporterServer(collector, host, port, routes).start()
     announce(f"broker-lookup exporter: serving http://{host}:{server.port}/metrics")
     try:
         stop.wait()

@@ -78,7 +78,8 @@ class FleetAnswer:
     tokens: int  #: the prompt's tokens in whole chunks: the most any engine can hold
     engines: list[EngineAnswer] = field(default_factory=list)
     elapsed_ms: float = 0.0
-    problem: str | None = None  #: why nothing was asked (bad input), if so
+    problem: str | None = None  #: why nothing was asked (bad input), or Redis failed
+    available: bool = True  #: False: Redis failed (every engine answered ``unavailable``)
 
     def best(self) -> EngineAnswer | None:
         """The engine holding the longest prefix, None if none holds any."""
@@ -90,6 +91,7 @@ class FleetAnswer:
             "tokens": self.tokens,
             "elapsed_ms": round(self.elapsed_ms, 3),
             "problem": self.problem,
+            "available": self.available,
             "engines": [asdict(e) for e in self.engines],
         }
 
@@ -180,7 +182,9 @@ class FleetClient:
             # The pool reconnects by itself; the next query tries again.
             self._warn(logging.WARNING, "fleet query: Redis failed: %s", exc)
             answers = [EngineAnswer(n, 0, (), (), None, "unavailable") for n in (names or [])]
-            return FleetAnswer(total, answers, _ms_since(started), f"Redis failed: {exc}")
+            return FleetAnswer(
+                total, answers, _ms_since(started), f"Redis failed: {exc}", available=False
+            )
         now = time.monotonic()
         answers = [_answer(e, (now - sent) * 1000) for e in found]
         answers.sort(key=lambda a: (-a.tokens, len(a.expected) - len(a.answered), a.engine_id))
@@ -281,6 +285,7 @@ class FleetClient:
             if popped is None:
                 return
             key, raw = _text(popped[0]), popped[1]
+            raw = raw.encode() if isinstance(raw, str) else raw
             e = waiting[key]
             try:
                 answer = decode_answer(raw)

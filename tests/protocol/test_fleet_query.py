@@ -11,6 +11,9 @@
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +22,9 @@ from faultkit import CHUNK, config, prompt, ready
 from helpers import Backend, Made
 
 from broker_lookup import FleetClient, LookupMetadata
+from broker_lookup.ops.cli import main
+from broker_lookup.ops.exporter import ExporterServer, FleetCollector
+from broker_lookup.ops.query_cli import query_route
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace, instance_engine_id
 from broker_lookup.stub_engine import StubEngine
@@ -59,6 +65,7 @@ class Fleet:
         )
         self.made.keep(server)
         ready(server)
+        assert server.prober.reading.wait(5.0)
         return server
 
 
@@ -181,3 +188,59 @@ def test_redis_gone_answers_unavailable(fleet: Fleet, engine_id: str) -> None:
     fleet.backend.fake.connected = True
     back = fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=2000)
     assert back.engines[0].tokens == FULL
+
+
+def _post(port: int, body: bytes) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/query", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_http_endpoint_answers_json_and_takes_text_with_a_tokenizer(
+    fleet: Fleet, backend: Backend, engine_id: str
+) -> None:
+    fleet.rank(engine_id, fleet.engine(2))
+    words = {"w": TOKENS}  # a tokenizer of one word: the test's prompt
+    route = query_route(fleet.client, lambda text: words[text])
+    server = ExporterServer(FleetCollector(backend.factory), "127.0.0.1", 0, {"/query": route})
+    server.start()
+    try:
+        ask = {"tokens": TOKENS, "engines": [engine_id], "deadline_ms": 2000}
+        code, doc = _post(server.port, json.dumps(ask).encode())
+        assert code == 200 and doc["tokens"] == FULL
+        assert [(e["engine_id"], e["tokens"], e["reason"]) for e in doc["engines"]] == [
+            (engine_id, 2 * CHUNK, None)
+        ]
+        code, doc = _post(server.port, json.dumps({"text": "w", "engines": [engine_id]}).encode())
+        assert code == 200 and doc["engines"][0]["tokens"] == 2 * CHUNK
+        for bad in (b"not json", b"[1]", b'{"tokens": 5}', b'{"tokenz": [1]}', b'{"text": 1}'):
+            code, doc = _post(server.port, bad)
+            assert code == 400 and doc["problem"], bad
+    finally:
+        assert server.stop()
+
+
+@pytest.mark.parametrize("backend", ["real"], indirect=True)  # a process-free CLI run: a URL
+def test_the_cli_prints_the_same_answer(
+    fleet: Fleet, backend: Backend, engine_id: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet.rank(engine_id, fleet.engine(3))
+    assert backend.url is not None
+    argv = ["query", "--redis-url", backend.url, "--engine", engine_id, "--deadline-ms", "2000"]
+    tokens = ",".join(map(str, TOKENS))
+    env = {"BROKER_LOOKUP_CHUNK_SIZE": str(CHUNK)}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        assert main([*argv, "--tokens", tokens, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert [(e["engine_id"], e["tokens"]) for e in doc["engines"]] == [(engine_id, 3 * CHUNK)]
+        assert main([*argv, "--tokens", tokens]) == 0
+        assert f"{engine_id}" in capsys.readouterr().out
+        assert main([*argv, "--tokens", "1,x"]) == 2
+        assert "--tokens='1,x'" in capsys.readouterr().err

@@ -3,18 +3,21 @@
 A router asks every rank of an engine how much of a prefix it holds (``protocol.probe``).
 The rank's lookups must not pay for that, so probes never enter the request stream, the
 consumer group or the dispatcher: this thread XREADs the engine's probe stream (plain
-XREAD from the newest entry, BLOCK ``block_ms``), asks the engine with a lookup that loads
+XREAD, BLOCK ``block_ms``, from ``LOOKBACK_MS`` before the server's time when it
+connects), asks the engine with a lookup that loads
 and pins nothing (:class:`~broker_lookup.engine.ProbeEngine`, or LMCache's
 ``lookup(..., pin=False)``) and RPUSHes one answer per probe, every answer of one read in
 one pipeline. Only the rank's lease holder answers: a process waiting for the rank would
-answer for a cache nobody routes to. After a Redis error it reconnects and reads from the
-newest entry again; a probe missed meanwhile is answered by nobody, which its querier
-reports as the deadline, never as a wrong count.
+answer for a cache nobody routes to. After a Redis error it reconnects and reads from
+``LOOKBACK_MS`` back again, so a probe sent during a blip is still answered (a late answer
+costs nothing: its list expires); one older than that is answered by nobody, which its
+querier reports as the deadline, never as a wrong count.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +34,7 @@ from broker_lookup.protocol.probe import (
 from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.threads import LoopThread
 from broker_lookup.transport.connection import ConnectionFactory
+from broker_lookup.transport.link import stream_entries
 
 __all__ = ["Prober", "probe_function"]
 
@@ -38,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 #: Most probes one read returns.
 BATCH_SIZE = 100
+#: How far back the first read after a (re)connect starts, by the server's clock.
+LOOKBACK_MS = 1000
 #: Wait after a Redis error before connecting again.
 ERROR_BACKOFF_S = 0.2
 
@@ -85,15 +91,19 @@ class Prober(LoopThread):
         self._warn = RateLimitedLog(logger, 30.0)
         #: Probes answered, by status, plus undecodable ones and Redis errors.
         self.counts = {"ok": 0, "unsupported": 0, "error": 0, "malformed": 0, "redis_errors": 0}
+        #: Set once the first read's start is fixed: a probe sent after it is answered.
+        self.reading = threading.Event()
 
     def _run(self) -> None:
         client: redis.Redis | None = None
-        last: bytes | str = "$"
+        last: bytes | str = "0"
         while not self._stop.is_set():
             try:
                 if client is None:
                     client = self._factory()
-                    last = "$"
+                    seconds, micros = client.time()
+                    last = f"{max(0, seconds * 1000 + micros // 1000 - LOOKBACK_MS)}-0"
+                    self.reading.set()
                 last = self._turn(client, last)
             except REDIS_ERRORS as exc:
                 self.counts["redis_errors"] += 1
@@ -107,17 +117,18 @@ class Prober(LoopThread):
 
     def _turn(self, client: redis.Redis, last: bytes | str) -> bytes | str:
         """One read and its answers; returns the id to read after."""
-        reply = client.xread({self._keys.probes: last}, count=BATCH_SIZE, block=self._block_ms)
-        if not reply:
+        entries = stream_entries(
+            client.xread({self._keys.probes: last}, count=BATCH_SIZE, block=self._block_ms)
+        )
+        if not entries:
             return last
-        entries = reply[0][1]
         last = entries[-1][0]
         if not self._serving():
             return last
         pipe = client.pipeline(transaction=False)
         for _, fields in entries:
             try:
-                probe = decode_probe(fields)
+                probe = decode_probe(fields or {})
             except MalformedMessage as exc:
                 self.counts["malformed"] += 1
                 self._warn(logging.WARNING, "rank %d: probe ignored: %s", self._rank, exc)
