@@ -125,6 +125,15 @@ class StubEngine:
             raise RuntimeError("stub engine has no server: call post_init(async_lookup_server=)")
         self.server.send_response_to_scheduler(lookup_id, hits)
 
+    def probe_prefix(
+        self,
+        hashes: list[int],
+        offsets: list[int],
+        request_configs: dict[str, Any] | None = None,
+    ) -> int:
+        """The fleet query's answer (``ProbeEngine``): what an ``instant`` lookup would report."""
+        return self._instant_hits(list(offsets))
+
     def started_ids(self) -> list[str]:
         """The ids of :attr:`started`, in order (a copy, safe to read while lookups arrive)."""
         with self._lock:

@@ -35,6 +35,13 @@ TOKENS = prompt(4000, chunks=4)
 FULL = len(TOKENS)
 
 
+class Unprobeable(StubEngine):
+    """An engine with neither ``probe_prefix`` nor ``lookup`` (its ranks answer
+    ``unsupported``)."""
+
+    probe_prefix = None  # type: ignore[assignment]
+
+
 class Fleet:
     """Ranks of several engines on the test's backend, and a FleetClient."""
 
@@ -137,7 +144,7 @@ def test_reasons_for_zero(fleet: Fleet, engine_id: str) -> None:
     dead, silent, stub, empty = (engine_id + s for s in ("-dead", "-silent", "-stub", "-empty"))
     fleet.rank(dead, fleet.engine(4), rank=0, world_size=2)  # rank 1 never started
     fleet.rank(silent, fleet.engine(4)).prober.stop(5.0)
-    fleet.rank(stub, StubEngine())
+    fleet.rank(stub, Unprobeable())
     fleet.rank(empty, fleet.engine(0))
     answer = fleet.client.query(
         TOKENS, engines=[dead, silent, stub, empty, engine_id + "-none"], deadline_ms=300

@@ -4,10 +4,10 @@ A router asks every rank of an engine how much of a prefix it holds (``protocol.
 The rank's lookups must not pay for that, so probes never enter the request stream, the
 consumer group or the dispatcher: this thread XREADs the engine's probe stream (plain
 XREAD, BLOCK ``block_ms``, from ``LOOKBACK_MS`` before the server's time when it
-connects), asks the engine with a lookup that loads
-and pins nothing (:class:`~broker_lookup.engine.ProbeEngine`, or LMCache's
-``lookup(..., pin=False)``) and RPUSHes one answer per probe, every answer of one read in
-one pipeline. Only the rank's lease holder answers: a process waiting for the rank would
+connects), asks the engine with a lookup that loads and pins nothing
+(:class:`~broker_lookup.engine.ProbeEngine`, or LMCache's ``lookup(..., pin=False)``) and
+RPUSHes one answer per probe, the answers of one read in the pipeline that carries the
+next read. Only the rank's lease holder answers: a process waiting for the rank would
 answer for a cache nobody routes to. After a Redis error it reconnects and reads from
 ``LOOKBACK_MS`` back again, so a probe sent during a blip is still answered (a late answer
 costs nothing: its list expires); one older than that is answered by nobody, which its
@@ -24,6 +24,7 @@ from typing import Any
 import redis
 
 from broker_lookup.errors import REDIS_ERRORS, MalformedMessage
+from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.probe import (
     Probe,
@@ -34,7 +35,7 @@ from broker_lookup.protocol.probe import (
 from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.threads import LoopThread
 from broker_lookup.transport.connection import ConnectionFactory
-from broker_lookup.transport.link import stream_entries
+from broker_lookup.transport.link import Link, open_link, stream_entries
 
 __all__ = ["Prober", "probe_function"]
 
@@ -91,56 +92,63 @@ class Prober(LoopThread):
         self._warn = RateLimitedLog(logger, 30.0)
         #: Probes answered, by status, plus undecodable ones and Redis errors.
         self.counts = {"ok": 0, "unsupported": 0, "error": 0, "malformed": 0, "redis_errors": 0}
+        #: Answers of the last read, sent with the next (list key, answer, TTL ms).
+        self._answers: list[tuple[str, bytes, int]] = []
         #: Set once the first read's start is fixed: a probe sent after it is answered.
         self.reading = threading.Event()
 
     def _run(self) -> None:
         client: redis.Redis | None = None
+        link: Link | None = None
         last: bytes | str = "0"
         while not self._stop.is_set():
             try:
-                if client is None:
+                if client is None or link is None:
                     client = self._factory()
                     seconds, micros = client.time()
                     last = f"{max(0, seconds * 1000 + micros // 1000 - LOOKBACK_MS)}-0"
+                    link = open_link(client)
                     self.reading.set()
-                last = self._turn(client, last)
+                last = self._turn(link, last)
             except REDIS_ERRORS as exc:
                 self.counts["redis_errors"] += 1
                 self._warn(logging.WARNING, "rank %d: probes: Redis: %s", self._rank, exc)
-                _dropped(client)
-                client = None
+                _dropped(client, link)
+                client = link = None
                 self._stop.wait(ERROR_BACKOFF_S)
             except Exception:
                 self.guard()
-        _dropped(client)
+        _dropped(client, link)
 
-    def _turn(self, client: redis.Redis, last: bytes | str) -> bytes | str:
-        """One read and its answers; returns the id to read after."""
-        entries = stream_entries(
-            client.xread({self._keys.probes: last}, count=BATCH_SIZE, block=self._block_ms)
-        )
+    def _turn(self, link: Link, last: bytes | str) -> bytes | str:
+        """Send the last read's answers with the next read, in one write on the lean link
+        (a probe costs the rank one read's share and one RPUSH); returns the id to read
+        after."""
+        answers: list[Command] = []
+        for key, answer, ttl_ms in self._answers:
+            answers += [("RPUSH", key, answer), ("PEXPIRE", key, ttl_ms)]
+        self._answers = []
+        read = ("XREAD", "COUNT", BATCH_SIZE, "BLOCK", self._block_ms, "STREAMS")
+        link.call(answers, read=(*read, self._keys.probes, last))
+        entries = stream_entries(link.take_read())
         if not entries:
             return last
-        last = entries[-1][0]
-        if not self._serving():
-            return last
-        pipe = client.pipeline(transaction=False)
-        for _, fields in entries:
-            try:
-                probe = decode_probe(fields or {})
-            except MalformedMessage as exc:
-                self.counts["malformed"] += 1
-                self._warn(logging.WARNING, "rank %d: probe ignored: %s", self._rank, exc)
-                continue
-            answer = self._answer(probe)
-            self.counts[answer.status] += 1
-            key = self._keys.probe_reply(probe.query_id)
-            pipe.rpush(key, encode_answer(answer))
-            pipe.pexpire(key, max(1, probe.budget_ms))
-        if len(pipe):
-            pipe.execute()
-        return last
+        if self._serving():
+            self._answers = [a for _, fields in entries if (a := self._answered(fields))]
+        return entries[-1][0]
+
+    def _answered(self, fields: dict[bytes, bytes] | None) -> tuple[str, bytes, int] | None:
+        """(answer list, answer, its TTL) of one probe entry; None for one not a probe."""
+        try:
+            probe = decode_probe(fields or {})
+        except MalformedMessage as exc:
+            self.counts["malformed"] += 1
+            self._warn(logging.WARNING, "rank %d: probe ignored: %s", self._rank, exc)
+            return None
+        answer = self._answer(probe)
+        self.counts[answer.status] += 1
+        key = self._keys.probe_reply(probe.query_id)
+        return key, encode_answer(answer), max(1, probe.budget_ms)
 
     def _answer(self, probe: Probe) -> ProbeAnswer:
         if self._ask is None:
@@ -154,9 +162,10 @@ class Prober(LoopThread):
         return ProbeAnswer(rank=self._rank, tokens=max(0, min(tokens, sum(probe.offsets))))
 
 
-def _dropped(client: redis.Redis | None) -> None:
-    if client is not None:
-        try:
-            client.close()
-        except REDIS_ERRORS:
-            pass
+def _dropped(client: redis.Redis | None, link: Link | None) -> None:
+    for thing in (link, client):
+        if thing is not None:
+            try:
+                thing.close()
+            except REDIS_ERRORS:
+                pass
