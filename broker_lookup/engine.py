@@ -31,6 +31,7 @@ __all__ = [
     "PartialEngine",
     "ProbeEngine",
     "ProgressSink",
+    "ReserveEngine",
     "ResponseSink",
     "SyncLookupEngine",
 ]
@@ -116,3 +117,27 @@ class ProbeEngine(Protocol):
         request_configs: dict[str, Any] | None = None,
     ) -> int:
         """Return how many prefix tokens are cached now (any tier), touching nothing."""
+
+
+@runtime_checkable
+class ReserveEngine(Protocol):
+    """An engine that keeps a prefix for a routed request (the fleet query's ``reserve_ms``).
+
+    Optional. ``reserve_prefix`` pins, for ``owner``, the leading chunks it holds where a
+    pin keeps them (the reference engine: its memory tier), loading nothing, and returns
+    their tokens; ``cleanup_memory_objs(owner)`` releases them. A rank whose engine lacks
+    it falls back to LMCache's ``lookup(..., lookup_id=owner, pin=True)``, released with
+    ``lookup_unpin([owner])`` where the engine has it.
+    """
+
+    def reserve_prefix(
+        self,
+        owner: str,
+        hashes: list[int],
+        offsets: list[int],
+        request_configs: dict[str, Any] | None = None,
+    ) -> int:
+        """Pin the held prefix for ``owner``; return its tokens."""
+
+    def cleanup_memory_objs(self, lookup_id: str) -> None:
+        """Release what ``lookup_id`` (here: a reservation's owner) pinned."""

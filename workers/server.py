@@ -42,6 +42,7 @@ from workers.pipeline.dispatch import Dispatcher
 from workers.pipeline.lifecycle import Lifecycle
 from workers.pipeline.loop import RankLoop
 from workers.pipeline.prober import Prober
+from workers.pipeline.reservations import Reservations
 from workers.pipeline.sweeper import Sweeper
 
 __all__ = ["RedisAsyncLookupServer"]
@@ -149,9 +150,18 @@ class RedisAsyncLookupServer:
             ),
             fingerprint=self.fingerprint,
         )
+        #: Prefixes kept for routed requests (the fleet query's reserve_ms).
+        self.reservations = Reservations(engine, self.rank)
+        self._dispatcher.on_start = self.reservations.arrived
         #: Answers the fleet query on its own thread and connection (never the loop's).
         self.prober = Prober(
-            engine, self.keys, self.rank, factory, cfg.block_ms, lambda: self.lease.held()
+            engine,
+            self.keys,
+            self.rank,
+            factory,
+            cfg.block_ms,
+            lambda: self.lease.held(),
+            self.reservations,
         )
         post_init = getattr(engine, "post_init", None)
         if callable(post_init):
@@ -170,6 +180,7 @@ class RedisAsyncLookupServer:
     def send_response_to_scheduler(self, lookup_id: str, num_hit_tokens: int) -> None:
         """The engine finished prefetching ``lookup_id``: report its loaded prefix."""
         self._dispatcher.report(lookup_id, num_hit_tokens)
+        self.reservations.reported(lookup_id)  # after: the lookup holds its own pins now
 
     def send_progress_to_scheduler(self, lookup_id: str, num_loaded_tokens: int) -> None:
         """Optional, for engines that load in steps: ``num_loaded_tokens`` of ``lookup_id``'s
@@ -191,6 +202,7 @@ class RedisAsyncLookupServer:
         ok = self.beat.stop(grace) and ok  # before the release: it would claim again
         self._release_lease()  # after the reports' flush: a released lease fences them
         self.fingerprint.close()
+        self.reservations.release_all()
         self._dispatcher.release_all()
         for factory in self._own_factories:
             close_factory(factory)

@@ -1,12 +1,15 @@
 """``python -m benchmarks.bench.probe_load``: do an engine's lookups pay for the fleet query?
 
-Paired, as ``--paired``: one engine's ranks (the bench's own, ``our_ranks``) serve one
-lookup in flight at a time, in alternating rounds with and without a steady probe load
-(``--rate`` fleet queries a second for the same engine, from another process, so only the
-ranks and the server share the load). Per round: the lookups' p50 and p99 and the rank
-processes' CPU per lookup. A drift of the box's load falls on both sides of a round pair
-alike, so the median of the per-round ratios (with / without) is the figure; the rank's
-CPU per probe is the difference of the two sides' CPU over the probes answered.
+Paired, as ``--paired``: one engine's rank (the bench's own, ``our_ranks``) serves one
+lookup in flight at a time, in rounds of three sides, their order rotating: no probes;
+a steady probe load (``--rate`` fleet queries a second, from another process) aimed at a
+sibling engine's rank on the same server (the control: the box and the server carry the
+same load, this rank none of it); the same load aimed at this engine. Per round: the
+lookups' p50 and p99 and this rank's CPU per lookup. A drift of the box's load falls on
+every side of a round alike, so the medians of the per-round ratios are the figures:
+``self / sibling`` is what answering probes costs this rank's lookups, ``sibling / none``
+what the load costs the box. The rank's CPU per probe is the difference of the self and
+sibling sides' CPU over the probes it answered.
 
     python -m benchmarks.bench.probe_load --rounds 20 --lookups 300 --rate 200
 """
@@ -30,18 +33,20 @@ from broker_lookup import FleetClient, LookupConfig
 __all__ = ["main", "probe_load"]
 
 
-def _drive(url: str, eid: str, rate: float, tokens: int, on: Any, stop: Any, done: Any) -> None:
-    """The probe load (its own process): ``rate`` queries a second while ``on`` is set."""
+def _drive(url: str, targets: list[str], rate: float, tokens: int, mode: Any, done: Any) -> None:
+    """The probe load (its own process): ``rate`` queries a second to ``targets[mode - 1]``
+    while ``mode`` is not 0, until it is -1."""
     fleet = FleetClient(LookupConfig(redis_url=url), deadline_ms=100)
     prompt = Prompts(tokens, seed=1).get(0)
     gap = 1.0 / rate
     try:
-        while not stop.is_set():
-            if not on.wait(0.1):
+        while mode.value >= 0:
+            if mode.value == 0:
+                time.sleep(0.01)
                 continue
-            due = time.monotonic()
-            while on.is_set() and not stop.is_set():
-                answer = fleet.query(prompt, engines=[eid])
+            due, aim = time.monotonic(), mode.value
+            while mode.value == aim:
+                answer = fleet.query(prompt, engines=[targets[aim - 1]])
                 with done.get_lock():
                     done.value += sum(len(e.answered) for e in answer.engines)
                 due += gap
@@ -50,69 +55,80 @@ def _drive(url: str, eid: str, rate: float, tokens: int, on: Any, stop: Any, don
         fleet.close()
 
 
+_SIDES = ("none", "sibling", "self")
+
+
 def _ratio(a: list[float], b: list[float]) -> float:
     return statistics.median(y / x for x, y in zip(a, b, strict=True) if x > 0)
 
 
 def probe_load(url: str, rounds: int, lookups: int, rate: float, tokens: int) -> dict[str, Any]:
-    """Alternating rounds without (side 0) and with (side 1) the probe load."""
+    """``rounds`` rounds of the three sides (see the module docstring)."""
     opts = BenchOptions.defaults(False, lookups=lookups, tokens=tokens)
-    eid = engine_id(uuid.uuid4().hex[:8], "probe-load")
+    run_id = uuid.uuid4().hex[:8]
+    eid, sibling = engine_id(run_id, "probe-load"), engine_id(run_id, "sibling")
     spawn = multiprocessing.get_context("spawn")
-    on, stop, done = spawn.Event(), spawn.Event(), spawn.Value("q", 0)
-    sides: list[dict[str, list[float]]] = [{"p50": [], "p99": [], "cpu": []} for _ in (0, 1)]
+    mode, done = spawn.Value("i", 0), spawn.Value("q", 0)
+    sides: list[dict[str, list[float]]] = [{"p50": [], "p99": [], "cpu": []} for _ in _SIDES]
     probes = 0
     with ExitStack() as stack:
-        pids = list(stack.enter_context(rank_host(opts, url, {eid: 1}))[eid].values())
+        hosts = stack.enter_context(rank_host(opts, url, {eid: 1, sibling: 1}))
+        pids = list(hosts[eid].values())
         client = client_for(url, eid, 1)
         stack.callback(client.close)
-        driver = spawn.Process(target=_drive, args=(url, eid, rate, tokens, on, stop, done))
+        driver = spawn.Process(target=_drive, args=(url, [sibling, eid], rate, tokens, mode, done))
         driver.start()
         stack.callback(driver.join, 10)
-        stack.callback(stop.set)
+        stack.callback(setattr, mode, "value", -1)
         prompts = Prompts(tokens)
         sequential_latency(client, prompts, opts.warmup, 0, opts.poll_s, "w")
         for r in range(rounds):
-            for side in (0, 1) if r % 2 == 0 else (1, 0):
+            for k in range(len(_SIDES)):
+                side = (k + r) % len(_SIDES)
+                mode.value = side
                 if side:
-                    on.set()
                     time.sleep(0.2)  # the load is steady before the round starts
                 before, answered = cpu_seconds_of(pids), done.value
                 run = sequential_latency(client, prompts, lookups, 0, opts.poll_s, f"r{r}s{side}")
                 sides[side]["cpu"].append((cpu_seconds_of(pids) - before) * 1e6 / lookups)
                 sides[side]["p50"].append(run["e2e"]["p50_ms"])
                 sides[side]["p99"].append(run["e2e"]["p99_ms"])
-                if side:
+                if side == 2:
                     probes += done.value - answered
-                    on.clear()
-    off_cpu, on_cpu = (statistics.median(s["cpu"]) for s in sides)
+                mode.value = 0
+    spent = sum(sides[2]["cpu"]) - sum(sides[1]["cpu"])
     return {
         "rounds": rounds,
         "lookups_per_round": lookups,
         "tokens": tokens,
         "probe_rate_per_s": rate,
         "probes_answered_in_rounds": probes,
-        "sides": [{k: statistics.median(v) for k, v in s.items()} for s in sides],
-        "ratio_with_over_without": {k: _ratio(sides[0][k], sides[1][k]) for k in sides[0]},
-        "rank_cpu_us_per_probe": (
-            (on_cpu - off_cpu) * lookups * rounds / probes if probes else None
-        ),
+        "sides": {
+            name: {k: statistics.median(v) for k, v in s.items()}
+            for name, s in zip(_SIDES, sides, strict=True)
+        },
+        "self_over_sibling": {k: _ratio(sides[1][k], sides[2][k]) for k in sides[0]},
+        "sibling_over_none": {k: _ratio(sides[0][k], sides[1][k]) for k in sides[0]},
+        "rank_cpu_us_per_probe": spent * lookups / probes if probes else None,
     }
 
 
 def render(result: dict[str, Any]) -> str:
     """The run as a short table."""
-    off, on = result["sides"]
-    ratio = result["ratio_with_over_without"]
     lines = [
-        f"lookups with and without {result['probe_rate_per_s']:g} fleet queries/s: "
-        f"{result['rounds']} alternating rounds of {result['lookups_per_round']} lookups "
+        f"lookups under {result['probe_rate_per_s']:g} fleet queries/s: {result['rounds']} "
+        f"rounds of 3 sides x {result['lookups_per_round']} lookups "
         f"({result['tokens']} tokens), one in flight, world 1",
-        f"  {'':<16}{'p50 ms':>8}{'p99 ms':>8}{'rank µs/lookup':>16}",
-        f"  {'without probes':<16}{off['p50']:>8.3f}{off['p99']:>8.3f}{off['cpu']:>16.1f}",
-        f"  {'with probes':<16}{on['p50']:>8.3f}{on['p99']:>8.3f}{on['cpu']:>16.1f}",
-        f"  {'with / without':<16}{ratio['p50']:>8.3f}{ratio['p99']:>8.3f}{ratio['cpu']:>16.3f}",
+        f"  {'probes aimed at':<22}{'p50 ms':>8}{'p99 ms':>8}{'rank µs/lookup':>16}",
     ]
+    for name, side in result["sides"].items():
+        lines.append(f"  {name:<22}{side['p50']:>8.3f}{side['p99']:>8.3f}{side['cpu']:>16.1f}")
+    for label, key in (
+        ("self / sibling", "self_over_sibling"),
+        ("sibling / none", "sibling_over_none"),
+    ):
+        r = result[key]
+        lines.append(f"  {label:<22}{r['p50']:>8.3f}{r['p99']:>8.3f}{r['cpu']:>16.3f}")
     per_probe = result["rank_cpu_us_per_probe"]
     if per_probe is not None:
         lines.append(

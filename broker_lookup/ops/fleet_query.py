@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import redis
@@ -42,6 +42,7 @@ from broker_lookup.protocol.probe import (
     PROBES_MAXLEN,
     PROBES_TTL_MS,
     Probe,
+    Reserve,
     decode_answer,
     new_query_id,
     probe_fields,
@@ -69,6 +70,8 @@ class EngineAnswer:
     answered: tuple[int, ...]  #: the ranks that answered in time
     age_ms: float | None  #: at most this old when returned (None: no rank answered)
     reason: str | None  #: why ``tokens`` is 0; None when it is not
+    reserved: int = 0  #: with ``reserve_ms``: the prefix every rank pinned for the request
+    reserved_ms: int = 0  #: ... for at most this long
 
 
 @dataclass(frozen=True)
@@ -150,13 +153,21 @@ class FleetClient:
         configured: str | None = None,
         deadline_ms: int | None = None,
         request_configs: dict[str, Any] | None = None,
+        reserve_ms: int = 0,
     ) -> FleetAnswer:
         """Ask the candidates (``engines``, or every instance of ``configured``, or every
         engine) for the prefix of ``token_ids`` (or of chunk ``hashes``, with ``offsets``
-        per chunk, ``chunk_size`` each by default) they hold, waiting ``deadline_ms``."""
+        per chunk, ``chunk_size`` each by default) they hold, waiting ``deadline_ms``.
+
+        With ``reserve_ms``, the best engine's ranks are then asked to keep that prefix
+        pinned until the engine's own lookup of the prompt arrives, or ``reserve_ms``
+        passed (see ``workers.pipeline.reservations``): the best answer's ``reserved`` is
+        the prefix every rank pinned (the reserve waits up to one more ``deadline_ms``)."""
         started = time.monotonic()
         try:
             chunk_hashes, chunk_offsets = self._chunks(token_ids, hashes, offsets)
+            if not isinstance(reserve_ms, int) or reserve_ms < 0:
+                raise ValueError(f"reserve_ms={reserve_ms!r}: must be an integer >= 0")
             names = [validate_engine_id(e, "engine id") for e in engines or ()]
             if configured is not None:
                 validate_engine_id(configured, "configured engine id")
@@ -178,6 +189,12 @@ class FleetClient:
             )
             sent = self._send(client, found, probe)
             self._wait(client, found, probe.query_id, started + budget / 1000)
+            answers = [_answer(e, _ms_since(sent)) for e in found]
+            answers.sort(key=_best_first)
+            if reserve_ms and answers and answers[0].tokens:
+                engine = next(e for e in found if e.keys.engine_id == answers[0].engine_id)
+                reserved = self._reserve(client, engine, answers[0].tokens, probe, reserve_ms)
+                answers[0] = replace(answers[0], reserved=reserved, reserved_ms=reserve_ms)
         except REDIS_ERRORS as exc:
             # The pool reconnects by itself; the next query tries again.
             self._warn(logging.WARNING, "fleet query: Redis failed: %s", exc)
@@ -185,10 +202,34 @@ class FleetClient:
             return FleetAnswer(
                 total, answers, _ms_since(started), f"Redis failed: {exc}", available=False
             )
-        now = time.monotonic()
-        answers = [_answer(e, (now - sent) * 1000) for e in found]
-        answers.sort(key=lambda a: (-a.tokens, len(a.expected) - len(a.answered), a.engine_id))
         return FleetAnswer(total, answers, _ms_since(started))
+
+    def _reserve(
+        self, client: redis.Redis, engine: _Engine, tokens: int, probe: Probe, reserve_ms: int
+    ) -> int:
+        """Ask ``engine``'s ranks to pin the first ``tokens`` of ``probe``'s prompt; the
+        prefix every rank pinned (0 if one did not answer in time)."""
+        chunks, total = 0, 0
+        while chunks < len(probe.offsets) and total + probe.offsets[chunks] <= tokens:
+            total += probe.offsets[chunks]
+            chunks += 1
+        ask = Reserve(
+            query_id=new_query_id(),
+            hashes=probe.hashes[:chunks],
+            offsets=probe.offsets[:chunks],
+            budget_ms=probe.budget_ms,
+            reserve_ms=reserve_ms,
+            request_configs=probe.request_configs,
+        )
+        pipe = client.pipeline(transaction=False)
+        pipe.xadd(engine.keys.probes, probe_fields(ask), maxlen=PROBES_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        pipe.pexpire(engine.keys.probes, PROBES_TTL_MS)
+        pipe.execute()
+        waiting = _Engine(engine.keys, engine.ranks, engine.expected, engine.live)
+        self._wait(client, [waiting], ask.query_id, time.monotonic() + probe.budget_ms / 1000)
+        if waiting.bad or not set(waiting.expected) <= set(waiting.got):
+            return 0
+        return min(waiting.got[r] for r in waiting.expected)
 
     def _chunks(
         self,
@@ -314,6 +355,10 @@ def _answer(e: _Engine, age_ms: float) -> EngineAnswer:
     return EngineAnswer(
         e.keys.engine_id, tokens, e.expected, answered, age, None if tokens else "miss"
     )
+
+
+def _best_first(a: EngineAnswer) -> tuple[int, int, str]:
+    return (-a.tokens, len(a.expected) - len(a.answered), a.engine_id)
 
 
 def _world_size(beat: bytes | str) -> int:

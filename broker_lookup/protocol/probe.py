@@ -1,13 +1,17 @@
 """Wire format of the fleet query: a probe every rank of an engine answers.
 
 Probe entry (``bl:{E}:probes``), written by :class:`broker_lookup.FleetClient`; ranks read
-the stream with plain XREAD from the newest entry (no consumer group: a probe nobody
-answered is only a slower answer, never a lost lookup)::
+the stream with plain XREAD (no consumer group: a probe nobody answered is only a slower
+answer, never a lost lookup)::
 
-    type   "probe"                        readable copy for redis-cli
-    q      query id                       readable copy
-    chunks number of chunks               readable copy
-    m      msgpack of :class:`Probe`      the only field decoded
+    type   "probe" | "reserve"                      readable copy for redis-cli
+    q      query id                                 readable copy
+    chunks number of chunks                         readable copy
+    m      msgpack of :class:`Probe` | :class:`Reserve` (tagged): the only field decoded
+
+A reserve asks the ranks of the engine a router chose to pin the prefix they hold for
+``reserve_ms``, or until the engine's own lookup of the prompt arrives; its answer is the
+prefix each rank pinned.
 
 Answer (``bl:{E}:probe:<q>``, a list): one msgpack :class:`ProbeAnswer` per rank, RPUSHed
 with a PEXPIRE of the probe's budget, so an answer nobody waits for any more expires.
@@ -26,6 +30,8 @@ __all__ = [
     "PROBES_TTL_MS",
     "Probe",
     "ProbeAnswer",
+    "ProbeMessage",
+    "Reserve",
     "decode_answer",
     "decode_probe",
     "encode_answer",
@@ -53,6 +59,21 @@ class Probe(msgspec.Struct, tag="probe", frozen=True, kw_only=True):
     request_configs: dict[str, Any] | None = None
 
 
+class Reserve(msgspec.Struct, tag="reserve", frozen=True, kw_only=True):
+    """Pin the prefix held of these chunks until the engine's own lookup of them arrives,
+    or ``reserve_ms`` passed, whichever first; answer the prefix pinned."""
+
+    query_id: str
+    hashes: list[int]
+    offsets: list[int]
+    budget_ms: int  #: as a probe's
+    reserve_ms: int
+    request_configs: dict[str, Any] | None = None
+
+
+ProbeMessage = Probe | Reserve
+
+
 class ProbeAnswer(msgspec.Struct, frozen=True, kw_only=True):
     """One rank's answer to a probe."""
 
@@ -62,7 +83,7 @@ class ProbeAnswer(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_PROBE = msgspec.msgpack.Decoder(Probe)
+_PROBE = msgspec.msgpack.Decoder(ProbeMessage)
 _ANSWER = msgspec.msgpack.Decoder(ProbeAnswer)
 
 
@@ -71,17 +92,17 @@ def new_query_id() -> str:
     return os.urandom(8).hex()
 
 
-def probe_fields(probe: Probe) -> dict[str, bytes | str | int]:
+def probe_fields(probe: ProbeMessage) -> dict[str, bytes | str | int]:
     """The stream entry's fields for ``probe``."""
     return {
-        "type": "probe",
+        "type": "probe" if isinstance(probe, Probe) else "reserve",
         "q": probe.query_id,
         "chunks": len(probe.hashes),
         "m": _ENCODER.encode(probe),
     }
 
 
-def decode_probe(fields: dict[bytes, bytes]) -> Probe:
+def decode_probe(fields: dict[bytes, bytes]) -> ProbeMessage:
     """Decode a probe entry; raise MalformedMessage saying why it can't be."""
     raw = fields.get(b"m")
     if raw is None:
@@ -90,6 +111,8 @@ def decode_probe(fields: dict[bytes, bytes]) -> Probe:
         probe = _PROBE.decode(raw)
     except msgspec.DecodeError as exc:
         raise MalformedMessage(f"undecodable probe: {exc}", raw) from None
+    if isinstance(probe, Reserve) and probe.reserve_ms < 0:
+        raise MalformedMessage("a reserve's reserve_ms is negative", raw)
     if len(probe.hashes) != len(probe.offsets) or any(o < 0 for o in probe.offsets):
         raise MalformedMessage("probe hashes and offsets do not pair up", raw)
     return probe

@@ -18,10 +18,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from faultkit import CHUNK, config, prompt, ready
-from helpers import Backend, Made
+from faultkit import CHUNK, alive, config, prompt, ready
+from faultkit import answer as answer_of
+from helpers import Backend, Made, wait_until
 
-from broker_lookup import FleetClient, LookupMetadata
+from broker_lookup import FleetClient, LookupMetadata, RedisAsyncLookupClient
 from broker_lookup.ops.cli import main
 from broker_lookup.ops.exporter import ExporterServer, FleetCollector
 from broker_lookup.ops.query_cli import query_route
@@ -251,3 +252,68 @@ def test_the_cli_prints_the_same_answer(
         assert f"{engine_id}" in capsys.readouterr().out
         assert main([*argv, "--tokens", "1,x"]) == 2
         assert "--tokens='1,x'" in capsys.readouterr().err
+
+
+def _pinned(engine: ReferenceEngine) -> int:
+    return engine.stats().get("pinned_chunks", 0)
+
+
+def test_reserve_pins_the_best_engines_prefix_until_its_ttl(fleet: Fleet, engine_id: str) -> None:
+    best, other = engine_id + "-best", engine_id + "-other"
+    kept, spare = fleet.engine(3), fleet.engine(2)
+    server = fleet.rank(best, kept)
+    fleet.rank(other, spare)
+    answer = fleet.client.query(TOKENS, engines=[best, other], deadline_ms=2000, reserve_ms=400)
+    top = answer.engines[0]
+    assert (top.engine_id, top.tokens, top.reserved, top.reserved_ms) == (
+        best,
+        3 * CHUNK,
+        3 * CHUNK,
+        400,
+    )
+    assert answer.engines[1].reserved == 0
+    assert (_pinned(kept), _pinned(spare)) == (3, 0)
+    assert len(server.reservations) == 1
+    wait_until(lambda: _pinned(kept) == 0, timeout=5, message="released at its TTL")
+    assert server.reservations.counts == {"reserved": 1, "released_ttl": 1}
+    assert len(server.reservations) == 0
+
+
+def test_the_engines_own_lookup_of_the_prompt_takes_the_reservation_over(
+    fleet: Fleet, backend: Backend, engine_id: str
+) -> None:
+    engine = fleet.engine(4)
+    server = fleet.rank(engine_id, engine)
+    meta = LookupMetadata(engine_id=engine_id, world_size=1)
+    scheduler = fleet.made.keep(
+        RedisAsyncLookupClient(config(), meta, connection_factory=backend.factory)
+    )
+    alive(scheduler)
+    answer = fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=2000, reserve_ms=60_000)
+    assert answer.engines[0].reserved == FULL and len(server.reservations) == 1
+    other = prompt(9000, chunks=4)  # another prompt's lookup releases nothing
+    scheduler.lookup(other, "other")
+    assert answer_of(scheduler, "other", timeout=10) == 0
+    assert len(server.reservations) == 1
+    scheduler.lookup(TOKENS, "routed")
+    assert answer_of(scheduler, "routed", timeout=10) == FULL  # what it was promised
+    wait_until(lambda: len(server.reservations) == 0, message="handed to the lookup")
+    assert server.reservations.counts == {"reserved": 1, "released_lookup": 1}
+    scheduler.cancel_lookup("routed")
+    wait_until(lambda: _pinned(engine) == 0, message="the lookup's own pins released")
+
+
+def test_a_rank_stopping_releases_its_reservations(fleet: Fleet, engine_id: str) -> None:
+    engine = fleet.engine(4)
+    server = fleet.rank(engine_id, engine)
+    answer = fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=2000, reserve_ms=60_000)
+    assert answer.engines[0].reserved == FULL and _pinned(engine) == 4
+    server.close()
+    assert _pinned(engine) == 0
+    assert server.reservations.counts["released_shutdown"] == 1
+
+
+def test_an_engine_that_cannot_reserve_reserves_nothing(fleet: Fleet, engine_id: str) -> None:
+    fleet.rank(engine_id, StubEngine())  # probes answered (probe_prefix), no reserve_prefix
+    answer = fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=2000, reserve_ms=500)
+    assert (answer.engines[0].tokens, answer.engines[0].reserved) == (FULL, 0)

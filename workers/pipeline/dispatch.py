@@ -93,6 +93,9 @@ class Dispatcher:
         self.engine_seconds_sum = 0.0
         self._warn = RateLimitedLog(logger)
         self._watchdog_log = RateLimitedLog(logger)
+        #: Told each lookup handed to the engine (id, chunk hashes): the rank's
+        #: reservations release a prompt's reservation once its own lookup reports.
+        self.on_start: Callable[[str, list[int]], None] | None = None
 
     # -- from the read loop ---------------------------------------------------------
 
@@ -258,6 +261,8 @@ class Dispatcher:
 
     def _start(self, req: LookupRequest) -> None:
         """Hand ``req`` to the engine (counted as a request by the caller)."""
+        if self.on_start is not None:
+            self.on_start(req.lookup_id, req.hashes)
         try:
             self._engine.async_lookup_and_prefetch(
                 req.lookup_id,

@@ -29,6 +29,7 @@ from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.probe import (
     Probe,
     ProbeAnswer,
+    Reserve,
     decode_probe,
     encode_answer,
 )
@@ -36,6 +37,7 @@ from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.threads import LoopThread
 from broker_lookup.transport.connection import ConnectionFactory
 from broker_lookup.transport.link import Link, open_link, stream_entries
+from workers.pipeline.reservations import Reservations
 
 __all__ = ["Prober", "probe_function"]
 
@@ -74,6 +76,7 @@ class Prober(LoopThread):
         factory: connections (a pool of its own is not needed: the thread holds one).
         block_ms: XREAD BLOCK, under the factory's socket timeout.
         serving: whether this process holds the rank's lease now.
+        reservations: the rank's reservations: this thread makes them and expires them.
     """
 
     def __init__(
@@ -84,8 +87,10 @@ class Prober(LoopThread):
         factory: ConnectionFactory,
         block_ms: int,
         serving: Callable[[], bool],
+        reservations: Reservations,
     ) -> None:
         super().__init__(f"rank {rank} prober")
+        self._reservations = reservations
         self._ask = probe_function(engine)
         self._keys, self._rank, self._factory = keys, rank, factory
         self._block_ms, self._serving = block_ms, serving
@@ -128,6 +133,7 @@ class Prober(LoopThread):
         for key, answer, ttl_ms in self._answers:
             answers += [("RPUSH", key, answer), ("PEXPIRE", key, ttl_ms)]
         self._answers = []
+        self._reservations.expire()
         read = ("XREAD", "COUNT", BATCH_SIZE, "BLOCK", self._block_ms, "STREAMS")
         link.call(answers, read=(*read, self._keys.probes, last))
         entries = stream_entries(link.take_read())
@@ -150,7 +156,11 @@ class Prober(LoopThread):
         key = self._keys.probe_reply(probe.query_id)
         return key, encode_answer(answer), max(1, probe.budget_ms)
 
-    def _answer(self, probe: Probe) -> ProbeAnswer:
+    def _answer(self, probe: Probe | Reserve) -> ProbeAnswer:
+        if isinstance(probe, Reserve):
+            if not self._reservations.supported:
+                return ProbeAnswer(rank=self._rank, tokens=0, status="unsupported")
+            return ProbeAnswer(rank=self._rank, tokens=self._reservations.reserve(probe))
         if self._ask is None:
             return ProbeAnswer(rank=self._rank, tokens=0, status="unsupported")
         try:

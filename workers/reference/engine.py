@@ -196,6 +196,23 @@ class ReferenceEngine:
             hits += tokens
         return hits
 
+    def reserve_prefix(
+        self,
+        owner: str,
+        hashes: list[int],
+        offsets: list[int],
+        request_configs: dict[str, Any] | None = None,
+    ) -> int:
+        """A reservation (``ReserveEngine``): pin the leading chunks in memory for
+        ``owner``, loading nothing; return their tokens. ``cleanup_memory_objs(owner)``
+        releases them (and the pin timeout, as any lookup's)."""
+        reserved = 0
+        for key, tokens in _chunks(hashes, offsets, request_configs):
+            if not self._store.pin_if_in_memory(key, owner):
+                break
+            reserved += tokens
+        return reserved
+
     def async_lookup_and_prefetch(
         self,
         lookup_id: str,
