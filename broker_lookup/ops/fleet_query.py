@@ -118,7 +118,9 @@ class FleetClient:
     Args:
         config: ``redis_url`` and the hashing fields (``chunk_size``, ...) of the fleet.
         connection_factory: clients to use instead of ones made from ``config``.
-        deadline_ms: default deadline of a query.
+        deadline_ms: default deadline of a query (capped under ``socket_timeout_ms``,
+            which bounds what a query costs when Redis does not answer: set it near the
+            router's own budget).
     """
 
     def __init__(
@@ -129,7 +131,11 @@ class FleetClient:
     ) -> None:
         self.config = config
         self.deadline_ms = deadline_ms
-        self._factory = connection_factory or make_factory(config, "bl-fleet-query")
+        # No redis-py retries: a held link costs one socket timeout, not several; the
+        # next query connects again.
+        self._factory = connection_factory or make_factory(
+            config, "bl-fleet-query", own_retries=True
+        )
         self._client: redis.Redis | None = None
         self._hasher = ChunkedTokenHasher(config)
         self._resolved: dict[str | None, tuple[float, list[str]]] = {}

@@ -10,6 +10,8 @@ JSON object::
     "configured": "vllm-a"              every live instance of a configured id;
                                         neither: every engine on the server
     "deadline_ms": 50                   optional (default --deadline-ms)
+    "reserve_ms": 2000                  optional: keep the best engine's prefix pinned
+                                        until its own lookup of the prompt (or this long)
 
 and its answer ``FleetAnswer.to_json()``: 200 (Redis down too: every engine answers
 ``unavailable``, a router falls back), 400 for a body that is not a query.
@@ -57,6 +59,13 @@ def setup(p: argparse.ArgumentParser, url_help: str) -> None:
     p.add_argument(
         "--deadline-ms", type=int, default=100, help="wait at most this long (default 100)"
     )
+    p.add_argument(
+        "--reserve-ms",
+        type=int,
+        default=0,
+        help="keep the best engine's prefix pinned until its own lookup of the prompt "
+        "arrives, or this long (default 0: no reservation)",
+    )
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
     p.add_argument(
         "--listen",
@@ -92,7 +101,16 @@ def _parse(body: bytes, tokenize: Tokenize | None) -> dict[str, Any]:
         raise ValueError(f"the body is not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise ValueError("the body must be a JSON object")
-    known = {"tokens", "hashes", "offsets", "text", "engines", "configured", "deadline_ms"}
+    known = {
+        "tokens",
+        "hashes",
+        "offsets",
+        "text",
+        "engines",
+        "configured",
+        "deadline_ms",
+        "reserve_ms",
+    }
     unknown = sorted(set(doc) - known)
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(unknown)}")
@@ -103,6 +121,7 @@ def _parse(body: bytes, tokenize: Tokenize | None) -> dict[str, Any]:
         "engines": doc.get("engines"),
         "configured": doc.get("configured"),
         "deadline_ms": doc.get("deadline_ms"),
+        "reserve_ms": doc.get("reserve_ms", 0),
     }
     if "text" in doc:
         if tokenize is None:
@@ -115,6 +134,8 @@ def _parse(body: bytes, tokenize: Tokenize | None) -> dict[str, Any]:
             raise ValueError(f"'{name.removesuffix('_ids')}' must be a list")
     if ask["deadline_ms"] is not None and not isinstance(ask["deadline_ms"], int):
         raise ValueError("'deadline_ms' must be an integer")
+    if not isinstance(ask["reserve_ms"], int) or ask["reserve_ms"] < 0:
+        raise ValueError("'reserve_ms' must be an integer >= 0")
     return ask
 
 
@@ -141,11 +162,16 @@ def render(answer: FleetAnswer) -> str:
     lines = [f"prompt: {answer.tokens} tokens in whole chunks; {answer.elapsed_ms:.1f} ms"]
     if answer.problem:
         lines.append(answer.problem)
-    lines.append(f"  {'engine':<40}{'tokens':>8}  {'ranks':<12}{'age ms':>8}  reason")
+    lines.append(
+        f"  {'engine':<40}{'tokens':>8}{'reserved':>10}  {'ranks':<8}{'age ms':>8}  reason"
+    )
     for e in answer.engines:
         ranks = f"{len(e.answered)}/{len(e.expected)}"
         age = "-" if e.age_ms is None else f"{e.age_ms:.1f}"
-        lines.append(f"  {e.engine_id:<40}{e.tokens:>8}  {ranks:<12}{age:>8}  {e.reason or ''}")
+        lines.append(
+            f"  {e.engine_id:<40}{e.tokens:>8}{e.reserved:>10}  {ranks:<8}{age:>8}  "
+            f"{e.reason or ''}"
+        )
     return "\n".join(lines)
 
 
@@ -173,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
             engines=args.engine,
             configured=args.configured,
             deadline_ms=args.deadline_ms,
+            reserve_ms=args.reserve_ms,
         )
     finally:
         fleet.close()

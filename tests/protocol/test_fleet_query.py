@@ -226,7 +226,11 @@ def test_the_http_endpoint_answers_json_and_takes_text_with_a_tokenizer(
         ]
         code, doc = _post(server.port, json.dumps({"text": "w", "engines": [engine_id]}).encode())
         assert code == 200 and doc["engines"][0]["tokens"] == 2 * CHUNK
-        for bad in (b"not json", b"[1]", b'{"tokens": 5}', b'{"tokenz": [1]}', b'{"text": 1}'):
+        ask["reserve_ms"] = 300
+        code, doc = _post(server.port, json.dumps(ask).encode())
+        assert code == 200 and doc["engines"][0]["reserved"] == 2 * CHUNK
+        bad_bodies = (b"not json", b"[1]", b'{"tokens": 5}', b'{"tokenz": [1]}', b'{"text": 1}')
+        for bad in (*bad_bodies, b'{"tokens": [1], "reserve_ms": -1}'):
             code, doc = _post(server.port, bad)
             assert code == 400 and doc["problem"], bad
     finally:
@@ -317,3 +321,17 @@ def test_an_engine_that_cannot_reserve_reserves_nothing(fleet: Fleet, engine_id:
     fleet.rank(engine_id, StubEngine())  # probes answered (probe_prefix), no reserve_prefix
     answer = fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=2000, reserve_ms=500)
     assert (answer.engines[0].tokens, answer.engines[0].reserved) == (FULL, 0)
+
+
+@pytest.mark.parametrize("backend", ["fake"], indirect=True)  # connection loss: fakeredis
+def test_a_reservation_ends_at_its_ttl_while_redis_is_gone(
+    fleet: Fleet, backend: Backend, engine_id: str
+) -> None:
+    engine = fleet.engine(4)
+    server = fleet.rank(engine_id, engine)
+    answer = fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=2000, reserve_ms=300)
+    assert answer.engines[0].reserved == FULL
+    backend.fake.connected = False
+    wait_until(lambda: _pinned(engine) == 0, timeout=5, message="released with Redis gone")
+    assert server.reservations.counts["released_ttl"] == 1
+    backend.fake.connected = True

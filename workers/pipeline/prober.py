@@ -107,6 +107,9 @@ class Prober(LoopThread):
         link: Link | None = None
         last: bytes | str = "0"
         while not self._stop.is_set():
+            # Before anything that needs Redis: a reservation ends at its TTL while Redis
+            # is unreachable too.
+            self._reservations.expire()
             try:
                 if client is None or link is None:
                     client = self._factory()
@@ -133,7 +136,6 @@ class Prober(LoopThread):
         for key, answer, ttl_ms in self._answers:
             answers += [("RPUSH", key, answer), ("PEXPIRE", key, ttl_ms)]
         self._answers = []
-        self._reservations.expire()
         read = ("XREAD", "COUNT", BATCH_SIZE, "BLOCK", self._block_ms, "STREAMS")
         link.call(answers, read=(*read, self._keys.probes, last))
         entries = stream_entries(link.take_read())
