@@ -35,7 +35,7 @@ import redis
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import REDIS_ERRORS, BrokerLookupError, MalformedMessage
-from broker_lookup.ops.split import instance_pattern
+from broker_lookup.ops.split import configured_id, instance_pattern
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import PREFIX, KeySpace, engine_of, validate_engine_id
 from broker_lookup.protocol.probe import (
@@ -138,7 +138,7 @@ class FleetClient:
         )
         self._client: redis.Redis | None = None
         self._hasher = ChunkedTokenHasher(config)
-        self._resolved: dict[str | None, tuple[float, list[str]]] = {}
+        self._resolved: dict[tuple[str, ...] | None, tuple[float, list[str]]] = {}
         self._warn = RateLimitedLog(logger, 30.0)
 
     def close(self) -> None:
@@ -156,14 +156,15 @@ class FleetClient:
         hashes: Sequence[int] | None = None,
         offsets: Sequence[int] | None = None,
         engines: Sequence[str] | None = None,
-        configured: str | None = None,
+        configured: str | Sequence[str] | None = None,
         deadline_ms: int | None = None,
         request_configs: dict[str, Any] | None = None,
         reserve_ms: int = 0,
     ) -> FleetAnswer:
-        """Ask the candidates (``engines``, or every instance of ``configured``, or every
-        engine) for the prefix of ``token_ids`` (or of chunk ``hashes``, with ``offsets``
-        per chunk, ``chunk_size`` each by default) they hold, waiting ``deadline_ms``.
+        """Ask the candidates (``engines``, or every instance of ``configured``, one id or
+        several, or every engine) for the prefix of ``token_ids`` (or of chunk ``hashes``,
+        with ``offsets`` per chunk, ``chunk_size`` each by default) they hold, waiting
+        ``deadline_ms``.
 
         With ``reserve_ms``, the best engine's ranks are then asked to keep that prefix
         pinned until the engine's own lookup of the prompt arrives, or ``reserve_ms``
@@ -175,8 +176,10 @@ class FleetClient:
             if not isinstance(reserve_ms, int) or reserve_ms < 0:
                 raise ValueError(f"reserve_ms={reserve_ms!r}: must be an integer >= 0")
             names = [validate_engine_id(e, "engine id") for e in engines or ()]
-            if configured is not None:
-                validate_engine_id(configured, "configured engine id")
+            ids = (configured,) if isinstance(configured, str) else configured
+            wanted = None if ids is None else tuple(sorted(set(ids)))
+            for one in wanted or ():
+                validate_engine_id(one, "configured engine id")
         except (BrokerLookupError, ValueError, TypeError) as exc:
             return FleetAnswer(0, problem=str(exc))
         total = sum(chunk_offsets)
@@ -184,7 +187,7 @@ class FleetClient:
         try:
             client = self._connected()
             if not names:
-                names = self._resolve(client, configured)
+                names = self._resolve(client, wanted)
             found = [_Engine(KeySpace(n)) for n in names]
             probe = Probe(
                 query_id=new_query_id(),
@@ -267,8 +270,9 @@ class FleetClient:
             self._client = self._factory()
         return self._client
 
-    def _resolve(self, client: redis.Redis, configured: str | None) -> list[str]:
-        """Namespaces of every engine with ranks (``configured``: its instances and itself)."""
+    def _resolve(self, client: redis.Redis, configured: tuple[str, ...] | None) -> list[str]:
+        """Namespaces of every engine with ranks (``configured``: their instances and
+        themselves)."""
         now = time.monotonic()
         cached = self._resolved.get(configured)
         if cached is not None and now - cached[0] < RESOLVE_EVERY_S:
@@ -276,7 +280,11 @@ class FleetClient:
         if configured is None:
             patterns = [f"{PREFIX}:{{*}}:epochs"]
         else:
-            patterns = [instance_pattern(configured, "epochs"), KeySpace(configured).epochs]
+            patterns = [
+                p
+                for one in configured
+                for p in (instance_pattern(one, "epochs"), KeySpace(one).epochs)
+            ]
         names = sorted(
             {
                 engine
@@ -285,8 +293,9 @@ class FleetClient:
                 if (engine := engine_of(raw)) is not None
             }
         )
-        if configured is not None and configured not in names:
-            names.append(configured)  # named: shown, with no_ranks, rather than dropped
+        for one in configured or ():
+            if one not in names and not any(configured_id(n) == one for n in names):
+                names.append(one)  # named: shown, with no_ranks, rather than dropped
         self._resolved[configured] = (now, names)
         return names
 
