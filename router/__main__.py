@@ -79,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             host,
             int(port),
             stop,
-            announce=lambda line: print(line.replace("/metrics", "/v1"), flush=True),
+            announce=lambda line: print(
+                line.replace("broker-lookup exporter", "python -m router").replace("/metrics", "/v1"),
+                flush=True,
+            ),
             routes=router.routes(),
         )
     except KeyboardInterrupt:

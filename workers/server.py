@@ -24,6 +24,7 @@ released, one generation at a time); the dispatcher only carries out its steps.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.engine import LookupEngine
@@ -129,6 +130,9 @@ class RedisAsyncLookupServer:
             world_size=metadata.world_size,
             redis_retries=connection_factory is not None,
         )
+        #: Prefixes kept for routed requests (the fleet query's reserve_ms).
+        self.reservations = Reservations(engine, self.rank)
+        self._dispatcher.on_start = self.reservations.arrived
         #: Liveness: the lease with the heartbeat, the engine keys, snapshot, fingerprint.
         self.beat = Beat(
             cfg,
@@ -137,7 +141,7 @@ class RedisAsyncLookupServer:
             factories.beat,
             f"rank {self.rank} beat",
             heartbeat=Heartbeat(
-                self.rank, cfg.heartbeat_ttl_ms, self._loop.beat_info, metadata.configured_engine_id
+                self.rank, cfg.heartbeat_ttl_ms, self._beat_info, metadata.configured_engine_id
             ),
             metrics=MetricsPublisher(
                 self.keys,
@@ -150,9 +154,6 @@ class RedisAsyncLookupServer:
             ),
             fingerprint=self.fingerprint,
         )
-        #: Prefixes kept for routed requests (the fleet query's reserve_ms).
-        self.reservations = Reservations(engine, self.rank)
-        self._dispatcher.on_start = self.reservations.arrived
         #: Answers the fleet query on its own thread and connection (never the loop's).
         self.prober = Prober(
             engine,
@@ -228,6 +229,10 @@ class RedisAsyncLookupServer:
             )
 
     # -- observability --------------------------------------------------------------
+
+    def _beat_info(self) -> dict[str, Any]:
+        """The heartbeat's state: the loop's, plus the reservations held (``inspect``)."""
+        return {**self._loop.beat_info(), "reservations": len(self.reservations)}
 
     def stats(self) -> RankStats:
         """Counters, map sizes and engine time for metrics, health, the metrics snapshot

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -137,6 +138,7 @@ class FleetClient:
             config, "bl-fleet-query", own_retries=True
         )
         self._client: redis.Redis | None = None
+        self._lock = threading.Lock()
         self._hasher = ChunkedTokenHasher(config)
         self._resolved: dict[tuple[str, ...] | None, tuple[float, list[str]]] = {}
         self._warn = RateLimitedLog(logger, 30.0)
@@ -266,9 +268,11 @@ class FleetClient:
         return max(1, min(wanted, ceiling))
 
     def _connected(self) -> redis.Redis:
-        if self._client is None:
-            self._client = self._factory()
-        return self._client
+        # One client (its pool serves every thread: the HTTP endpoint queries from many).
+        with self._lock:
+            if self._client is None:
+                self._client = self._factory()
+            return self._client
 
     def _resolve(self, client: redis.Redis, configured: tuple[str, ...] | None) -> list[str]:
         """Namespaces of every engine with ranks (``configured``: their instances and
