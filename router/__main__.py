@@ -50,6 +50,11 @@ def _hf_tokenizer(name: str) -> Tokenize:
     return tokenize
 
 
+def _said(line: str) -> str:
+    """The exporter's "serving" line, said by the router of its routes."""
+    return line.replace("broker-lookup exporter", "python -m router").replace("/metrics", "/v1")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Serve until SIGTERM or Ctrl-C."""
     p = argparse.ArgumentParser(prog="python -m router", description=__doc__)
@@ -79,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             host,
             int(port),
             stop,
-            announce=lambda line: print(
-                line.replace("broker-lookup exporter", "python -m router").replace("/metrics", "/v1"),
-                flush=True,
-            ),
+            announce=lambda line: print(_said(line), flush=True),
             routes=router.routes(),
         )
     except KeyboardInterrupt:

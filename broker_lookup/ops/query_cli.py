@@ -209,9 +209,9 @@ def run(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _renamed(line: str, who: str, path: str) -> str:
-    """The exporter's "serving" line, said by ``who`` of ``path``."""
-    return line.replace("broker-lookup exporter", who).replace("/metrics", path)
+def _renamed(line: str, command: str) -> str:
+    """The exporter's "serving" line, said by ``broker-lookup <command>`` of its route."""
+    return line.replace("exporter", command).replace("/metrics", "/" + command)
 
 
 def _listen(config: Any, args: argparse.Namespace) -> int:
@@ -236,7 +236,7 @@ def _listen(config: Any, args: argparse.Namespace) -> int:
             host,
             int(port),
             stop,
-            announce=lambda line: print(_renamed(line, "broker-lookup query", "/query"), flush=True),
+            announce=lambda line: print(_renamed(line, "query"), flush=True),
             routes={"/query": query_route(fleet, tokenize)},
         )
     except OSError as exc:
