@@ -127,7 +127,8 @@ class ReserveEngine(Protocol):
     pin keeps them (the reference engine: its memory tier), loading nothing, and returns
     their tokens; ``cleanup_memory_objs(owner)`` releases them. A rank whose engine lacks
     it falls back to LMCache's ``lookup(..., lookup_id=owner, pin=True)``, released with
-    ``lookup_unpin([owner])`` where the engine has it.
+    ``lookup_unpin(owner)`` where the engine has it (LMCache's engine adapter implements
+    both protocols this way).
     """
 
     def reserve_prefix(

@@ -138,3 +138,27 @@ class LMCacheEngineAdapter:
                 request_configs=request_configs,
             )
         )
+
+    def probe_prefix(
+        self,
+        hashes: list[int],
+        offsets: list[int],
+        request_configs: dict[str, Any] | None = None,
+    ) -> int:
+        """The fleet query's lookup (``ProbeEngine``): LMCache's ``lookup`` without a pin,
+        which asks its storage backends what they contain and loads nothing."""
+        return self.lookup(hashes, offsets, pin=False, request_configs=request_configs)
+
+    def reserve_prefix(
+        self,
+        owner: str,
+        hashes: list[int],
+        offsets: list[int],
+        request_configs: dict[str, Any] | None = None,
+    ) -> int:
+        """A reservation (``ReserveEngine``): LMCache's ``lookup`` pinning for ``owner``,
+        as its synchronous lookup server pins; :meth:`cleanup_memory_objs` releases it
+        (``lookup_unpin``)."""
+        return self.lookup(
+            hashes, offsets, lookup_id=owner, pin=True, request_configs=request_configs
+        )

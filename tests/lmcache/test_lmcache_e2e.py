@@ -17,7 +17,13 @@ import pytest
 from faultkit import alive
 from helpers import Backend, wait_until
 
-from broker_lookup import BypassLookupClient, RedisAsyncLookupClient, RedisLookupClient
+from broker_lookup import (
+    BypassLookupClient,
+    FleetClient,
+    LookupConfig,
+    RedisAsyncLookupClient,
+    RedisLookupClient,
+)
 from workers import RedisAsyncLookupServer
 
 pytestmark = pytest.mark.lmcache
@@ -246,3 +252,24 @@ def test_wrappers_show_in_lmcache_lookup_info(deploy: Any) -> None:
     # 32 of 64 tokens are cached; a 0.5 miss ratio allows 32: the limit applies to
     # lookup_cache results (D16), here without cutting them.
     assert wait_until(lambda: client.lookup_cache("r") == STORED)
+
+
+def test_the_fleet_query_asks_a_real_engine_and_reserves_with_its_pins(
+    deploy: Any, backend: Backend
+) -> None:
+    d = deploy(enable_async_loading=True)
+    server = d.worker.lookup_server
+    fleet = FleetClient(LookupConfig(chunk_size=16), connection_factory=backend.factory)
+    try:
+        wait_until(lambda: server.prober.reading.is_set(), message="the probe thread reads")
+        engine_id = server.keys.engine_id
+        answer = fleet.query(PROMPT, engines=[engine_id], deadline_ms=3000)
+        assert [(e.tokens, e.reason) for e in answer.engines] == [(STORED, None)]
+        assert not d.engine.lookup_pins  # a probe pins nothing
+        held = fleet.query(PROMPT, engines=[engine_id], deadline_ms=3000, reserve_ms=300)
+        assert held.engines[0].reserved == STORED
+        assert any(k.startswith("bl-reserve:") for k in d.engine.lookup_pins)
+        wait_until(lambda: not d.engine.lookup_pins, message="released at the TTL")
+        assert server.reservations.counts == {"reserved": 1, "released_ttl": 1}
+    finally:
+        fleet.close()

@@ -202,7 +202,8 @@ def _chunks_within(offsets: list[int], tokens: int) -> int:
 
 def _engine_calls(engine: object) -> tuple[Pin | None, Callable[[str], None] | None]:
     """(pin, unpin) of ``engine``: its own ``reserve_prefix`` and ``cleanup_memory_objs``,
-    else LMCache's pinning ``lookup`` and ``lookup_unpin``; (None, None) if neither."""
+    else LMCache's pinning ``lookup`` and ``lookup_unpin`` (one id: LMCache 0.5.6's);
+    (None, None) if neither."""
     own = getattr(engine, "reserve_prefix", None)
     cleanup = getattr(engine, "cleanup_memory_objs", None)
     if callable(own) and callable(cleanup):
@@ -213,6 +214,6 @@ def _engine_calls(engine: object) -> tuple[Pin | None, Callable[[str], None] | N
             lambda o, h, f, c: int(
                 lookup(hashes=h, offsets=f, lookup_id=o, pin=True, request_configs=c)
             ),
-            lambda o: unpin([o]),
+            lambda o: unpin(o),
         )
     return None, None
