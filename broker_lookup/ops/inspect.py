@@ -183,7 +183,10 @@ def _fmt_s(value: float | None) -> str:
 def _render_ranks(snap: Snapshot, lines: list[str]) -> None:
     n = snap["world_size"]
     lines.append(f"RANKS (world size {n})")
-    lines.append(f"  {'rank':<5}{'alive':<7}{'pid':<9}{'host':<22}{'hb age':<8}{'running':<9}held")
+    lines.append(
+        f"  {'rank':<5}{'alive':<7}{'pid':<9}{'host':<22}{'hb age':<8}{'running':<9}{'held':<6}"
+        "reserved"
+    )
     for rank in sorted(set(range(n)) | set(snap["ranks"])):
         info = snap["ranks"].get(rank)
         if info is None:
@@ -191,7 +194,8 @@ def _render_ranks(snap: Snapshot, lines: list[str]) -> None:
             continue
         lines.append(
             f"  {rank:<5}{'yes':<7}{info.get('pid', '-')!s:<9}{str(info.get('host', '-'))[:21]:<22}"
-            f"{_fmt_s(info.get('age_s')):<8}{info.get('running', '-')!s:<9}{info.get('held', '-')}"
+            f"{_fmt_s(info.get('age_s')):<8}{info.get('running', '-')!s:<9}"
+            f"{info.get('held', '-')!s:<6}{info.get('reservations', '-')}"
         )
 
 

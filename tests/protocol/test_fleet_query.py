@@ -25,6 +25,8 @@ from helpers import Backend, Made, wait_until
 from broker_lookup import FleetClient, LookupMetadata, RedisAsyncLookupClient
 from broker_lookup.ops.cli import main
 from broker_lookup.ops.exporter import ExporterServer, FleetCollector
+from broker_lookup.ops.inspect import render as render_report
+from broker_lookup.ops.inspect import snapshot
 from broker_lookup.ops.query_cli import query_route
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace, instance_engine_id
@@ -258,6 +260,14 @@ def test_the_cli_prints_the_same_answer(
         assert "--tokens='1,x'" in capsys.readouterr().err
 
 
+def _rank_line(fleet: Fleet, engine_id: str) -> str:
+    """The header and rank 0's line of ``inspect``'s RANKS table, joined."""
+    snap = snapshot(fleet.backend.factory(), KeySpace(engine_id), None, 10)
+    lines = render_report(snap, "redis://x", None).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("RANKS"))
+    return lines[at + 1].strip() + " | " + lines[at + 2].strip()
+
+
 def _pinned(engine: ReferenceEngine) -> int:
     return engine.stats().get("pinned_chunks", 0)
 
@@ -278,6 +288,8 @@ def test_reserve_pins_the_best_engines_prefix_until_its_ttl(fleet: Fleet, engine
     assert answer.engines[1].reserved == 0
     assert (_pinned(kept), _pinned(spare)) == (3, 0)
     assert len(server.reservations) == 1
+    # inspect shows it, from the rank's next heartbeat
+    wait_until(lambda: "reserved" in _rank_line(fleet, best) and _rank_line(fleet, best)[-1] == "1")
     wait_until(lambda: _pinned(kept) == 0, timeout=5, message="released at its TTL")
     assert server.reservations.counts == {"reserved": 1, "released_ttl": 1}
     assert len(server.reservations) == 0
