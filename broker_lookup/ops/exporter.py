@@ -37,7 +37,13 @@ from prometheus_client.registry import Collector
 
 from broker_lookup.errors import REDIS_ERRORS, BrokerLookupError, MalformedMessage
 from broker_lookup.ops.metrics import EXPORTER_METRICS, ClientCollector, ServerCollector
-from broker_lookup.protocol.keys import METRICS_FLEET_PATTERN, KeySpace, engine_of
+from broker_lookup.protocol.keys import (
+    METRICS_FLEET_PATTERN,
+    KeySpace,
+    configured_patterns,
+    engine_of,
+    instance_of,
+)
 from broker_lookup.protocol.snapshot import MetricsSnapshot, decode_snapshot
 from broker_lookup.protocol.stats import ClientStats, RankStats, client_stats, rank_stats
 from broker_lookup.ratelimit import RateLimitedLog
@@ -68,11 +74,12 @@ def read_snapshots(
     Raises:
         redis.RedisError: Redis failed.
     """
-    patterns = (
-        [METRICS_FLEET_PATTERN]
-        if engine_id is None
-        else [KeySpace(engine_id).metrics_pattern, f"bl:{{{engine_id}.*}}:metrics:*"]
-    )
+    if engine_id is None:
+        patterns = [METRICS_FLEET_PATTERN]
+    elif instance_of(engine_id) is None:
+        patterns = list(configured_patterns(engine_id, "metrics:*"))
+    else:
+        patterns = [KeySpace(engine_id).metrics_pattern]
     found = sorted({k for p in patterns for k in client.scan_iter(match=p, count=1000)})
     pipe = client.pipeline(transaction=False)
     for key in found:

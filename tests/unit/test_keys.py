@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from broker_lookup.errors import ConfigError
-from broker_lookup.protocol.keys import PREFIX, KeySpace, validate_engine_id
+from broker_lookup.protocol.keys import (
+    PREFIX,
+    KeySpace,
+    configured_of,
+    configured_patterns,
+    engine_of,
+    instance_of,
+    validate_configured_id,
+    validate_engine_id,
+)
 
 
 def test_key_formats() -> None:
@@ -60,6 +69,33 @@ def test_invalid_engine_ids(engine_id: str) -> None:
         validate_engine_id(engine_id)
     with pytest.raises(ConfigError):
         KeySpace(engine_id)
+
+
+@pytest.mark.parametrize(
+    "namespace", ["e@i", "llama-3.1-8b@1796611254403740308", "x" * 128 + "@" + "y" * 64]
+)
+def test_instance_namespaces_are_engine_ids_but_not_configured_ids(namespace: str) -> None:
+    assert validate_engine_id(namespace) == namespace
+    assert engine_of(KeySpace(namespace).requests) == namespace
+    with pytest.raises(ConfigError, match=r"--engine-id=.*'@' is reserved"):
+        validate_configured_id(namespace, "--engine-id")
+
+
+@pytest.mark.parametrize("namespace", ["a@b@c", "@b", "a@", "a@" + "y" * 65, "x" * 129 + "@i"])
+def test_invalid_namespaces(namespace: str) -> None:
+    with pytest.raises(ConfigError, match="engine_id"):
+        validate_engine_id(namespace)
+
+
+def test_configured_of_maps_a_namespace_back_to_its_configured_id() -> None:
+    assert configured_of("llama-3.1-8b@1796611254403740308") == "llama-3.1-8b"
+    assert configured_of("llama-3.1-8b") == "llama-3.1-8b"
+    assert instance_of("llama-3.1-8b") is None
+    assert instance_of("llama@1796611254403740308") == "1796611254403740308"
+    assert configured_patterns("llama-3", "metrics:*") == (
+        "bl:{llama-3}:metrics:*",
+        "bl:{llama-3@*}:metrics:*",
+    )
 
 
 @pytest.mark.parametrize("engine_id", [None, 5, b"e"])
