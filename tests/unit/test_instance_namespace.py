@@ -15,6 +15,7 @@ from broker_lookup.errors import ConfigError
 from broker_lookup.integrations.lmcache import (
     LMCACHE_FIELDS,
     config_from_lmcache,
+    vllm_config_on_stack,
     vllm_instance_id,
 )
 from broker_lookup.protocol.keys import configured_of, instance_engine_id, validate_engine_id
@@ -52,7 +53,7 @@ class ServiceFactory:
 
 def _lmcache_factory(config: Any, metadata: Any) -> LookupMetadata:
     """What the patched ``create_lookup_client``/``create_lookup_server`` do first."""
-    return config_from_lmcache(config, metadata, vllm_instance_id())[1]
+    return config_from_lmcache(config, metadata, vllm_config_on_stack(), environ={})[1]
 
 
 def test_the_instance_engine_id_joins_both_and_stays_valid() -> None:
@@ -99,7 +100,8 @@ def test_without_vllm_the_configured_engine_id_is_used() -> None:
 def test_the_broker_engine_id_of_extra_config_is_derived_too() -> None:
     config = _lmcache_config()
     config.extra_config["lookup_broker_engine_id"] = "shared-7"
-    _, meta = config_from_lmcache(config, _lmcache_metadata("ignored"), "3f2a1")
+    vllm_config = SimpleNamespace(instance_id="3f2a1")
+    _, meta = config_from_lmcache(config, _lmcache_metadata("ignored"), vllm_config, {})
     assert (meta.engine_id, meta.configured_engine_id) == ("shared-7@3f2a1", "shared-7")
 
 
