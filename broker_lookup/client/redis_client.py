@@ -25,6 +25,7 @@ from broker_lookup.client.guard import Guard
 from broker_lookup.client.insights import RankInsights
 from broker_lookup.client.listener import Listener
 from broker_lookup.client.sender import Sender
+from broker_lookup.client.split import SplitWatch
 from broker_lookup.client.table import Entry, LookupTable, Outcome
 from broker_lookup.config import LookupConfig, LookupMetadata, expected_ranks
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
@@ -40,6 +41,7 @@ from broker_lookup.transport.lease import Lease
 from broker_lookup.transport.script_runner import ScriptSet
 
 if TYPE_CHECKING:
+    import redis
     import torch
 
 __all__ = ["RedisAsyncLookupClient", "RedisLookupClient"]
@@ -117,6 +119,8 @@ class RedisAsyncLookupClient(LookupClientInterface):
         self._writer = writer
         #: Publishes our hashing fingerprint and lists processes that hash differently.
         self.fingerprint = Publisher(self.keys, "client", self.hasher, ttl_ms=config.engine_ttl_ms)
+        #: Logs a split engine: missing ranks alive under another namespace of our id.
+        self.split = SplitWatch(self.keys, self._missing_ranks)
         self._listener = Listener(
             config,
             self.keys,
@@ -124,7 +128,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             reader,
             self.expected,
             self._breaker,
-            self.fingerprint.tick,
+            self._on_sweep,
             self.insights,
             self.lease,
             MetricsPublisher(
@@ -146,6 +150,15 @@ class RedisAsyncLookupClient(LookupClientInterface):
             self.fingerprint.run(probe)
         finally:
             probe.close()
+
+    def _on_sweep(self, client: redis.Redis) -> None:
+        """The listener's sweep: the fingerprint's and the split check's ticks."""
+        self.fingerprint.tick(client)
+        self.split.tick(client)
+
+    def _missing_ranks(self) -> frozenset[int] | None:
+        listener = self._listener
+        return listener.dead if listener.checked else None
 
     # -- hot path -------------------------------------------------------------------
 

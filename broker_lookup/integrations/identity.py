@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from broker_lookup.config import env_name
 from broker_lookup.errors import ConfigError
 from broker_lookup.protocol.keys import instance_engine_id, validate_configured_id
+from broker_lookup.protocol.members import LWS_PREFIX, RENDEZVOUS_PREFIX
 
 __all__ = [
     "ENV_INSTANCE",
@@ -104,14 +105,14 @@ def _instance(
     leader = environ.get(LWS_LEADER, "").strip()
     if leader:
         size = environ.get(LWS_SIZE, "?")
-        return "lws-" + _digest(leader), f"LeaderWorkerSet group {leader} (size {size})", None
+        return LWS_PREFIX + _digest(leader), f"LeaderWorkerSet group {leader} (size {size})", None
     if vllm_config is None:
         return None, "no vLLM config found", None
     parallel = _get(vllm_config, "parallel_config")
     if _int(parallel, "nnodes", 1) > 1:
         address = f"{_get(parallel, 'master_addr')}:{_get(parallel, 'master_port')}"
         source = f"the multi-node rendezvous {address} (--nnodes {_int(parallel, 'nnodes', 1)})"
-        return "mn-" + _digest(address), source, None
+        return RENDEZVOUS_PREFIX + _digest(address), source, None
     instance = _get(vllm_config, "instance_id")
     if not isinstance(instance, str) or not instance:
         return None, "no VllmConfig.instance_id", None

@@ -27,6 +27,7 @@ import redis
 
 from broker_lookup.errors import translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.members import announce
 
 __all__ = [
     "PUBLISH_EVERY_S",
@@ -155,7 +156,8 @@ def _report(keys: KeySpace, name: str, theirs: dict[str, Any] | None, ours: Fing
 
 
 class Publisher:
-    """One process's fingerprint duty: publish and check now, then every PUBLISH_EVERY_S.
+    """One process's fingerprint duty: publish and check now, then every PUBLISH_EVERY_S;
+    with it, the announcement of its namespace (:func:`~broker_lookup.protocol.members.announce`).
 
     Never raises: failures are logged at WARNING (the fingerprint is a diagnostic). It
     uses the Redis client it is handed, or one of its own made by ``factory``; ``ttl_ms``
@@ -192,6 +194,7 @@ class Publisher:
             if client is not None:
                 publish(client, self._keys, self._role, self._hasher, self._ttl_ms)
                 self.mismatches = check(client, self._keys, self._hasher.fingerprint())
+                announce(client, self._keys.engine_id, self._ttl_ms, STALE_MS)
         except Exception as exc:  # a diagnostic must never break its host
             logger.warning("hash fingerprint publish/check failed: %s", exc)
         return self.mismatches

@@ -22,6 +22,9 @@ key                         type     content
 ``bl:{E}:metrics:<role>``   string   the role holder's counters and histograms (JSON, see
                                      ``snapshot``), PX a few publish intervals: what
                                      ``broker-lookup exporter`` serves
+``bl:members:{C}``          hash     per configured id ``C``, every namespace of it a live
+                                     process announced (``members``): where a split
+                                     engine's other half lives
 ==========================  =======  ====================================================
 
 The streams and ``fp`` live as long as the engine (:attr:`KeySpace.lasting`, see
@@ -51,6 +54,7 @@ __all__ = [
     "engine_of",
     "instance_engine_id",
     "instance_of",
+    "members_key",
     "rank_role",
     "validate_configured_id",
     "validate_engine_id",
@@ -161,7 +165,8 @@ def instance_of(engine_id: str) -> str | None:
 def configured_patterns(engine_id: str, tail: str = "*") -> tuple[str, str]:
     """SCAN/ACL glob patterns of every key ``bl:{<engine>}:<tail>`` of the configured id
     ``engine_id`` and of its instances, and of no other engine (none has INSTANCE_MARK in
-    its configured id, so ``<engine>@*`` starts only its own instances' namespaces).
+    its configured id, so ``<engine>@*`` starts only its own instances' namespaces). An
+    ACL also grants the id's :func:`members_key`.
 
     >>> configured_patterns("llama-3")
     ('bl:{llama-3}:*', 'bl:{llama-3@*}:*')
@@ -174,6 +179,14 @@ def configured_patterns(engine_id: str, tail: str = "*") -> tuple[str, str]:
         f"{PREFIX}:{{{engine_id}}}:{tail}",
         f"{PREFIX}:{{{engine_id}{INSTANCE_MARK}*}}:{tail}",
     )
+
+
+def members_key(engine_id: str) -> str:
+    """The hash of every live namespace of the configured id of ``engine_id`` (a namespace
+    or a configured id): ``bl:members:{<configured>}``. Outside every engine's keys (so no
+    fleet reader takes it for an engine), in the configured id's slot, and matched by
+    that id's ACL users (see :func:`configured_patterns`)."""
+    return f"{PREFIX}:members:{{{configured_of(engine_id)}}}"
 
 
 def instance_engine_id(engine_id: str, instance_id: str) -> str:

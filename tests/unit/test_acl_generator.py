@@ -29,6 +29,7 @@ def test_a_user_is_scoped_to_its_engine_and_its_vllm_instances() -> None:
     assert [w for w in words if w.startswith(("~", "%"))] == [
         "~bl:{llama-70b}:*",
         "~bl:{llama-70b@*}:*",
+        "~bl:members:{llama-70b}",
     ]
     assert "-@all" in words and "+eval" not in words and "+evalsha" in words
     assert not any(w.startswith("+@") for w in words)
