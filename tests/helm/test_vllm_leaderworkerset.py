@@ -40,8 +40,9 @@ def templates() -> dict[str, Manifest]:
 
 
 def vllm(template: Manifest) -> Manifest:
-    (found,) = [c for c in template["spec"]["containers"] if c["name"] == "vllm"]
-    return found
+    found: list[Manifest] = [c for c in template["spec"]["containers"] if c["name"] == "vllm"]
+    (container,) = found
+    return container
 
 
 def flags(container: Manifest) -> dict[str, str]:
