@@ -7,7 +7,7 @@ snapshot (one SCAN, then one pipelined GET) and renders it with the collectors o
 process's own ``/metrics``. Each series gets, besides its own labels:
 
 =========================  =============================================================
-``engine``                 the key namespace (a vLLM instance: ``<engine_id>.<instance>``)
+``engine``                 the key namespace (a vLLM instance: ``<engine_id>@<instance>``)
 ``configured_engine_id``   the engine id the operator configured (``engine`` where it was
                            not derived)
 ``role``                   ``scheduler`` or ``worker`` (a rank; its series carry ``rank``,
