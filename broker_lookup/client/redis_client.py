@@ -120,7 +120,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
         #: Publishes our hashing fingerprint and lists processes that hash differently.
         self.fingerprint = Publisher(self.keys, "client", self.hasher, ttl_ms=config.engine_ttl_ms)
         #: Logs a split engine: missing ranks alive under another namespace of our id.
-        self.split = SplitWatch(self.keys, self._missing_ranks)
+        self.split = SplitWatch(self.keys, self.expected, self._missing_ranks)
         self._listener = Listener(
             config,
             self.keys,

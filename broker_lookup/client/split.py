@@ -5,14 +5,18 @@ Where the processes of one engine derive different namespaces (see
 while those ranks live, with no scheduler, under another namespace of the same
 configured id: every lookup then answers 0. :class:`SplitWatch` looks for that while
 ranks are missing: it reads the configured id's live namespaces (:mod:`members`), and in
-each one without a scheduler, the heartbeats of the ranks it misses; it logs an ERROR
-naming both namespaces and the likely cause (another replica's ranks, whose namespace has
-its own scheduler, are not a split).
+each one the heartbeats of all our ranks and the scheduler's lease. A namespace with no
+scheduler that holds ranks we miss and none of those we have, for ``confirm_s`` (another
+engine's scheduler starts after its ranks, minutes later for a large model), is the other
+half: an ERROR names both namespaces and the likely cause. Another replica's ranks (its
+namespace has a scheduler, or ranks we have too) and the other data-parallel engines of
+our launch (namespaces that differ in ``-dp<k>`` only) are not a split.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 
@@ -24,7 +28,7 @@ from broker_lookup.protocol.fingerprint import STALE_MS
 from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace, configured_of, instance_of
 from broker_lookup.protocol.members import LWS_PREFIX, RENDEZVOUS_PREFIX, live_namespaces
 
-__all__ = ["CHECK_EVERY_S", "REPEAT_S", "SplitWatch", "split_cause"]
+__all__ = ["CHECK_EVERY_S", "CONFIRM_S", "REPEAT_S", "SplitWatch", "split_cause"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,23 +36,37 @@ logger = logging.getLogger(__name__)
 CHECK_EVERY_S = 2.0
 #: How often one split is logged again while it lasts.
 REPEAT_S = 300.0
+#: How long a namespace must look like our other half before it is called one.
+CONFIRM_S = 20.0
 #: At most this many other namespaces are looked into per check.
 _MAX_NAMESPACES = 32
 _ENV_INSTANCE = env_name("instance_id")
+_DP_TAG = re.compile(r"-dp\d+$")
 
 
 class SplitWatch:
     """The scheduler's split check, run from its listener's sweep (never the hot path).
 
-    ``missing`` returns the ranks with no heartbeat, or None before the first heartbeat
-    read. Never raises: a failed read is retried at the next check.
+    ``expected`` are the engine's ranks; ``missing`` returns those with no heartbeat, or
+    None before the first heartbeat read. Never raises: a failed read is retried at the
+    next check.
     """
 
-    def __init__(self, keys: KeySpace, missing: Callable[[], frozenset[int] | None]) -> None:
+    def __init__(
+        self,
+        keys: KeySpace,
+        expected: tuple[int, ...],
+        missing: Callable[[], frozenset[int] | None],
+        confirm_s: float = CONFIRM_S,
+    ) -> None:
         self._keys = keys
+        self._expected = expected
         self._missing = missing
+        #: How long a namespace must look like our other half (see the module).
+        self.confirm_s = confirm_s
         self._next = 0.0
         self._logged: dict[tuple[str, tuple[int, ...]], float] = {}
+        self._since: dict[tuple[str, tuple[int, ...]], float] = {}
         #: The last check's finding: other namespace -> the missing ranks alive there.
         self.found: dict[str, tuple[int, ...]] = {}
         #: Checks completed (each one read every live namespace of our configured id).
@@ -59,7 +77,7 @@ class SplitWatch:
         now = time.monotonic()
         missing = self._missing()
         if not missing:
-            self.found = {}
+            self.found, self._since = {}, {}
             return
         if now < self._next:
             return
@@ -72,22 +90,26 @@ class SplitWatch:
     def check(self, client: redis.Redis, missing: frozenset[int], now: float) -> None:
         """Look for ``missing`` ranks alive under another namespace with no scheduler."""
         ours = self._keys.engine_id
-        found: dict[str, tuple[int, ...]] = {}
-        ranks = sorted(missing)
+        suspects: dict[tuple[str, tuple[int, ...]], float] = {}
+        ranks = list(self._expected)
         for other in live_namespaces(client, ours, STALE_MS)[:_MAX_NAMESPACES]:
+            if _DP_TAG.sub("", other) == _DP_TAG.sub("", ours):
+                continue  # another data-parallel engine of our launch
             keys = KeySpace(other)
             pipe = client.pipeline(transaction=False)
             pipe.get(keys.owner(SCHEDULER_ROLE))
             pipe.mget([keys.heartbeat(r) for r in ranks])
-            scheduled, beats = pipe.execute()
-            alive = tuple(r for r, beat in zip(ranks, beats, strict=True) if beat is not None)
-            if alive and scheduled is None:
-                found[other] = alive
-        self.found = found
-        self.checks += 1
+            scheduler, beats = pipe.execute()
+            there = {r for r, beat in zip(ranks, beats, strict=True) if beat is not None}
+            alive = tuple(sorted(there & missing))
+            if alive and scheduler is None and not there - missing:
+                suspects[(other, alive)] = self._since.get((other, alive), now)
+        self._since = suspects
+        found = {o: a for (o, a), since in suspects.items() if now - since >= self.confirm_s}
+        # Bounded: only splits logged within REPEAT_S are remembered.
+        self._logged = {k: t for k, t in self._logged.items() if now - t < REPEAT_S}
         for other, alive in found.items():
-            last = self._logged.get((other, alive))
-            if last is not None and now - last < REPEAT_S:
+            if (other, alive) in self._logged:
                 continue
             self._logged[(other, alive)] = now
             logger.error(
@@ -101,6 +123,8 @@ class SplitWatch:
                 configured_of(ours),
                 split_cause(ours, other),
             )
+        self.found = found  # after the log: a reader that sees it finds the log line too
+        self.checks += 1
 
 
 def _kind(namespace: str) -> str:

@@ -81,14 +81,19 @@ def _int(owner: object, name: str, default: int) -> int:
 
 
 def _dp_rank(parallel: object) -> int | None:
-    """The global data-parallel rank of this engine; None without data parallel."""
-    if _int(parallel, "data_parallel_size", 1) <= 1:
-        return None
-    # data_parallel_index: set in every DP engine (MoE or not); data_parallel_rank: older.
+    """The global data-parallel rank of this engine; None without data parallel.
+
+    vLLM sets ``data_parallel_index`` (the global rank) and ``data_parallel_rank_local``
+    in every DP engine, and then resets a dense model's DP engine to
+    ``data_parallel_size=1`` (its engines are independent): either marks data parallel.
+    """
     index = _get(parallel, "data_parallel_index")
-    if isinstance(index, int) and not isinstance(index, bool):
+    if not isinstance(index, int) or isinstance(index, bool):
+        index = _int(parallel, "data_parallel_rank", 0)  # before data_parallel_index
+    if _int(parallel, "data_parallel_size", 1) > 1 or index > 0:
         return index
-    return _int(parallel, "data_parallel_rank", 0)
+    local = _get(parallel, "data_parallel_rank_local")
+    return index if isinstance(local, int) and not isinstance(local, bool) else None
 
 
 def _instance(
@@ -149,7 +154,13 @@ def engine_identity(
     dp_rank = _dp_rank(parallel)
     configured = engine_id
     if dp_rank is not None and engine_id_origin == "kv_transfer_config.engine_id":
-        configured = _DP_SUFFIX.sub("", engine_id) or engine_id
+        # vLLM's own DP suffix (the global rank; the local one before 0.32): not the
+        # operator's id, whose ACL users must still match.
+        local = _get(parallel, "data_parallel_rank_local")
+        for suffix in {f"_dp{dp_rank}", f"_dp{local}"}:
+            if engine_id.endswith(suffix) and engine_id != suffix:
+                configured = engine_id[: -len(suffix)]
+                break
     validate_configured_id(configured, engine_id_origin)
     instance, source, warning = _instance(vllm_config, environ, explicit)
     if instance is None:

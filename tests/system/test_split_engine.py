@@ -1,7 +1,9 @@
 """A split engine is loud in its scheduler: ranks it misses alive under another namespace
-of the same configured id, with no scheduler there, are logged as a SPLIT naming both
-namespaces and the likely cause; another replica's ranks (its namespace has a scheduler)
-are not. On fakeredis and a real server, with in-process ranks and clients."""
+of the same configured id, with no scheduler there and none of the ranks it has, are
+logged as a SPLIT naming both namespaces and the likely cause, once that lasted
+``confirm_s``; another replica's ranks (its namespace has a scheduler, or our ranks too)
+and another data-parallel engine of the launch are not. On fakeredis and a real server,
+with in-process ranks and clients."""
 
 from __future__ import annotations
 
@@ -27,9 +29,13 @@ def _rank(backend: Backend, made: Made, namespace: str, rank: int) -> RedisAsync
     return made.keep(server)
 
 
-def _scheduler(backend: Backend, made: Made, namespace: str) -> RedisAsyncLookupClient:
+def _scheduler(
+    backend: Backend, made: Made, namespace: str, confirm_s: float = 0.0
+) -> RedisAsyncLookupClient:
     meta = LookupMetadata(engine_id=namespace, world_size=2)
-    return made.keep(RedisAsyncLookupClient(config(), meta, connection_factory=backend.factory))
+    client = RedisAsyncLookupClient(config(), meta, connection_factory=backend.factory)
+    client.split.confirm_s = confirm_s
+    return made.keep(client)
 
 
 def _announced(backend: Backend, namespace: str) -> bool:
@@ -67,6 +73,48 @@ def test_another_replicas_ranks_are_not_a_split(
     client = _scheduler(backend, made, ours)
     wait_until(lambda: client.split.checks >= 1, timeout=10, message="a split check")
     assert client.split.found == {}
+
+
+def test_a_replica_whose_scheduler_has_not_started_is_not_a_split(
+    backend: Backend, made: Made, engine_id: str
+) -> None:
+    """Replica B's ranks are up before its scheduler (vLLM starts the scheduler after its
+    workers): B holds rank 0, which we have too, so it is another engine."""
+    ours, theirs = (instance_engine_id(engine_id, i) for i in ("a1", "b2"))
+    _rank(backend, made, ours, 0)
+    for rank in (0, 1):
+        _rank(backend, made, theirs, rank)
+    wait_until(lambda: _announced(backend, theirs), message="replica B's ranks announced")
+    client = _scheduler(backend, made, ours)
+    wait_until(lambda: client.split.checks >= 1, timeout=10, message="a split check")
+    assert client.split.found == {}
+
+
+def test_another_data_parallel_engine_is_not_a_split(
+    backend: Backend, made: Made, engine_id: str
+) -> None:
+    """DP engine 1 lost its rank while DP engine 0's scheduler is not up yet."""
+    ours, theirs = (instance_engine_id(engine_id, f"1796611254403740308-dp{k}") for k in (1, 0))
+    _rank(backend, made, theirs, 0)
+    _rank(backend, made, ours, 1)
+    wait_until(lambda: _announced(backend, theirs), message="DP engine 0 announced")
+    client = _scheduler(backend, made, ours)
+    wait_until(lambda: client.split.checks >= 1, timeout=10, message="a split check")
+    assert client.split.found == {}
+
+
+def test_a_split_is_called_only_once_it_lasted(
+    backend: Backend, made: Made, engine_id: str
+) -> None:
+    ours, theirs = (instance_engine_id(engine_id, i) for i in ("x1", "x2"))
+    _rank(backend, made, ours, 0)
+    _rank(backend, made, theirs, 1)
+    wait_until(lambda: _announced(backend, theirs), message="the other half announced")
+    client = _scheduler(backend, made, ours, confirm_s=3600)
+    wait_until(lambda: client.split.checks >= 1, timeout=10, message="a split check")
+    assert client.split.found == {}
+    client.split.confirm_s = 0
+    wait_until(lambda: client.split.found == {theirs: (1,)}, timeout=10, message="the split")
 
 
 def test_a_whole_engine_is_no_split(backend: Backend, made: Made, engine_id: str) -> None:

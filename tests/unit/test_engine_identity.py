@@ -45,6 +45,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    data_parallel_rank_local: int | None = None
     data_parallel_index: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29501
@@ -89,12 +90,27 @@ def ship(config: VllmConfig) -> VllmConfig:
     return shipped
 
 
-def dp_engine(config: VllmConfig, dp_rank: int, local_dp_rank: int) -> VllmConfig:
-    """vLLM's ``run_engine_core`` for one data-parallel engine (its workers get a ship())."""
+def dp_engine(
+    config: VllmConfig,
+    dp_rank: int,
+    local_dp_rank: int,
+    *,
+    moe: bool = False,
+    suffix: int | None = None,
+) -> VllmConfig:
+    """vLLM 0.32's ``run_engine_core`` for one data-parallel engine (its workers get a
+    ship()): ``_dp<global rank>`` on the engine id (``suffix``: what older vLLM appended,
+    the local rank), and a dense model's engine reset to DP size 1."""
     engine = copy.deepcopy(config)
+    parallel = engine.parallel_config
+    parallel.data_parallel_rank_local = local_dp_rank
     kv = engine.kv_transfer_config
-    kv.engine_id = f"{kv.engine_id}_dp{local_dp_rank}"
-    engine.parallel_config.data_parallel_index = dp_rank
+    kv.engine_id = f"{kv.engine_id}_dp{dp_rank if suffix is None else suffix}"
+    parallel.data_parallel_index = dp_rank
+    if moe:
+        parallel.data_parallel_rank = dp_rank
+    else:  # reconfigure_for_independent_dp_rank()
+        parallel.data_parallel_size, parallel.data_parallel_rank = 1, 0
     return engine
 
 
@@ -168,19 +184,37 @@ def test_each_data_parallel_engine_has_its_own_namespace() -> None:
 
 
 def test_data_parallel_over_two_nodes_keeps_engines_apart() -> None:
-    """DP 2, one engine per node (node 1 ``--headless --data-parallel-start-rank 1``): vLLM
-    suffixes the local rank, ``_dp0`` on both nodes; the global rank tells them apart."""
+    """DP 2, one engine per node (node 1 ``--headless --data-parallel-start-rank 1``); with
+    vLLM before 0.32, which suffixed the local rank (``_dp0`` on both nodes), too."""
     head = build(data_parallel_size=2)
     other = build(data_parallel_size=2, data_parallel_rank=1)
-    engines = [dp_engine(head, 0, 0), dp_engine(other, 1, 0)]
-    assert {e.kv_transfer_config.engine_id for e in engines} == {f"{ENGINE}_dp0"}
-    assert len(namespaces(*engines)) == 2
+    for suffixes in ((0, 1), (0, 0)):
+        engines = [
+            dp_engine(head, 0, 0, suffix=suffixes[0]),
+            dp_engine(other, 1, 0, suffix=suffixes[1]),
+        ]
+        assert len(namespaces(*engines)) == 2
+        assert {derive(e).configured for e in engines} == {ENGINE}
+
+
+def test_moe_data_parallel_engines_keep_their_dp_size() -> None:
+    head = build(data_parallel_size=2)
+    engines = [dp_engine(head, k, k, moe=True) for k in (0, 1)]
+    assert [derive(e).namespace for e in engines] == [
+        f"{ENGINE}@{head.instance_id}-dp0",
+        f"{ENGINE}@{head.instance_id}-dp1",
+    ]
+
+
+def test_an_id_ending_like_a_dp_suffix_is_kept_without_data_parallel() -> None:
+    config = build(engine_id="shard_dp0")
+    assert derive(config).configured == "shard_dp0"
 
 
 def test_newer_vllm_suffixing_the_instance_id_too_changes_nothing() -> None:
     head = build(data_parallel_size=2)
     engine = dp_engine(head, 1, 1)
-    engine.instance_id += "_dp1"  # vLLM after 0.32 (_apply_dp_identity_suffix)
+    engine.instance_id += "_dp1"  # newer vLLM (_apply_dp_identity_suffix)
     assert derive(engine).namespace == f"{ENGINE}@{head.instance_id}-dp1"
 
 
