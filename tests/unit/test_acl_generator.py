@@ -72,3 +72,7 @@ def test_the_command_line(
     assert out.startswith("user sched-e1 on #" + hashlib.sha256(b"s3cret").hexdigest())
     assert main(["acl", "--role", "worker"]) == 2
     assert "needs an engine id" in capsys.readouterr().err
+    # An instance's namespace is no configured id: its users would miss their siblings.
+    assert main(["acl", "--engine-id", "vllm-engine@1796611254403740308"]) == 2
+    err = capsys.readouterr().err
+    assert "--engine-id='vllm-engine@1796611254403740308'" in err and "reserved" in err
