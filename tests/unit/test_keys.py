@@ -145,3 +145,18 @@ def test_digest_keys_never_collide_with_plain_ones() -> None:
     ks = KeySpace("eng")
     keys = {ks.lookup(i) for i in HOSTILE_IDS} | {ks.lookup(i) for i in ("r", "req-1")}
     assert len(keys) == len(HOSTILE_IDS) + 2
+
+
+def test_the_exporter_reads_one_configured_id_and_its_instances_only() -> None:
+    """``exporter --engine-id llama-3`` exported ``llama-3.1-8b`` (``bl:{llama-3.*}``)."""
+    import fakeredis
+
+    from broker_lookup.ops.exporter import read_snapshots
+
+    client = fakeredis.FakeRedis()
+    engines = ["llama-3", "llama-3@r1", "llama-3.1-8b", "llama-3.1-8b@r2", "llama-30"]
+    for engine in engines:
+        client.set(KeySpace(engine).metrics("0"), b"not a snapshot")
+    assert read_snapshots(client, "llama-3") == ([], 2)  # its own and its instance's
+    assert read_snapshots(client, "llama-3.1-8b@r2") == ([], 1)  # one instance
+    assert read_snapshots(client, None) == ([], len(engines))
