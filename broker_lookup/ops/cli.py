@@ -403,8 +403,11 @@ def _setup_acl(p: argparse.ArgumentParser) -> None:
 def _run_acl(args: argparse.Namespace) -> int:
     from broker_lookup.errors import ConfigError
     from broker_lookup.ops.acl import acl_file, acl_line
+    from broker_lookup.protocol.keys import validate_configured_id
 
     try:
+        if args.engine_id is not None:  # a configured id: its users reach its instances
+            validate_configured_id(args.engine_id, "--engine-id")
         if args.role is None:
             if args.engine_id is None or args.user or args.password_stdin or args.password_sha256:
                 raise ConfigError(

@@ -7,7 +7,7 @@ snapshot (one SCAN, then one pipelined GET) and renders it with the collectors o
 process's own ``/metrics``. Each series gets, besides its own labels:
 
 =========================  =============================================================
-``engine``                 the key namespace (a vLLM instance: ``<engine_id>.<instance>``)
+``engine``                 the key namespace (a vLLM instance: ``<engine_id>@<instance>``)
 ``configured_engine_id``   the engine id the operator configured (``engine`` where it was
                            not derived)
 ``role``                   ``scheduler`` or ``worker`` (a rank; its series carry ``rank``,
@@ -45,8 +45,13 @@ from prometheus_client.registry import Collector
 from broker_lookup.errors import REDIS_ERRORS, BrokerLookupError, MalformedMessage
 from broker_lookup.ops.access import denial
 from broker_lookup.ops.metrics import EXPORTER_METRICS, ClientCollector, ServerCollector
-from broker_lookup.ops.split import View, configured_id, find_splits, instance_pattern
-from broker_lookup.protocol.keys import METRICS_FLEET_PATTERN, KeySpace, engine_of
+from broker_lookup.ops.split import View, find_splits
+from broker_lookup.protocol.keys import (
+    METRICS_FLEET_PATTERN,
+    configured_of,
+    engine_of,
+    selected_patterns,
+)
 from broker_lookup.protocol.snapshot import MetricsSnapshot, decode_snapshot
 from broker_lookup.protocol.stats import ClientStats, RankStats, client_stats, rank_stats
 from broker_lookup.ratelimit import RateLimitedLog
@@ -88,7 +93,7 @@ def _read(
     patterns = (
         [METRICS_FLEET_PATTERN]
         if engine_id is None
-        else [KeySpace(engine_id).metrics_pattern, instance_pattern(engine_id, "metrics:*")]
+        else list(selected_patterns(engine_id, "metrics:*"))
     )
     found = sorted({k for p in patterns for k in client.scan_iter(match=p, count=1000)})
     pipe = client.pipeline(transaction=False)
@@ -240,7 +245,7 @@ def _split_family(snapshots: list[tuple[str, MetricsSnapshot]]) -> Metric:
     dead: dict[str, frozenset[int] | None] = {}
     configured: dict[str, str] = {}
     for engine, snap in snapshots:
-        configured.setdefault(engine, snap.configured_engine_id or configured_id(engine))
+        configured.setdefault(engine, snap.configured_engine_id or configured_of(engine))
         ranks.setdefault(engine, set())
         scheduler.setdefault(engine, False)
         if snap.kind == "client":

@@ -85,7 +85,7 @@ def test_prometheus_scrapes_what_vllm_did(
             version = prom.values(f"broker_lookup_lmcache_info{{{who}}}")
             assert [dict(labels)["version"] for labels in version] == ["0.5.6"], who
         assert prom.scraped(), prom.log()
-        # The engine label: the key namespace, "bl-serve.<instance>" where vLLM derives it.
+        # The engine label: the key namespace, "bl-serve@<instance>" where vLLM derives it.
         (owner,) = prom.values(f"broker_lookup_client_owner{{{sched}}}")
         engine = dict(owner)["engine"]
         assert engine in check_shipped_queries(prom, engine)
