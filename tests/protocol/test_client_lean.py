@@ -1,9 +1,10 @@
 """The client's sender and listener over the transport's lean link (transport/link.py).
 
 On fakeredis and a real server they talk over a :class:`LeanLink`; on Redis Cluster
-over a :class:`ClientLink` (redis-py's pipeline), through the same calls. These tests pin what the client needs of the link (errors
-as values, NOSCRIPT recovery on the sender's own connection, RESP3 replies, reconnect
-after a kill, no connection left at close).
+over a :class:`ClientLink` (redis-py's pipeline), through the same calls. These tests
+pin what the client needs of the link (errors as values, NOSCRIPT recovery on the
+sender's own connection, RESP3 replies, reconnect after a kill, no connection left at
+close).
 """
 
 from __future__ import annotations
