@@ -110,7 +110,14 @@ class RedisAsyncLookupClient(LookupClientInterface):
             else None
         )
         self._sender = Sender(
-            config, self.keys, self._table, writer, ScriptSet(), self._breaker, self.insights
+            config,
+            self.keys,
+            self._table,
+            writer,
+            ScriptSet(),
+            self._breaker,
+            self.insights,
+            expected=",".join(map(str, self.expected)),
         )
         #: One scheduler per engine: this client submits only while it holds this lease
         #: (claimed now, renewed by the beat; never on the hot path).
@@ -146,7 +153,7 @@ class RedisAsyncLookupClient(LookupClientInterface):
             diagnostics=(self.split,),
         )
         self._closed = False
-        self._sender.start(",".join(map(str, self.expected)))
+        self._sender.start()
         probe = reader()
         try:
             self._listener.prime(probe)
