@@ -66,7 +66,8 @@ def setup(
         client = clients(config(real_server.url, **overrides), engine_id, 1)
         alive(client)
         client.lookup(HOT, "warm")
-        assert answer(client, "warm", timeout=10) == FULL
+        got = answer(client, "warm", timeout=10)
+        assert got == FULL, (client.stats(), beat(redis.Redis.from_url(real_server.url), KeySpace(engine_id).heartbeat(0)))
         return rank, client, redis.Redis.from_url(real_server.url)
 
     return make
