@@ -7,9 +7,10 @@ one is a new entry, without touching the others::
 
     COMMANDS["acl"] = Subcommand("print ACL users ...", _setup_acl, _run_acl)
 
-This module and the subcommands' modules are the only places logging is configured
-on the scheduler side; ``broker_lookup`` never imports ``workers``: ``worker`` execs
-``python -m workers``.
+It sits on top of the package: it imports ``ops`` and ``tools`` (each only when its
+subcommand runs), nothing in the package imports it. This module and the subcommands'
+modules are the only places logging is configured on the scheduler side;
+``broker_lookup`` never imports ``workers``: ``worker`` execs ``python -m workers``.
 """
 
 from __future__ import annotations
