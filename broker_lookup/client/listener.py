@@ -42,6 +42,7 @@ from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import decode_done
+from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.threads import LoopThread
 from broker_lookup.transport.link import Link, open_link, stream_entries
 
@@ -81,6 +82,7 @@ class Listener(LoopThread):
         #: ``dead_rank`` (Redis unreachable or refusing our password says nothing of ranks).
         self.checked = False
         self.errors = 0
+        self._warn = RateLimitedLog(logger)
         self.connected = False
         self._next = {"hb": 0.0, "reconcile": 0.0, "evict": 0.0}
         self._heartbeat_keys = [self._keys.heartbeat(r) for r in expected]
@@ -129,8 +131,7 @@ class Listener(LoopThread):
         self.errors += 1
         first = self.connected  # the first error after a success is retried at once
         self.connected = False
-        if self.errors == 1 or self.errors % 100 == 0:
-            logger.warning("listener: Redis error #%d: %s (retrying)", self.errors, exc)
+        self._warn(logging.WARNING, "listener: Redis error #%d: %s (retrying)", self.errors, exc)
         # Timeouts still fire while Redis is away: they need no I/O to decide (a partial
         # answer asked for then fails in the sender, and answers 0).
         now = time.monotonic()

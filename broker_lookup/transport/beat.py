@@ -45,6 +45,7 @@ from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.lifetime import refresh_commands
 from broker_lookup.protocol.snapshot import MetricsPublisher
+from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.threads import LoopThread
 from broker_lookup.transport.fingerprint import Publisher
 from broker_lookup.transport.lease import Lease, run_claim
@@ -150,6 +151,7 @@ class Beat(LoopThread):
         self.last_beat = 0.0
         #: Beats that failed (Redis unreachable or refusing).
         self.errors = 0
+        self._warn = RateLimitedLog(logger)
 
     def prime(self, client: redis.Redis) -> None:
         """Claim the lease now, through ``client``, before :meth:`start` (a client that
@@ -192,8 +194,9 @@ class Beat(LoopThread):
 
     def _on_error(self, exc: BrokerLookupError) -> None:
         self.errors += 1
-        if self.errors == 1 or self.errors % 100 == 0:
-            logger.warning("%s: Redis error #%d: %s (retrying)", self.guard.name, self.errors, exc)
+        self._warn(
+            logging.WARNING, "%s: Redis error #%d: %s (retrying)", self.guard.name, self.errors, exc
+        )
 
     def renew(self, client: redis.Redis, link: Link | None) -> None:
         """Claim or renew the lease, with the heartbeat (the lease logs and counts a

@@ -90,7 +90,7 @@ def _cli_line(role: str, engine: str | None, user: str, password: str) -> str:
     if engine is not None:
         argv += ["--engine-id", engine]
     out = subprocess.run(
-        [sys.executable, "-m", "broker_lookup.ops.cli", *argv],
+        [sys.executable, "-m", "broker_lookup.cli", *argv],
         capture_output=True,
         text=True,
         check=True,

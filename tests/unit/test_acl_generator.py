@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from broker_lookup.cli import main
 from broker_lookup.errors import ConfigError
 from broker_lookup.ops.acl import ROLES, acl_file, acl_line
-from broker_lookup.ops.cli import main
 
 SHIPPED = Path(__file__).resolve().parents[2] / "deploy" / "users.acl"
 

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 def test_demo_vllm_shows_the_hit_and_where_to_see_it(vllm_installed: None) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-m", "broker_lookup.ops.cli", "demo", "--vllm"],
+        [sys.executable, "-m", "broker_lookup.cli", "demo", "--vllm"],
         env=env,
         cwd=ROOT,
         capture_output=True,
