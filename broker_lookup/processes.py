@@ -8,11 +8,14 @@ Two ways to make a child die with its parent, one per way of starting it:
   for the same thing with ``prctl(PR_SET_PDEATHSIG)``.
 
 :func:`terminate` sends SIGTERM, waits a bounded time, then SIGKILLs what is left and
-always reaps. :class:`ExitCode` names the exit status of every process we ship.
+always reaps. :class:`ExitCode` names the exit status of every process we ship, and
+:func:`bounded` is the argparse ``type`` of their numeric flags (the scheduler's CLI and
+``python -m workers`` alike, so it sits below both).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import enum
 import logging
@@ -24,12 +27,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
 __all__ = [
     "ExitCode",
+    "bounded",
     "child_env",
     "die_with_parent",
     "free_port",
@@ -58,6 +62,42 @@ class ExitCode(enum.IntEnum):
 
 #: The directory holding the ``broker_lookup`` and ``workers`` packages.
 _SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def bounded(
+    kind: Callable[[str], float], low: float, high: float | None = None, *, above: bool = False
+) -> Callable[[str], float]:
+    """An argparse ``type``: ``kind`` of the text, refused unless ``>= low`` (``> low`` with
+    ``above``) and ``<= high``; argparse's error then names the flag and the value.
+
+    >>> bounded(int, 0, 65535)("70000")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: 70000 is not in [0, 65535]
+    """
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {_KINDS.get(kind, 'valid')}"
+            ) from None
+        if (
+            value != value
+            or (value <= low if above else value < low)
+            or (high is not None and value > high)
+        ):
+            rule = f"> {low:g}" if above else f">= {low:g}"
+            if high is not None:
+                rule = f"in {'(' if above else '['}{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"{text} is not {rule}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the kind in its message with it
+    return parse
+
+
+_KINDS: dict[object, str] = {int: "an integer", float: "a number"}
 
 
 def child_env(base: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:

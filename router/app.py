@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker_lookup import FleetClient
-from broker_lookup.ops.split import configured_id
+from broker_lookup.protocol.keys import configured_of
 
 __all__ = ["Replica", "Router"]
 
@@ -43,7 +43,7 @@ Tokenize = Callable[[dict[str, Any]], list[int] | None]
 @dataclass(frozen=True)
 class Replica:
     """One vLLM replica: its base URL and the engine id it was configured with (its
-    ranks' namespaces are ``<engine_id>.<instance>``)."""
+    ranks' namespaces are ``<engine_id>@<instance>``)."""
 
     url: str
     engine_id: str
@@ -103,7 +103,7 @@ class Router:
                 reserve_ms=self._reserve_ms,
             )
             best = answer.best()
-            replica = None if best is None else self._by_id.get(configured_id(best.engine_id))
+            replica = None if best is None else self._by_id.get(configured_of(best.engine_id))
             if best is not None and replica is not None:
                 receipt = {"found": best.tokens, "reserved": best.reserved, "age_ms": best.age_ms}
                 return replica, "prefix", receipt

@@ -24,7 +24,7 @@ released, one generation at a time); the dispatcher only carries out its steps.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.engine import LookupEngine
@@ -34,11 +34,10 @@ from broker_lookup.protocol.keys import KeySpace, rank_role
 from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.protocol.stats import RankStats
 from broker_lookup.transport.beat import Beat, Heartbeat
-from broker_lookup.transport.connection import ConnectionFactory, close_factory
+from broker_lookup.transport.connection import ConnectionFactory, close_factory, make_factory
 from broker_lookup.transport.fingerprint import Publisher
 from broker_lookup.transport.lease import Lease
 from broker_lookup.transport.script_runner import ScriptSet
-from workers.pipeline.connections import rank_factories
 from workers.pipeline.dispatch import Dispatcher
 from workers.pipeline.lifecycle import Lifecycle
 from workers.pipeline.loop import RankLoop
@@ -81,7 +80,7 @@ class RedisAsyncLookupServer:
         self.keys = KeySpace(metadata.engine_id)
         self.engine = engine
         self._closed = False
-        factories = rank_factories(
+        factories = _rank_factories(
             cfg, f"bl-worker-{metadata.engine_id}-{self.rank}", connection_factory
         )
         factory = factories.general
@@ -279,3 +278,31 @@ class RedisAsyncLookupServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _RankFactories(NamedTuple):
+    """A rank's connection factories, and those of them the server made (and closes)."""
+
+    general: ConnectionFactory  #: the reporter's, the sweeper's, shutdown's
+    read: ConnectionFactory  #: the read loop's (it blocks in XREADGROUP)
+    beat: ConnectionFactory  #: the beat's (lease, heartbeat, refreshes)
+    owned: list[ConnectionFactory]
+
+
+def _rank_factories(
+    config: LookupConfig, name: str, given: ConnectionFactory | None
+) -> _RankFactories:
+    """``given`` for every use (owned: none), or factories made here, which the server
+    closes at shutdown.
+
+    Made here, every socket times out after ``config.loop_timeout_s`` (the beat's after
+    ``config.beat_timeout_s``), so no read of a stalled Redis pauses the rank's loop for
+    the general socket timeout, nor its beat for a lease; the read loop's and the beat's
+    factories have pools of their own, so each can turn redis-py's retries off alone.
+    """
+    if given is not None:
+        return _RankFactories(given, given, given, [])
+    general = make_factory(config, name, socket_timeout_s=config.loop_timeout_s)
+    read = make_factory(config, name, socket_timeout_s=config.loop_timeout_s)
+    beat = make_factory(config, name + "-beat", socket_timeout_s=config.beat_timeout_s)
+    return _RankFactories(general, read, beat, [general, read, beat])

@@ -7,7 +7,7 @@ is either admitted (its chunk hashes and offsets), trimmed (a prompt with more t
 ``max_chunks_per_request`` chunks is looked up by its first that many: a prefix hit
 is still a right answer), or rejected: answered 0, counted by kind in the client's
 :class:`~broker_lookup.client.guard.Guard`, and logged the first time a kind occurs
-and then at every power of ten.
+and then at most once per ``LOG_EVERY_S`` of that kind.
 
 :meth:`Admission.check` is the strict variant for callers that want an error naming
 the limit and the value; nothing on the scheduler's path calls it.
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from broker_lookup.client.guard import Guard, worth_logging
+from broker_lookup.client.guard import LOG_EVERY_S, Guard
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import InvalidRequest
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
@@ -29,6 +29,7 @@ from broker_lookup.protocol.messages import (
     request_configs_problem,
     wire_id_problem,
 )
+from broker_lookup.ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +56,7 @@ class Admission:
         self.guard = guard
         #: Prompts looked up by their first ``max_chunks_per_request`` chunks only.
         self.truncated = 0
+        self._truncated_log = RateLimitedLog(logger, LOG_EVERY_S)
 
     def admit(
         self,
@@ -75,16 +77,16 @@ class Admission:
         limit = self._config.max_chunks_per_request
         if len(hashes) > limit:
             self.truncated += 1
-            if worth_logging(self.truncated):
-                logger.warning(
-                    "%d prompt(s) over max_chunks_per_request=%d looked up by their first "
-                    "%d chunks only (latest %.200r: %d chunks)",
-                    self.truncated,
-                    limit,
-                    limit,
-                    lookup_id,
-                    len(hashes),
-                )
+            self._truncated_log(
+                logging.WARNING,
+                "%d prompt(s) over max_chunks_per_request=%d looked up by their first "
+                "%d chunks only (latest %.200r: %d chunks)",
+                self.truncated,
+                limit,
+                limit,
+                lookup_id,
+                len(hashes),
+            )
             del hashes[limit:], offsets[limit:]
         return hashes, offsets
 

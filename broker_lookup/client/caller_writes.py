@@ -10,9 +10,12 @@ which written submits were answered and whether the connection must go
 (:meth:`~CallerWrites.replies`), and which ones must be sent again once it went
 (:meth:`~CallerWrites.rewire`). What to do with them is the sender's.
 
-Every method runs with :attr:`CallerWrites.wire` held: the one lock that orders each
-write on the connection (the caller's and the sender's round trips) with the replies
-to expect. The caller only ever *tries* it.
+It owns what the caller's way needs: the link it writes on (the sender's thread's,
+handed over by :meth:`~CallerWrites.open_on` once a round trip proved it), the lock
+and the replies owed. Every method but :meth:`~CallerWrites.offer` runs with
+:attr:`CallerWrites.wire` held: the one lock that orders each write on the connection
+(the caller's and the sender's round trips) with the replies to expect. The caller only
+ever *tries* it (``offer``).
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from redis.exceptions import RedisError
 
 from broker_lookup.client.table import Entry
 from broker_lookup.protocol.commands import Command
-from broker_lookup.transport.link import LeanLink
+from broker_lookup.transport.link import Link
 
 __all__ = ["CallerWrites", "Written"]
 
@@ -68,6 +72,34 @@ class CallerWrites(Generic[T]):
         self._last_entry: Entry | None = None
         self._max_owed = max_owed
         self._overdue_ms = overdue_ms
+        #: The link the caller writes on, once :meth:`open_on` handed it over.
+        self._link: Link | None = None
+
+    def open_on(self, link: Link, allowed: bool) -> None:
+        """After a round trip on ``link`` succeeded: the caller may write on it from now
+        if ``allowed`` and the link takes writes from another thread (a plain socket)."""
+        self._link = link
+        self.open = allowed and link.accepts_direct
+
+    def offer(
+        self, item: T, entry: Entry, command: Callable[[T], Command | None], burst_gap_s: float
+    ) -> bool | None:
+        """On the caller's thread: write ``item`` now if the way is open, the lock free and
+        it is no burst (:meth:`takes`); ``command`` builds its command (None: nothing to
+        send). None: not written, queue it. Else :meth:`try_write`'s answer (True also
+        when there was nothing to send). Never waits, never raises."""
+        if not self.open or not self.wire.acquire(blocking=False):
+            return None  # a busy wire: the sender's thread is in a round trip
+        try:
+            now = time.monotonic()
+            if not self.takes(entry, now, burst_gap_s):
+                return None
+            wire = command(item)
+            return True if wire is None else self.try_write(item, wire, now)
+        except Exception:  # a bug: never into the scheduler; the queue path logs it
+            return None
+        finally:
+            self.wire.release()
 
     @property
     def owed(self) -> int:
@@ -87,14 +119,17 @@ class CallerWrites(Generic[T]):
             return False
         return True
 
-    def try_write(self, link: LeanLink, item: T, command: Command, now: float) -> bool | None:
-        """Write ``item``'s ``command`` on ``link`` without waiting.
+    def try_write(self, item: T, command: Command, now: float) -> bool | None:
+        """Write ``item``'s ``command`` on the link without waiting.
 
         True: written, its reply is owed. None: nothing written (send it another way).
         False: only part of it was written; it is owed too, and the connection must be
         dropped (:attr:`torn`; the caller may not write again until the sender's thread
         reopens it).
         """
+        link = self._link
+        if link is None:
+            return None
         done = link.send_nowait([command])
         if done is None:
             return None
@@ -106,14 +141,15 @@ class CallerWrites(Generic[T]):
             self.torn = True
         return done
 
-    def replies(self, link: LeanLink, wait: bool) -> tuple[list[tuple[T, Any]], str | None]:
+    def replies(self, wait: bool) -> tuple[list[tuple[T, Any]], str | None]:
         """The written submits answered so far (all of them: ``wait``), each with its reply,
         and why the connection must be dropped (a torn write, a transport error, a reply
         overdue), or None. Once it must, call :meth:`rewire`."""
         if self.torn:
             self.torn = False
             return [], "a submit was only partly written"
-        if not self._owed:
+        link = self._link
+        if not self._owed or link is None:
             return [], None
         try:
             got = link.replies(len(self._owed), wait)
@@ -125,12 +161,13 @@ class CallerWrites(Generic[T]):
             return answered, f"no reply within socket_timeout_ms={self._overdue_ms}"
         return answered, None
 
-    def rewire(self, link: LeanLink) -> list[T]:
-        """Drop ``link`` and close the caller's way: the submits whose replies it owed, in
+    def rewire(self) -> list[T]:
+        """Drop the link and close the caller's way: the submits whose replies it owed, in
         the order they were written, to be sent again (each is idempotent per lookup id
         and generation)."""
         self.open = False
-        link.drop()
+        if self._link is not None:
+            self._link.drop()
         items = [w.item for w in self._owed]
         self._owed.clear()
         return items

@@ -5,7 +5,8 @@ and ``close`` inside ``Scheduler.schedule()``, with ids taken from a client's
 ``X-Request-Id`` header, where an exception kills the engine. Every
 client and wrapper here runs what could raise through one :class:`Guard`: what fails
 is answered (0: recompute, or -1: unknown), counted by kind in ``counts`` (``stats()``
-``rejected``) and logged the first time a kind occurs, then at every power of ten.
+``rejected``) and logged the first time a kind occurs, then at most once per
+:data:`LOG_EVERY_S` for that kind (:class:`~broker_lookup.ratelimit.RateLimitedLog`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ import logging
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
-__all__ = ["Guard", "worth_logging"]
+from broker_lookup.ratelimit import RateLimitedLog
+
+__all__ = ["LOG_EVERY_S", "Guard"]
 
 logger = logging.getLogger(__name__)
+
+#: The least time between two log lines of one kind of refused call.
+LOG_EVERY_S = 10.0
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -34,6 +40,7 @@ class Guard:
     def __init__(self) -> None:
         #: Calls answered without being served, by kind (read by ``stats()`` and metrics).
         self.counts: dict[str, int] = {}
+        self._logs: dict[str, RateLimitedLog] = {}
 
     def call(
         self,
@@ -54,22 +61,18 @@ class Guard:
             return answer
 
     def rejected(self, kind: str, lookup_id: object, detail: str) -> None:
-        """Count one call answered without being served; log the first and every 10**n-th."""
+        """Count one call answered without being served; log it unless a line of its
+        kind went out less than :data:`LOG_EVERY_S` ago."""
         count = self.counts.get(kind, 0) + 1
         self.counts[kind] = count
-        if worth_logging(count):
-            shown = repr(lookup_id)[:200]
-            logger.warning(
-                "lookup %s answered without being served (%s: %s); %d such call(s) so far",
-                shown,
-                kind,
-                detail,
-                count,
-            )
-
-
-def worth_logging(count: int) -> bool:
-    """1, 10, 100, ...: a flood of one kind costs a handful of log lines."""
-    while count % 10 == 0:
-        count //= 10
-    return count == 1
+        log = self._logs.get(kind)
+        if log is None:
+            log = self._logs[kind] = RateLimitedLog(logger, LOG_EVERY_S)
+        log(
+            logging.WARNING,
+            "lookup %.200r answered without being served (%s: %s); %d such call(s) so far",
+            lookup_id,
+            kind,
+            detail,
+            count,
+        )

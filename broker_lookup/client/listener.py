@@ -12,9 +12,9 @@ engine keys' refresh, its metrics snapshot and fingerprint) is not the listener'
 client's :class:`~broker_lookup.transport.beat.Beat` does it, on its own thread, so a
 blocking read or a burst of completions never lapses it.
 
-Its commands go over the transport's :class:`~broker_lookup.transport.link.LeanLink`
-(raw replies, no redis-py callbacks) except on Redis Cluster, where redis-py's client
-routes them by slot.
+Its commands go over the one :class:`~broker_lookup.transport.link.Link` its thread
+holds: a lean connection (raw replies, no redis-py callbacks), or on Redis Cluster
+redis-py's pipeline, which routes them by slot.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import decode_done
+from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.threads import LoopThread
-from broker_lookup.transport.link import LeanLink, open_link, stream_entries
+from broker_lookup.transport.link import Link, open_link, stream_entries
 
 __all__ = ["Listener"]
 
@@ -81,10 +82,9 @@ class Listener(LoopThread):
         #: ``dead_rank`` (Redis unreachable or refusing our password says nothing of ranks).
         self.checked = False
         self.errors = 0
+        self._warn = RateLimitedLog(logger)
         self.connected = False
         self._next = {"hb": 0.0, "reconcile": 0.0, "evict": 0.0}
-        #: The lean connection of the thread's hot reads (None: redis-py's client).
-        self._link: LeanLink | None = None
         self._heartbeat_keys = [self._keys.heartbeat(r) for r in expected]
         self._mget: Command = ("MGET", *self._heartbeat_keys)
         #: Per-rank latency and disagreement (``rank_insights``); None when it is off.
@@ -92,13 +92,16 @@ class Listener(LoopThread):
 
     def prime(self, client: redis.Redis) -> None:
         """Learn liveness and the stream position now, before :meth:`start`."""
+        link = open_link(client)
         try:
             self._position(client)
-            self.check_heartbeats(client)
+            self.check_heartbeats(link)
         except AuthFailed as exc:
             logger.error("%s; lookups answer 0 until Redis accepts us", exc)
         except BrokerLookupError as exc:
             logger.warning("broker unavailable at start (%s); lookups answer 0 until it is", exc)
+        finally:
+            link.close()
 
     def _position(self, client: redis.Redis) -> None:
         with translate_redis_errors("reading the completion stream position"):
@@ -109,30 +112,26 @@ class Listener(LoopThread):
     def _run(self) -> None:
         client = self._factory()
         link = open_link(client)
-        # Redis Cluster's client routes by slot: the listener keeps it there.
-        self._link = link if isinstance(link, LeanLink) else None
         try:
             while not self._stop.is_set():
                 try:
                     with self._breaker.track("listener", self._config.block_ms / 1000, tolerate=1):
-                        self._read(client)
-                        self._sweep(client)
+                        self._read(link)
+                        self._sweep(link)
                     self.connected = True
                 except (BrokerLookupError, redis.RedisError) as exc:
                     self._on_error(exc)
                 except Exception:  # a bug: counted and logged, never a silent dead thread
                     self.guard()
         finally:
-            if self._link is not None:
-                self._link.close()
+            link.close()
             client.close()
 
     def _on_error(self, exc: Exception) -> None:
         self.errors += 1
         first = self.connected  # the first error after a success is retried at once
         self.connected = False
-        if self.errors == 1 or self.errors % 100 == 0:
-            logger.warning("listener: Redis error #%d: %s (retrying)", self.errors, exc)
+        self._warn(logging.WARNING, "listener: Redis error #%d: %s (retrying)", self.errors, exc)
         # Timeouts still fire while Redis is away: they need no I/O to decide (a partial
         # answer asked for then fails in the sender, and answers 0).
         now = time.monotonic()
@@ -141,16 +140,10 @@ class Listener(LoopThread):
         if not first:
             self._stop.wait(0.2)
 
-    def _read(self, client: redis.Redis) -> None:
-        link = self._link
+    def _read(self, link: Link) -> None:
         try:
-            if link is None:
-                resp: Any = client.xread(
-                    {self._keys.done: self._last_id}, count=1000, block=self._config.block_ms
-                )
-            else:
-                # A plain call, not a piggy-backed read: nothing rides with it.
-                resp = _raise_error(link.call([self._xread_command()])[0])
+            # A plain call, not a piggy-backed read: nothing rides with it.
+            resp = _raise_error(link.call([self._xread_command()])[0])
         except REDIS_ERRORS as exc:  # no context manager entered per read
             raise_translated(exc, "reading completions")
         insights = self.insights
@@ -181,28 +174,25 @@ class Listener(LoopThread):
             self._last_id,
         )
 
-    def _sweep(self, client: redis.Redis) -> None:
+    def _sweep(self, link: Link) -> None:
         now = time.monotonic()
         for lookup_id, entry in self._table.overdue(now):
             self._table.on_deadline(lookup_id, entry, now)
         if now >= self._next["hb"]:
             self._next["hb"] = now + self._config.heartbeat_interval_ms / 2000
-            self.check_heartbeats(client)
+            self.check_heartbeats(link)
         if now >= self._next["reconcile"]:
             self._next["reconcile"] = now + 0.1
-            self._reconcile(client, now)
+            self._reconcile(link, now)
         if now >= self._next["evict"]:
             self._next["evict"] = now + _EVICT_EVERY_S
             self._table.evict_finished(now)
 
-    def check_heartbeats(self, client: redis.Redis) -> None:
+    def check_heartbeats(self, link: Link) -> None:
         """Refresh :attr:`dead`; fail the in-flight lookups of ranks that just died."""
-        keys = self._heartbeat_keys
-        with translate_redis_errors("reading heartbeats"):
-            link = self._link
-            if link is None or not keys:
-                values = client.mget(keys)
-            else:
+        values: list[Any] = []
+        if self._heartbeat_keys:
+            with translate_redis_errors("reading heartbeats"):
                 values = _raise_error(link.call([self._mget])[0])
         dead = frozenset(r for r, v in zip(self._expected, values, strict=True) if v is None)
         # The first read reports every dead rank, so one that never started is logged.
@@ -223,12 +213,12 @@ class Listener(LoopThread):
             for lookup_id, entry in self._table.waiting_on(newly):
                 self._table.expire(lookup_id, entry, "dead_rank")
 
-    def _reconcile(self, client: redis.Redis, now: float) -> None:
+    def _reconcile(self, link: Link, now: float) -> None:
         due = self._table.due_for_reconcile(now, _RECONCILE_BATCH)
         if not due:
             return
         with translate_redis_errors("reconciling lookups"):
-            rows = self._status_rows([lookup_id for lookup_id, _ in due], client)
+            rows = self._status_rows([lookup_id for lookup_id, _ in due], link)
         for (lookup_id, entry), row in zip(due, rows, strict=True):
             status = lookup_hash.decode(dict(zip(lookup_hash.STATUS_FIELDS, row, strict=True)))
             if not status.exists:
@@ -245,15 +235,9 @@ class Listener(LoopThread):
                 outcome: Outcome = "partial" if status.partial else "hit" if value > 0 else "miss"
                 self._table.finish(lookup_id, entry.gen, value, outcome)
 
-    def _status_rows(self, lookup_ids: list[str], client: redis.Redis) -> list[Any]:
+    def _status_rows(self, lookup_ids: list[str], link: Link) -> list[Any]:
         """HMGET of each lookup's status fields, in one round trip."""
         fields = lookup_hash.STATUS_FIELDS
-        link = self._link
-        if link is None:
-            pipe = client.pipeline(transaction=False)
-            for lookup_id in lookup_ids:
-                pipe.hmget(self._keys.lookup(lookup_id), *fields)
-            return list(pipe.execute())
         rows = link.call([("HMGET", self._keys.lookup(i), *fields) for i in lookup_ids])
         return [_raise_error(row) for row in rows]
 

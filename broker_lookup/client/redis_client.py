@@ -25,6 +25,7 @@ from broker_lookup.client.guard import Guard
 from broker_lookup.client.insights import RankInsights
 from broker_lookup.client.listener import Listener
 from broker_lookup.client.sender import Sender
+from broker_lookup.client.split import SplitWatch
 from broker_lookup.client.table import Entry, LookupTable, Outcome
 from broker_lookup.config import LookupConfig, LookupMetadata, expected_ranks
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
@@ -109,7 +110,14 @@ class RedisAsyncLookupClient(LookupClientInterface):
             else None
         )
         self._sender = Sender(
-            config, self.keys, self._table, writer, ScriptSet(), self._breaker, self.insights
+            config,
+            self.keys,
+            self._table,
+            writer,
+            ScriptSet(),
+            self._breaker,
+            self.insights,
+            expected=",".join(map(str, self.expected)),
         )
         #: One scheduler per engine: this client submits only while it holds this lease
         #: (claimed now, renewed by the beat; never on the hot path).
@@ -119,6 +127,8 @@ class RedisAsyncLookupClient(LookupClientInterface):
         self._writer = writer
         #: Publishes our hashing fingerprint and lists processes that hash differently.
         self.fingerprint = Publisher(self.keys, "client", self.hasher, ttl_ms=config.engine_ttl_ms)
+        #: Logs a split engine: missing ranks alive under another namespace of our id.
+        self.split = SplitWatch(self.keys, self.expected, self._missing_ranks)
         self._listener = Listener(
             config, self.keys, self._table, reader, self.expected, self._breaker, self.insights
         )
@@ -140,9 +150,10 @@ class RedisAsyncLookupClient(LookupClientInterface):
                 configured_engine_id=metadata.configured_engine_id,
             ),
             fingerprint=self.fingerprint,
+            diagnostics=(self.split,),
         )
         self._closed = False
-        self._sender.start(",".join(map(str, self.expected)))
+        self._sender.start()
         probe = reader()
         try:
             self._listener.prime(probe)
@@ -152,6 +163,10 @@ class RedisAsyncLookupClient(LookupClientInterface):
             self._beat.start()
         finally:
             probe.close()
+
+    def _missing_ranks(self) -> frozenset[int] | None:
+        listener = self._listener
+        return listener.dead if listener.checked else None
 
     # -- hot path -------------------------------------------------------------------
 

@@ -9,12 +9,12 @@ round trip is tracked by the circuit breaker, and every script is idempotent per
 A lookup's way out, in order: :meth:`Sender.submit` writes it on the caller's thread
 where it can without waiting (below), else queues it; the
 :class:`~broker_lookup.transport.batcher.Batcher` loop hands a batch to
-:meth:`Sender._send_batch`, which builds each script call next to its Lua
-(:func:`~broker_lookup.protocol.scripts.submit_call`, ``cancel_call``), runs them in
-one retried round trip, and settles each lookup in the table. The round trip goes over
-the transport's :class:`~broker_lookup.transport.link.LeanLink` (hiredis-packed EVALSHAs
-on one pooled connection, raw replies) wherever :func:`~broker_lookup.transport.link.open_link`
-gives one, else through redis-py's pipeline (Redis Cluster: routing by slot is its client's).
+:meth:`Sender._send_batch`, which builds the batch's script calls in one place
+(:meth:`Sender._calls`: :meth:`Sender._due` says what still goes and marks a submit
+sent, :meth:`Sender._call` builds each call next to its Lua, changing nothing), runs
+them in one retried round trip (:meth:`ScriptSet.run
+<broker_lookup.transport.script_runner.ScriptSet.run>` on the thread's
+:class:`~broker_lookup.transport.link.Link`), and settles each lookup in the table.
 
 **Submits the caller writes itself.** Handing a submit to this thread costs a wake-up
 for the hand-off and one for the reply, each several times the write itself. So once a
@@ -24,8 +24,8 @@ submit on the caller's thread with a write that never waits
 reply later: every :data:`DIRECT_CHECK_S` while any is unread, or first thing in its
 next round trip. The reply only confirms (or, an error, answers 0); the ranks and the
 listener need nothing from it. The caller only *tries* the lock that orders the writes
-(``CallerWrites.wire``), and anything it cannot write at once (the lock busy, something
-queued, a full socket buffer) takes the queue as before, and so does a burst (a submit
+(``CallerWrites.offer``), and anything it cannot write at once (the lock busy,
+something queued, a full socket buffer) takes the queue as before, and so does a burst (a submit
 within :data:`DIRECT_GAP_S` of the last one while that one is unanswered), which stays
 one pipelined batch. A torn write, a reset or a reply overdue by ``socket_timeout_ms``
 drops the connection, and the unanswered submits go back to the head of the queue:
@@ -56,7 +56,7 @@ from broker_lookup.protocol.messages import Abort, Keep, LookupRequest
 from broker_lookup.protocol.scripts import Call, cancel_call, deadline_call, keep_call, submit_call
 from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.transport.batcher import Batcher
-from broker_lookup.transport.link import LeanLink, open_link
+from broker_lookup.transport.link import Link
 from broker_lookup.transport.script_runner import ScriptSet, is_noscript
 
 __all__ = ["Sender"]
@@ -127,6 +127,7 @@ class Sender(Batcher[Item]):
         scripts: ScriptSet,
         breaker: Breaker,
         insights: RankInsights | None = None,
+        expected: str = "",
     ) -> None:
         super().__init__(
             "client sender",
@@ -142,13 +143,11 @@ class Sender(Batcher[Item]):
         self._breaker = breaker
         #: Counts the ranks each deadline found unreported (None: rank_insights off).
         self._insights = insights
-        self._expected = ""
+        #: The comma-separated rank list of every lookup.
+        self._expected = expected
         self._next_probe = 0.0
-        #: The lean connection, made on the thread's first round trip (None: redis-py's).
-        self._link: LeanLink | None = None
-        self._link_checked = False
-        #: The submits the caller wrote itself on ``_link``; its lock orders every write
-        #: there (the caller's and this thread's round trips) with the replies to read.
+        #: The submits the caller wrote itself on this thread's link; its lock orders every
+        #: write there (the caller's and this thread's round trips) with the replies to read.
         self._writes: CallerWrites[Submit] = CallerWrites(
             config.max_pending, config.socket_timeout_ms
         )
@@ -164,38 +163,21 @@ class Sender(Batcher[Item]):
         """Submits the caller wrote itself."""
         return self._writes.count
 
-    def start(self, expected: str = "") -> None:
-        """Start the thread; ``expected`` is the comma-separated rank list of every lookup."""
-        self._expected = expected
-        super().start()
-
     # -- the caller's thread ------------------------------------------------------------
 
     def submit(self, entry: Entry, request: LookupRequest) -> bool:
         """Send a lookup: written on the caller's thread where it can be without waiting,
         else queued (an append and maybe a bell). False if the queue is full."""
         item = Submit(entry, request)
-        writes = self._writes
-        # A busy wire: this thread is in a round trip, and the queue is as quick.
-        if writes.open and not self._queue and writes.wire.acquire(blocking=False):
-            try:
-                now = time.monotonic()
-                link = self._link
-                if link is not None and writes.takes(entry, now, DIRECT_GAP_S):
-                    call = self._call_for(item)
-                    if call is None:
-                        return True  # finished before it was sent: nothing to send
-                    written = writes.try_write(link, item, self._scripts.command(call), now)
-                    if written is not None:
-                        # A thread in its long idle sleep would read the reply up to a
-                        # tick late; a torn write it must drop at once.
-                        if not written or self._sleep_s > DIRECT_CHECK_S:
-                            self._wake()
-                        return True
-            except Exception:  # a bug: never into the scheduler; the queue path logs it
-                pass
-            finally:
-                writes.wire.release()
+        # Behind something queued, or stopping, the queue keeps the order.
+        if not self._queue and not self._stop.is_set():
+            written = self._writes.offer(item, entry, self._direct_command, DIRECT_GAP_S)
+            if written is not None:
+                # A thread in its long idle sleep would read the reply up to a tick
+                # late; a torn write it must drop at once.
+                if not written or self._sleep_s > DIRECT_CHECK_S:
+                    self._wake()
+                return True
         if self._put(item):
             return True
         self.dropped += 1
@@ -218,47 +200,33 @@ class Sender(Batcher[Item]):
         else:
             self._lost_cancel(lookup_id, entry.gen, "the send queue is full")
 
-    def stop(self, timeout_s: float) -> bool:
-        """Stop writing on the caller's thread, send what is queued, stop, join."""
-        self._writes.open = False
-        return super().stop(timeout_s)
-
     # -- this thread ----------------------------------------------------------------
 
-    def _send_batch(self, client: redis.Redis, batch: list[Item]) -> None:
+    def _send_batch(self, link: Link, client: redis.Redis, batch: list[Item]) -> None:
         """One round trip for ``batch``: build the calls, run them, settle each item."""
         writes = self._writes
         with writes.wire:  # the insights sampler is the caller's too
-            pairs = [(item, call) for item in batch if (call := self._call_for(item)) is not None]
+            pairs = self._calls(batch)
         if not pairs:
             return
-        link = self._lean(client)
         calls = [call for _, call in pairs]
         results: list[Any] | None = None
         try:
             with self._breaker.track("sender"):
                 for attempt in self._attempts(len(calls)):
-                    with attempt:
-                        if link is None:
-                            results = self._scripts.run(client, calls)
-                        else:
-                            with writes.wire:
-                                # The caller's submits went out first: their replies too.
-                                self._read_written(link, wait=True)
-                                self._check_attempt()
-                                results = self._scripts.run_link(link, client, calls)
+                    with attempt, writes.wire, translate_redis_errors("running Lua scripts"):
+                        # The caller's submits went out first: their replies too.
+                        self._read_written(wait=True)
+                        self._check_attempt()
+                        results = self._scripts.run(link, client, calls)
                 if results is None:
                     raise BrokerUnavailable("Redis unavailable after retries")
         except BrokerUnavailable as exc:
             writes.open = False
             results = [exc] * len(calls)
         else:
-            if link is not None:
-                writes.open = (
-                    self._config.submit_on_caller_thread
-                    and link.accepts_direct
-                    and not self._stop.is_set()
-                )
+            allowed = self._config.submit_on_caller_thread and not self._stop.is_set()
+            writes.open_on(link, allowed)
         self.batches += 1
         now = time.monotonic()
         for (item, _), res in zip(pairs, results, strict=True):
@@ -272,12 +240,11 @@ class Sender(Batcher[Item]):
             return super()._tick()
         return HEALTHY_IDLE_S
 
-    def _idle(self, client: redis.Redis) -> None:
-        link = self._link
+    def _idle(self, link: Link, client: redis.Redis) -> None:
         writes = self._writes
-        if link is not None and (writes.owed or writes.torn):
+        if writes.owed or writes.torn:
             with writes.wire:
-                self._read_written(link, wait=False)
+                self._read_written(wait=False)
         self._breaker.poll()
         # While the breaker is open because of us, nothing is queued to tell us when
         # Redis is back: probe it, twice a second.
@@ -289,27 +256,25 @@ class Sender(Batcher[Item]):
         self._next_probe = now + 0.5
         try:
             with self._breaker.track("sender"), translate_redis_errors("probing Redis"):
-                self._ping(client)
+                self._ping(link)
         except BrokerLookupError:
             pass  # still down: the breaker stays open; probes are not counted as errors
 
-    def _closing(self) -> None:
+    def _closing(self, link: Link) -> None:
         # Under the lock the caller writes under: its socket is never closed (and its
         # descriptor never reused) beneath a write. The client's close follows.
-        link = self._link
-        if link is not None:
-            with self._writes.wire:
-                self._writes.open = False
-                # What has been answered is settled; the rest only confirmed lookups
-                # that closing abandons anyway, so a stalled server cannot stall close().
-                self._read_written(link, wait=False, final=True)
-                link.close()
+        with self._writes.wire:
+            self._writes.open = False
+            # What has been answered is settled; the rest only confirmed lookups that
+            # closing abandons anyway, so a stalled server cannot stall close().
+            self._read_written(wait=False, final=True)
+            link.close()
 
-    def _read_written(self, link: LeanLink, wait: bool, final: bool = False) -> None:
+    def _read_written(self, wait: bool, final: bool = False) -> None:
         """Settle the caller's submits answered so far (all of them: ``wait``); a torn
         write, a transport error or an overdue reply drops the connection and queues the
         rest again (``final``: stopping, nothing will send them). Holds the wire."""
-        answered, broken = self._writes.replies(link, wait)
+        answered, broken = self._writes.replies(wait)
         now = time.monotonic()
         again: list[Item] = []
         for item, reply in answered:
@@ -322,7 +287,7 @@ class Sender(Batcher[Item]):
             return
         # Written before anything now queued (the caller writes only while the queue is
         # empty): at the queue's head, the order on the wire is kept.
-        items = self._writes.rewire(link)
+        items = self._writes.rewire()
         self.errors += 1
         if final:  # stopping: nothing will send them; their lookups answer 0 at close
             return
@@ -335,22 +300,11 @@ class Sender(Batcher[Item]):
             broken,
         )
 
-    def _lean(self, client: redis.Redis) -> LeanLink | None:
-        if not self._link_checked:
-            self._link_checked = True
-            link = open_link(client)
-            self._link = link if isinstance(link, LeanLink) else None
-        return self._link
-
-    def _ping(self, client: redis.Redis) -> None:
-        link = self._lean(client)
-        if link is None:
-            client.ping()
-        else:
-            with self._writes.wire:
-                self._read_written(link, wait=True)
-                self._check_attempt()
-                link.call([_PING])
+    def _ping(self, link: Link) -> None:
+        with self._writes.wire:
+            self._read_written(wait=True)
+            self._check_attempt()
+            link.call([_PING])
 
     def _check_attempt(self) -> None:
         """Raise BrokerUnavailable if stopping has ended what this round trip may do: a
@@ -393,8 +347,34 @@ class Sender(Batcher[Item]):
         else:  # nothing confirmed on some rank: the script cancelled it already
             self._table.finish(item.lookup_id, gen, 0, "timeout")
 
-    def _call_for(self, item: Item) -> Call | None:
-        """The script call for ``item``; None for a lookup that finished before it was sent."""
+    def _calls(self, batch: list[Item]) -> list[tuple[Item, Call]]:
+        """The items of ``batch`` still to send, each with its script call: the one place
+        where a batch's calls are built. Holds the wire (the sampler is the caller's too)."""
+        return [(item, self._call(item)) for item in batch if self._due(item)]
+
+    def _direct_command(self, item: Submit) -> Command | None:
+        """The command the caller writes for ``item`` itself; None: nothing to send."""
+        return self._scripts.command(self._call(item)) if self._due(item) else None
+
+    def _due(self, item: Item) -> bool:
+        """Whether ``item`` still goes out: False for a lookup finished before it was sent
+        (timeout, cancel, superseded) or a deadline answered meanwhile. A submit that goes
+        is marked sent here (before its result is read: see ``Entry.sent``) and, with
+        rank insights on, sampled (a re-send keeps its weight)."""
+        if isinstance(item, Deadline):
+            return not (item.answer and item.entry.result is not None)
+        if not isinstance(item, Submit):
+            return True
+        entry = item.entry
+        entry.sent = True
+        if entry.result is not None:
+            return False
+        if self._insights is not None and not entry.weight:
+            entry.weight = self._insights.sampler.take(time.monotonic())
+        return True
+
+    def _call(self, item: Item) -> Call:
+        """The script call for ``item`` (:meth:`_due` first); reads it, changes nothing."""
         cfg = self._config
         if isinstance(item, Abort):
             return cancel_call(
@@ -405,24 +385,15 @@ class Sender(Batcher[Item]):
                 self._keys, item, maxlen=cfg.stream_maxlen, engine_ttl_ms=cfg.engine_ttl_ms
             )
         if isinstance(item, Deadline):
-            if item.answer and item.entry.result is not None:
-                return None  # answered meanwhile (a late completion, a cancel)
             abort = Abort(lookup_id=item.lookup_id, gen=item.entry.gen)
-            ttl = cfg.key_grace_ms or 1
             return deadline_call(
                 self._keys,
                 abort,
                 maxlen=cfg.stream_maxlen,
-                ttl_ms=ttl,
+                ttl_ms=cfg.key_grace_ms or 1,
                 engine_ttl_ms=cfg.engine_ttl_ms,
                 answer=item.answer,
             )
-        entry = item.entry
-        entry.sent = True  # before reading result: see Entry.sent
-        if entry.result is not None:
-            return None  # finished before it was sent (timeout, cancel, superseded)
-        if self._insights is not None and not entry.weight:  # a re-send keeps its weight
-            entry.weight = self._insights.sampler.take(time.monotonic())
         return submit_call(
             self._keys,
             item.request,
@@ -431,7 +402,7 @@ class Sender(Batcher[Item]):
             ttl_ms=item.request.budget_ms + cfg.wait_ms + cfg.key_grace_ms,
             maxlen=cfg.stream_maxlen,
             engine_ttl_ms=cfg.engine_ttl_ms,
-            insights=entry.weight > 0,
+            insights=item.entry.weight > 0,
         )
 
     def _failed(self, item: Item, exc: Exception) -> None:

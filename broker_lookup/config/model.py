@@ -37,7 +37,7 @@ from broker_lookup.config.sources import (
 )
 from broker_lookup.config.urls import given_credentials, redact_url, url_problem
 from broker_lookup.errors import ConfigError
-from broker_lookup.protocol.keys import validate_engine_id
+from broker_lookup.protocol.keys import validate_configured_id, validate_engine_id
 
 __all__ = [
     "ENGINE_TTL_MAX_MS",
@@ -651,7 +651,7 @@ class LookupMetadata(_Validated, frozen=True, kw_only=True):
         try:
             validate_engine_id(self.engine_id)
             if self.configured_engine_id is not None:
-                validate_engine_id(self.configured_engine_id, "configured_engine_id")
+                validate_configured_id(self.configured_engine_id, "configured_engine_id")
         except ConfigError as exc:
             raise ConfigError(f"{exc} (env {env_name('engine_id')})") from None
         _require(self.world_size >= 1, "world_size", self.world_size, "must be >= 1")

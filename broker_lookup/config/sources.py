@@ -68,6 +68,7 @@ OTHER_VARIABLES: dict[str, str] = {
     env_name("metrics_port"): "python -m workers --metrics-port",
     env_name("log_level"): "python -m workers --log-level",
     env_name("lmcache"): "1: the LMCache plugin takes over LMCache's lookup in vLLM",
+    env_name("instance_id"): "the vLLM plugin: this engine's instance (same in all its processes)",
     env_name("pure_hashing"): "1: chunk hashing in Python, not the C extension",
     env_name("test_redis_url"): "tests: run the real-server tests against this server",
     env_name("test_server_binary"): "tests: the server binary embedded servers run",

@@ -8,12 +8,13 @@ and our ``RedisAsyncLookupServer`` (loaded through our factory's entry point; th
 package never imports ``workers``) around an :class:`LMCacheEngineAdapter`. Any other
 config gets LMCache's own classes. :func:`uninstall` restores LMCache's functions.
 
-Under vLLM the key namespace is the instance's own: ``<engine_id>.<instance_id>``, where
-``instance_id`` is ``VllmConfig.instance_id``, which vLLM sets once (5 random hex digits
-unless given) and ships with the config to its EngineCore and every worker. So replicas
-started from one manifest, which share ``kv_transfer_config.engine_id``, never share a
-namespace, while each instance's scheduler and its own ranks do. The configured id stays
-visible (``LookupMetadata.configured_engine_id``, in every rank's heartbeat).
+Under vLLM the key namespace is the engine's own: ``<engine_id>@<instance>``, where the
+instance part is keyed on what every process of that one engine shares, however vLLM
+launched it (one node, several nodes, Ray, data parallel, LeaderWorkerSet; see
+:mod:`~broker_lookup.integrations.identity`). So replicas started from one manifest, which
+share ``kv_transfer_config.engine_id``, never share a namespace, while each engine's
+scheduler and its ranks on every node do. The configured id stays visible
+(``LookupMetadata.configured_engine_id``, in every rank's heartbeat).
 
 vLLM loads :func:`vllm_plugin` in every process through the ``vllm.general_plugins``
 entry point; only with ``BROKER_LOOKUP_LMCACHE=1`` it arms an import hook that installs
@@ -31,6 +32,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Mapping
 from types import FrameType, ModuleType
 from typing import Any
 
@@ -41,11 +43,11 @@ from broker_lookup.config import LookupConfig, LookupMetadata, env_name
 from broker_lookup.config.sources import environment
 from broker_lookup.errors import ConfigError
 from broker_lookup.integrations import lmcache_guard, lmcache_layout
+from broker_lookup.integrations.identity import ENV_INSTANCE, EngineIdentity, engine_identity
 from broker_lookup.integrations.import_hook import hook_fired, when_imported
 from broker_lookup.integrations.lmcache_adapter import LMCacheEngineAdapter
 from broker_lookup.interface import LookupClientInterface
 from broker_lookup.lmcache_version import running_lmcache_version
-from broker_lookup.protocol.keys import instance_engine_id
 
 __all__ = [
     "ENV_SWITCH",
@@ -57,6 +59,7 @@ __all__ = [
     "install",
     "is_installed",
     "uninstall",
+    "vllm_config_on_stack",
     "vllm_instance_id",
     "vllm_plugin",
 ]
@@ -68,8 +71,9 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = env_name("lmcache")
 ENV_URL = env_name("redis_url")
 #: ``extra_config`` keys with this prefix are broker settings: ``lookup_broker_url`` is
-#: ``redis_url``, ``lookup_broker_engine_id`` overrides the engine id, any other
-#: ``lookup_broker_<field>`` sets that broker field of :class:`LookupConfig`.
+#: ``redis_url``, ``lookup_broker_engine_id`` overrides the engine id,
+#: ``lookup_broker_instance_id`` sets the engine's instance (as ``BROKER_LOOKUP_INSTANCE_ID``),
+#: any other ``lookup_broker_<field>`` sets that broker field of :class:`LookupConfig`.
 EXTRA_PREFIX = "lookup_broker_"
 #: Fields LMCache's own config has, copied from it (never set through extra_config).
 LMCACHE_FIELDS = (
@@ -94,8 +98,9 @@ LAYOUT_HOOK_KEY = HOOK_KEY + ":layout"
 GUARD_HOOK_KEY = HOOK_KEY + ":guard"
 _PATCHED = ("create_lookup_client", "create_lookup_server")
 #: Frames searched above LMCache's factory call for vLLM's config (LMCache's
-#: ``VllmServiceFactory`` holds it a few frames up).
-_STACK_DEPTH = 24
+#: ``VllmServiceFactory`` holds it a few frames up; the whole stack is searched, once per
+#: process, bounded only against a runaway recursion).
+_STACK_DEPTH = 1000
 _originals: dict[str, Any] = {}
 _lock = threading.Lock()
 
@@ -144,19 +149,22 @@ def _broker_values(extra: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
         if field == "engine_id":
             engine_id = str(value)
             continue
+        if field == "instance_id":
+            continue  # read by _explicit_instance
         field = "redis_url" if field == "url" else field
         if field not in LookupConfig.__struct_fields__ or field in LMCACHE_FIELDS:
             raise ConfigError(
                 f"extra_config[{key!r}] is not a broker setting: use lookup_broker_url, "
-                "lookup_broker_engine_id or lookup_broker_<field> for a broker field of "
+                "lookup_broker_engine_id, lookup_broker_instance_id or lookup_broker_<field> "
+                "for a broker field of "
                 "LookupConfig; LMCache's own fields (chunk_size, ...) stay top-level"
             )
         values[field] = value
     return values, engine_id
 
 
-def vllm_instance_id(frame: FrameType | None = None) -> str | None:
-    """``VllmConfig.instance_id`` of the vLLM instance calling LMCache's factory, if any.
+def vllm_config_on_stack(frame: FrameType | None = None) -> object | None:
+    """vLLM's ``VllmConfig`` of the engine calling LMCache's factory, if any.
 
     LMCache's factory functions get LMCache's config and metadata, not vLLM's config, so
     it is looked up on the call stack (from ``frame``, by default our caller's): the first
@@ -171,9 +179,17 @@ def vllm_instance_id(frame: FrameType | None = None) -> str | None:
         for holder in (_attribute(found.get("self"), "vllm_config"), found.get("vllm_config")):
             instance = _attribute(holder, "instance_id")
             if isinstance(instance, str) and instance:
-                return instance
+                return holder
         frame = frame.f_back
     return None
+
+
+def vllm_instance_id(frame: FrameType | None = None) -> str | None:
+    """``VllmConfig.instance_id`` of the config :func:`vllm_config_on_stack` finds; None
+    outside vLLM."""
+    holder = vllm_config_on_stack(frame if frame is not None else sys._getframe(1))
+    instance = _attribute(holder, "instance_id")
+    return instance if isinstance(instance, str) else None
 
 
 def _attribute(owner: object, name: str) -> object:
@@ -186,42 +202,77 @@ def _attribute(owner: object, name: str) -> object:
 
 
 def config_from_lmcache(
-    lmc_config: Any, metadata: Any, instance_id: str | None = None
+    lmc_config: Any,
+    metadata: Any,
+    vllm_config: object | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[LookupConfig, LookupMetadata]:
     """Our config and metadata from LMCache's ``LMCacheEngineConfig`` and ``LMCacheMetadata``.
 
     Precedence: ``BROKER_LOOKUP_*`` env, then LMCache's own fields (hashing must match
-    LMCache's), then ``extra_config["lookup_broker_*"]``. With ``instance_id`` (vLLM's,
-    see :func:`vllm_instance_id`) the engine id is that instance's own,
-    ``<engine_id>.<instance_id>``, and the configured one is kept as
-    ``configured_engine_id``.
+    LMCache's), then ``extra_config["lookup_broker_*"]``. The engine id is the namespace
+    :func:`~broker_lookup.integrations.identity.engine_identity` derives from the
+    configured id, ``vllm_config`` (vLLM's, see :func:`vllm_config_on_stack`; None outside
+    vLLM) and ``environ`` (default: the process's); the configured id is kept as
+    ``configured_engine_id`` where they differ.
 
     Raises:
         ConfigError: a bad value, an unknown ``lookup_broker_*`` key, or no engine id.
     """
+    config, meta, _ = _convert(lmc_config, metadata, vllm_config, environ)
+    return config, meta
+
+
+def _convert(
+    lmc_config: Any,
+    metadata: Any,
+    vllm_config: object | None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[LookupConfig, LookupMetadata, EngineIdentity]:
+    """:func:`config_from_lmcache`, and the identity derived (for the process's log)."""
     extra = _extra(lmc_config)
     values = msgspec.structs.asdict(LookupConfig.from_env())
     values.update(_lmcache_values(lmc_config, broker_requested(lmc_config)))
     broker, engine_id = _broker_values(extra)
     values.update(broker)
     config = LookupConfig.from_mapping(values, source="the LMCache config")
+    origin = "kv_transfer_config.engine_id"
+    if engine_id:
+        origin = f"extra_config {EXTRA_PREFIX}engine_id"
     engine_id = engine_id or getattr(metadata, "engine_id", None)
     if not engine_id:
         raise ConfigError(
             "LMCache metadata has no engine_id (vLLM kv_transfer_config.engine_id): "
             f"set extra_config {EXTRA_PREFIX}engine_id"
         )
+    env = environment(environ)
+    identity = engine_identity(
+        str(engine_id),
+        vllm_config,
+        env,
+        engine_id_origin=origin,
+        explicit=_explicit_instance(extra),
+    )
     kv_extra = getattr(metadata, "kv_connector_extra_config", None)
-    configured = str(engine_id)
+    derived = identity.namespace != identity.configured
     meta = LookupMetadata(
-        engine_id=instance_engine_id(configured, instance_id) if instance_id else configured,
-        configured_engine_id=configured if instance_id else None,
+        engine_id=identity.namespace,
+        configured_engine_id=identity.configured if derived else None,
         world_size=int(metadata.world_size),
         worker_id=int(metadata.worker_id),
         use_mla=bool(getattr(metadata, "use_mla", False)),
         kv_connector_extra_config=dict(kv_extra) if kv_extra else None,
     )
-    return config, meta
+    return config, meta, identity
+
+
+def _explicit_instance(extra: dict[str, Any]) -> tuple[str, str] | None:
+    """The LMCache config's instance setting and where it came from (the environment's,
+    ``BROKER_LOOKUP_INSTANCE_ID``, comes first: see ``engine_identity``)."""
+    key = EXTRA_PREFIX + "instance_id"
+    if extra.get(key) is not None:
+        return str(extra[key]), f"extra_config {key}"
+    return None
 
 
 # -- the patched factory functions --------------------------------------------------------------
@@ -232,7 +283,8 @@ def _create_lookup_client(
 ) -> Any:
     if not broker_requested(config):
         return _originals["create_lookup_client"](config, metadata, lmcache_engine)
-    cfg, meta = config_from_lmcache(config, metadata, _instance(sys._getframe(1)))
+    cfg, meta, identity = _convert(config, metadata, _vllm_config(sys._getframe(1)))
+    _log_identity(identity, "scheduler")
     engine = LMCacheEngineAdapter(lmcache_engine) if lmcache_engine is not None else None
     client = LookupClientFactory.create_lookup_client(cfg, meta, engine, **kwargs)
     logger.info(
@@ -247,7 +299,9 @@ def _create_lookup_client(
 def _create_lookup_server(lmcache_engine: Any, metadata: Any, **kwargs: Any) -> Any:
     if not broker_requested(lmcache_engine.config):
         return _originals["create_lookup_server"](lmcache_engine, metadata)
-    cfg, meta = config_from_lmcache(lmcache_engine.config, metadata, _instance(sys._getframe(1)))
+    frame = sys._getframe(1)
+    cfg, meta, identity = _convert(lmcache_engine.config, metadata, _vllm_config(frame))
+    _log_identity(identity, f"rank {meta.worker_id}")
     adapter = LMCacheEngineAdapter(lmcache_engine)
     server = LookupClientFactory.create_lookup_server(adapter, meta, cfg, **kwargs)
     if server is not None:
@@ -258,15 +312,37 @@ def _create_lookup_server(lmcache_engine: Any, metadata: Any, **kwargs: Any) -> 
     return server
 
 
-def _instance(frame: FrameType) -> str | None:
-    """:func:`vllm_instance_id` from ``frame`` (LMCache's caller), logged either way."""
-    instance = vllm_instance_id(frame)
-    if instance is None:
+def _vllm_config(frame: FrameType) -> object | None:
+    """:func:`vllm_config_on_stack` from ``frame`` (LMCache's caller)."""
+    return vllm_config_on_stack(frame)
+
+
+def _log_identity(identity: EngineIdentity, role: str) -> None:
+    """Say which namespace this process joined and why; loudly where it may be alone."""
+    if identity.warning:
+        logger.warning("broker-lookup %s: %s", identity.namespace, identity.warning)
+    if identity.namespace != identity.configured:
         logger.info(
-            "no vLLM instance id above LMCache's factory: the engine id is the configured "
-            "one, which another instance configured alike would share"
+            "broker-lookup %s (pid %d) joins engine %s (configured %s, instance from %s)",
+            role,
+            os.getpid(),
+            identity.namespace,
+            identity.configured,
+            identity.source,
         )
-    return instance
+    elif "vllm" in sys.modules:
+        logger.warning(
+            "broker-lookup %s (pid %d): %s, so the engine id is the configured %s, which "
+            "every vLLM instance configured alike shares: set %s (one value per engine, the "
+            "same in all of its processes)",
+            role,
+            os.getpid(),
+            identity.source,
+            identity.configured,
+            ENV_INSTANCE,
+        )
+    else:
+        logger.info("broker-lookup %s: engine %s (no vLLM)", role, identity.namespace)
 
 
 @functools.cache

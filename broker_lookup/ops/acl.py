@@ -2,9 +2,11 @@
 
 One Redis serves many engines, so a credential must reach only its own engine's keys:
 a worker of engine A that could write engine B's keys could forge B's hits. Each user
-generated here is scoped to ``bl:{<engine>}:*`` and ``bl:{<engine>.*}:*`` (the
-namespaces of that engine's vLLM instances, ``<engine>.<instance_id>``), reaches no
-Pub/Sub channel, and may run only the commands its role sends, listed below with where
+generated here is scoped to ``bl:{<engine>}:*`` and ``bl:{<engine>@*}:*`` (the
+namespaces of that engine's vLLM instances, ``<engine>@<instance>``; a configured id
+never holds ``@``, so no other engine's keys match) and ``bl:members:{<engine>}`` (where
+its processes announce their namespaces, so a split engine is found), reaches no Pub/Sub
+channel, and may run only the commands its role sends, listed below with where
 they come from. A Lua script's own commands are checked against the calling user too,
 so they are granted as well; scripts run only by ``EVALSHA`` after ``SCRIPT LOAD``,
 never by ``EVAL``.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import hashlib
 
 from broker_lookup.errors import ConfigError
-from broker_lookup.protocol.keys import INSTANCE_MARK, PREFIX, validate_engine_id
+from broker_lookup.protocol.keys import PREFIX, configured_patterns, members_key
 
 __all__ = ["COMMANDS", "DEFAULT_USER", "ROLES", "acl_file", "acl_line", "key_patterns"]
 
@@ -101,12 +103,17 @@ DEFAULT_USER = "user default off resetkeys resetchannels -@all"
 
 
 def key_patterns(engine_id: str | None) -> list[str]:
-    """The ACL key patterns of ``engine_id``: its own keys and its instances'; every
-    engine's with None (a fleet-wide operator)."""
+    """The ACL key patterns of the configured ``engine_id``: its own keys, its instances'
+    and its members hash, no other engine's; every engine's with None (a fleet-wide
+    operator).
+
+    Raises:
+        ConfigError: ``engine_id`` is not a configured id (an instance's namespace included).
+    """
     if engine_id is None:
         return [f"~{PREFIX}:*"]
-    validate_engine_id(engine_id)
-    return [f"~{PREFIX}:{{{engine_id}}}:*", f"~{PREFIX}:{{{engine_id}{INSTANCE_MARK}*}}:*"]
+    patterns = [*configured_patterns(engine_id), members_key(engine_id)]
+    return ["~" + pattern for pattern in patterns]
 
 
 def acl_line(

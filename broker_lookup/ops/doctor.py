@@ -34,7 +34,7 @@ from broker_lookup.errors import (
 )
 from broker_lookup.ops.access import acting_user, denial, denied_line
 from broker_lookup.ops.fleet import conflicts, engine_roles
-from broker_lookup.ops.split import EVERY_SCHEDULER_LEASE, View, find_splits, instance_pattern
+from broker_lookup.ops.split import EVERY_SCHEDULER_LEASE, View, find_splits
 from broker_lookup.printable import shown
 from broker_lookup.processes import ExitCode
 from broker_lookup.protocol.keys import (
@@ -42,6 +42,7 @@ from broker_lookup.protocol.keys import (
     SCHEDULER_ROLE,
     KeySpace,
     engine_of,
+    selected_patterns,
     validate_engine_id,
 )
 from broker_lookup.protocol.messages import decode_done
@@ -135,8 +136,10 @@ def _engines(client: redis.Redis, engine_id: str | None) -> list[str]:
     else:
         keys = KeySpace(engine_id)
         sched = keys.owner(SCHEDULER_ROLE)
-        patterns = [keys.requests, sched, instance_pattern(engine_id, keys.part(keys.requests))]
-        patterns.append(instance_pattern(engine_id, keys.part(sched)))
+        patterns = [
+            *selected_patterns(engine_id, keys.part(keys.requests)),
+            *selected_patterns(engine_id, keys.part(sched)),
+        ]
     with translate_redis_errors("listing engines"):
         found = [k for p in patterns for k in client.scan_iter(match=p, count=1000)]
     return sorted({e for e in map(engine_of, found) if e is not None})

@@ -7,7 +7,7 @@ snapshot (one SCAN, then one pipelined GET) and renders it with the collectors o
 process's own ``/metrics``. Each series gets, besides its own labels:
 
 =========================  =============================================================
-``engine``                 the key namespace (a vLLM instance: ``<engine_id>.<instance>``)
+``engine``                 the key namespace (a vLLM instance: ``<engine_id>@<instance>``)
 ``configured_engine_id``   the engine id the operator configured (``engine`` where it was
                            not derived)
 ``role``                   ``scheduler`` or ``worker`` (a rank; its series carry ``rank``,
@@ -34,8 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -44,9 +43,15 @@ from prometheus_client.registry import Collector
 
 from broker_lookup.errors import REDIS_ERRORS, BrokerLookupError, MalformedMessage
 from broker_lookup.ops.access import denial
+from broker_lookup.ops.endpoint import Endpoint, PostRoute
 from broker_lookup.ops.metrics import EXPORTER_METRICS, ClientCollector, ServerCollector
-from broker_lookup.ops.split import View, configured_id, find_splits, instance_pattern
-from broker_lookup.protocol.keys import METRICS_FLEET_PATTERN, KeySpace, engine_of
+from broker_lookup.ops.split import View, find_splits
+from broker_lookup.protocol.keys import (
+    METRICS_FLEET_PATTERN,
+    configured_of,
+    engine_of,
+    selected_patterns,
+)
 from broker_lookup.protocol.snapshot import MetricsSnapshot, decode_snapshot
 from broker_lookup.protocol.stats import ClientStats, RankStats, client_stats, rank_stats
 from broker_lookup.ratelimit import RateLimitedLog
@@ -88,7 +93,7 @@ def _read(
     patterns = (
         [METRICS_FLEET_PATTERN]
         if engine_id is None
-        else [KeySpace(engine_id).metrics_pattern, instance_pattern(engine_id, "metrics:*")]
+        else list(selected_patterns(engine_id, "metrics:*"))
     )
     found = sorted({k for p in patterns for k in client.scan_iter(match=p, count=1000)})
     pipe = client.pipeline(transaction=False)
@@ -240,7 +245,7 @@ def _split_family(snapshots: list[tuple[str, MetricsSnapshot]]) -> Metric:
     dead: dict[str, frozenset[int] | None] = {}
     configured: dict[str, str] = {}
     for engine, snap in snapshots:
-        configured.setdefault(engine, snap.configured_engine_id or configured_id(engine))
+        configured.setdefault(engine, snap.configured_engine_id or configured_of(engine))
         ranks.setdefault(engine, set())
         scheduler.setdefault(engine, False)
         if snap.kind == "client":
@@ -288,59 +293,9 @@ def _merge(
             into.add_sample(sample.name, labels, sample.value)
 
 
-#: A POST route: the request body in, (status, body, content type) out.
-PostRoute = Callable[[bytes], tuple[int, bytes, str]]
-#: The largest POST body read (a prompt's token ids as JSON fit many times over).
-MAX_POST_BYTES = 16 << 20
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _HTTPServer
-
-    def do_POST(self) -> None:
-        route = self.server.owner.routes.get(self.path.split("?", 1)[0])
-        length = int(self.headers.get("Content-Length") or 0)
-        if route is None:
-            code, body, ctype = 404, b"no such POST route\n", "text/plain"
-        elif not 0 <= length <= MAX_POST_BYTES:
-            code, body, ctype = 413, b"body too large\n", "text/plain"
-        else:
-            code, body, ctype = route(self.rfile.read(length))
-        self._send(code, body, ctype)
-
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
-        owner = self.server.owner
-        if path == "/metrics":
-            code, body, ctype = owner.metrics()
-        elif path == "/healthz":
-            code, body, ctype = 200, b"ok\n", "text/plain"
-        elif path == "/readyz":
-            problem = owner.ping()
-            code = 503 if problem else 200
-            body, ctype = (problem or "ok").encode() + b"\n", "text/plain"
-        else:
-            code, body, ctype = 404, b"try /metrics, /healthz or /readyz\n", "text/plain"
-        self._send(code, body, ctype)
-
-    def _send(self, code: int, body: bytes, ctype: str) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("%s " + format, self.address_string(), *args)
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    owner: ExporterServer
-
-
 class ExporterServer:
-    """The exporter's HTTP endpoint on its own thread: ``/metrics``, ``/healthz``, ``/readyz``.
+    """The exporter's ``/metrics``, ``/healthz`` and ``/readyz``, served by the one
+    :class:`~broker_lookup.ops.endpoint.Endpoint` a rank serves its own with.
 
     >>> server = ExporterServer(FleetCollector(factory), "127.0.0.1", 0)  # doctest: +SKIP
     >>> server.start(); server.port                                        # doctest: +SKIP
@@ -354,28 +309,23 @@ class ExporterServer:
         routes: dict[str, PostRoute] | None = None,
     ) -> None:
         self.collector = collector
-        #: POST routes served beside the GET ones (``broker-lookup query --listen``'s
-        #: ``/query``), by path.
-        self.routes = dict(routes or {})
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(collector)
-        self._http = _HTTPServer((host, port), _Handler)
-        self._http.owner = self
-        self._thread = threading.Thread(
-            target=self._http.serve_forever, name="bl-exporter-http", daemon=True
-        )
         self._warn = RateLimitedLog(logger, 30.0)
         self._down = CollectorRegistry(auto_describe=False)
         self._down.register(_RedisDown())
+        self._endpoint = Endpoint(
+            host, port, self.metrics, ready=self.ping, name="bl-exporter-http", routes=routes
+        )
 
     @property
     def port(self) -> int:
         """The port it listens on (the one picked, for port 0)."""
-        return int(self._http.server_address[1])
+        return self._endpoint.port
 
     def start(self) -> ExporterServer:
         """Serve on the HTTP thread."""
-        self._thread.start()
+        self._endpoint.start()
         return self
 
     def metrics(self) -> tuple[int, bytes, str]:
@@ -387,7 +337,6 @@ class ExporterServer:
         except (*REDIS_ERRORS, BrokerLookupError) as exc:
             self._warn(logging.WARNING, "exporter: cannot read the snapshots: %s", exc)
             return 200, generate_latest(self._down), CONTENT_TYPE_LATEST
-            return 503, f"cannot read the metrics snapshots: {exc}\n".encode(), "text/plain"
         except Exception:  # a bug: this scrape fails, the HTTP thread and the next live on
             logger.exception("exporter: scrape failed")
             return 500, b"scrape failed: see the exporter's log\n", "text/plain"
@@ -402,11 +351,9 @@ class ExporterServer:
 
     def stop(self, timeout_s: float = 2.0) -> bool:
         """Stop serving and close the Redis client; False if the thread did not end in time."""
-        self._http.shutdown()
-        self._http.server_close()
-        self._thread.join(timeout_s)
+        stopped = self._endpoint.stop(timeout_s)
         self.collector.close()
-        return not self._thread.is_alive()
+        return stopped
 
 
 def render_once(collector: FleetCollector) -> bytes:

@@ -4,8 +4,8 @@ One implementation behind the Python API (:class:`FleetClient`), ``broker-lookup
 and the HTTP endpoint (``ops.query_http``). Per query:
 
 1. the candidates become key namespaces: explicit engine ids as given; a configured id
-   as every live vLLM instance of it (``<id>.<instance>``, as ``split`` finds them) plus
-   the id itself; no candidates, every engine on the server (both by SCAN, remembered for
+   as every live vLLM instance of it (``<id>@<instance>``, ``keys.configured_patterns``)
+   plus the id itself; no candidates, every engine on the server (both by SCAN, remembered for
    ``RESOLVE_EVERY_S``);
 2. one pipeline reads each engine's known ranks (``epochs``), then one pipeline reads
    their heartbeats and XADDs the probe to each engine with a rank (``protocol.probe``);
@@ -36,9 +36,16 @@ import redis
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import REDIS_ERRORS, BrokerLookupError, MalformedMessage
-from broker_lookup.ops.split import configured_id, instance_pattern
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
-from broker_lookup.protocol.keys import PREFIX, KeySpace, engine_of, validate_engine_id
+from broker_lookup.protocol.keys import (
+    PREFIX,
+    KeySpace,
+    configured_of,
+    configured_patterns,
+    engine_of,
+    validate_configured_id,
+    validate_engine_id,
+)
 from broker_lookup.protocol.probe import (
     PROBES_MAXLEN,
     PROBES_TTL_MS,
@@ -181,7 +188,7 @@ class FleetClient:
             ids = (configured,) if isinstance(configured, str) else configured
             wanted = None if ids is None else tuple(sorted(set(ids)))
             for one in wanted or ():
-                validate_engine_id(one, "configured engine id")
+                validate_configured_id(one, "configured engine id")
         except (BrokerLookupError, ValueError, TypeError) as exc:
             return FleetAnswer(0, problem=str(exc))
         total = sum(chunk_offsets)
@@ -284,11 +291,7 @@ class FleetClient:
         if configured is None:
             patterns = [f"{PREFIX}:{{*}}:epochs"]
         else:
-            patterns = [
-                p
-                for one in configured
-                for p in (instance_pattern(one, "epochs"), KeySpace(one).epochs)
-            ]
+            patterns = [p for one in configured for p in configured_patterns(one, "epochs")]
         names = sorted(
             {
                 engine
@@ -298,7 +301,7 @@ class FleetClient:
             }
         )
         for one in configured or ():
-            if one not in names and not any(configured_id(n) == one for n in names):
+            if one not in names and not any(configured_of(n) == one for n in names):
                 names.append(one)  # named: shown, with no_ranks, rather than dropped
         self._resolved[configured] = (now, names)
         return names

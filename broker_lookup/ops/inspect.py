@@ -27,10 +27,16 @@ from broker_lookup.errors import BrokerLookupError, translate_redis_errors
 from broker_lookup.ops.access import acting_user, denial, denied_line
 from broker_lookup.ops.fleet import conflicts, engine_roles, render_owners, run_fleet
 from broker_lookup.ops.rank_latency import rank_latency, render_rank_latency
-from broker_lookup.ops.split import View, find_splits, instance_pattern
+from broker_lookup.ops.split import View, find_splits
 from broker_lookup.printable import shown
 from broker_lookup.protocol import lookup_hash
-from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace, engine_of, validate_engine_id
+from broker_lookup.protocol.keys import (
+    SCHEDULER_ROLE,
+    KeySpace,
+    engine_of,
+    selected_patterns,
+    validate_engine_id,
+)
 from broker_lookup.transport.connection import make_factory
 
 __all__ = ["RECENT", "check", "namespaces", "rank_latency", "render", "run_inspect", "snapshot"]
@@ -259,8 +265,8 @@ def render(snap: Snapshot, url: str, reasons: list[str] | None) -> str:
 
 def namespaces(client: redis.Redis, engine_id: str) -> list[str]:
     """The namespaces with a key that ``--engine-id engine_id`` selects: the id itself and
-    every vLLM instance of it (``<engine_id>.<instance>``)."""
-    patterns = (KeySpace(engine_id).pattern, instance_pattern(engine_id))
+    every vLLM instance of it (``<engine_id>@<instance>``)."""
+    patterns = selected_patterns(engine_id)
     with translate_redis_errors(f"listing the namespaces of engine {engine_id}"):
         found = {engine_of(k) for p in patterns for k in client.scan_iter(match=p, count=1000)}
     return sorted(e for e in found if e is not None)
@@ -284,7 +290,7 @@ def _once(
             return run_fleet(client, url, opts["as_json"], opts["check"], out, acting_user(config))
     found = namespaces(client, engine_id)
     if not found:
-        where = f"{KeySpace(engine_id).pattern} or {instance_pattern(engine_id)}"
+        where = " or ".join(selected_patterns(engine_id))
         print(f"no key of engine {engine_id} on {url} ({where})", file=sys.stderr)
         return 1
     args = (opts["world_size"], opts["limit"], opts["recent"])

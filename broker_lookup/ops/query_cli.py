@@ -6,7 +6,7 @@ JSON object::
 
     {"tokens": [1, 2, ...]}             or "hashes": [...] (+ "offsets": [...]),
                                         or "text": "..." (only with --tokenizer)
-    "engines": ["vllm-a.1f2e3", ...]    explicit engine ids; or
+    "engines": ["vllm-a@r1f2e3", ...]    explicit engine ids; or
     "configured": "vllm-a"              every live instance of a configured id;
                                         neither: every engine on the server
     "deadline_ms": 50                   optional (default --deadline-ms)

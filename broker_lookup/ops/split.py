@@ -2,7 +2,7 @@
 
 Every process of one vLLM engine must share one key namespace. Where a launch gives
 its processes different ones (a multi-node launch whose nodes drew different instance
-ids, ``<engine_id>.<instance>``), the scheduler waits for ranks that serve another
+ids, ``<engine_id>@<instance>``), the scheduler waits for ranks that serve another
 namespace: every lookup misses, and each half looks healthy alone. The fleet-wide
 readers (``inspect``, ``doctor``, the exporter) compare the namespaces of each
 configured id and name such a pair: a namespace whose scheduler misses ranks beside one
@@ -15,33 +15,18 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from broker_lookup.protocol.keys import INSTANCE_MARK, PREFIX, SCHEDULER_ROLE
+from broker_lookup.protocol.keys import PREFIX, SCHEDULER_ROLE, configured_of
 
 __all__ = [
     "EVERY_SCHEDULER_LEASE",
     "Split",
     "View",
-    "configured_id",
     "find_splits",
-    "instance_pattern",
 ]
 
 #: SCAN pattern of every engine's scheduler lease: a namespace with a scheduler and, until
 #: its first lookup, no request stream.
 EVERY_SCHEDULER_LEASE = f"{PREFIX}:{{*}}:owner:{SCHEDULER_ROLE}"
-
-
-def configured_id(namespace: str) -> str:
-    """The engine id an operator configured for ``namespace``: ``E`` for a vLLM
-    instance's ``E.<instance>``, the namespace itself otherwise."""
-    # The one place this mapping lives here, so that a rule of the key scheme can replace it.
-    head, mark, _ = namespace.rpartition(INSTANCE_MARK)
-    return head if mark else namespace
-
-
-def instance_pattern(engine_id: str, rest: str = "*") -> str:
-    """SCAN pattern of the keys ``rest`` of every vLLM instance of ``engine_id``."""
-    return f"{PREFIX}:{{{engine_id}{INSTANCE_MARK}*}}:{rest}"
 
 
 @dataclass(frozen=True)
@@ -80,7 +65,7 @@ def find_splits(views: Iterable[View]) -> list[Split]:
     the scheduler misses serve the other namespace, which has no scheduler."""
     groups: dict[str, list[View]] = defaultdict(list)
     for view in views:
-        groups[configured_id(view.namespace)].append(view)
+        groups[configured_of(view.namespace)].append(view)
     found = []
     for configured, group in sorted(groups.items()):
         heads = [v for v in group if v.scheduler]

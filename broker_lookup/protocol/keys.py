@@ -25,6 +25,9 @@ key                         type     content
 ``bl:{E}:probes``           stream   fleet queries (``probe``) each rank answers, read with
                                      plain XREAD (no group); trimmed, PX ``PROBES_TTL_MS``
 ``bl:{E}:probe:<qid>``      list     one query's answers, a line per rank; PX its deadline
+``bl:members:{C}``          hash     per configured id ``C``, every namespace of it a live
+                                     process announced (``members``): where a split
+                                     engine's other half lives
 ==========================  =======  ====================================================
 
 The streams and ``fp`` live as long as the engine (:attr:`KeySpace.lasting`, see
@@ -49,9 +52,15 @@ __all__ = [
     "PREFIX",
     "SCHEDULER_ROLE",
     "KeySpace",
+    "configured_of",
+    "configured_patterns",
     "engine_of",
     "instance_engine_id",
+    "instance_of",
+    "members_key",
     "rank_role",
+    "selected_patterns",
+    "validate_configured_id",
     "validate_engine_id",
 ]
 
@@ -59,16 +68,26 @@ __all__ = [
 PREFIX = "bl"
 
 # Both are applied with ``fullmatch``: ``re.match`` with ``$`` accepts a trailing newline.
-_ENGINE_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+#: A configured engine id: what an operator writes (``kv_transfer_config.engine_id``,
+#: ``--engine-id``, an ACL's engine). Never holds INSTANCE_MARK.
+_CONFIGURED_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+#: Joins a configured engine id and an instance's id into that instance's namespace. A
+#: configured id cannot hold it, so ``a`` + instance ``b`` is never configured ``a.b``'s
+#: namespace, and the ACL pattern ``bl:{<configured>@*}:*`` matches that id's instances
+#: only (``llama-3@*`` never matches ``llama-3.1-8b@...``). Not special in a glob.
+INSTANCE_MARK = "@"
+_INSTANCE_RE = r"[A-Za-z0-9_.:\-]{1,64}"
+#: An engine namespace: a configured id, or a configured id and an instance's id.
+_ENGINE_ID_RE = re.compile(
+    rf"(?P<configured>[A-Za-z0-9_.:\-]{{1,128}})(?:{INSTANCE_MARK}(?P<instance>{_INSTANCE_RE}))?"
+)
 #: Lookup ids used verbatim in a key; any other id is keyed by a digest (see KeySpace.lookup).
 _PLAIN_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 #: First character of a digest-keyed id's key part: never in a plain id, so never a collision.
 DIGEST_MARK = "~"
-#: Joins a configured engine id and an instance's id into that instance's engine id.
-INSTANCE_MARK = "."
-_NOT_IN_ENGINE_ID = re.compile(r"[^A-Za-z0-9_.:\-]")
-#: Longest instance id kept (vLLM's is 5 hex digits, ``_dp<k>`` added under data parallel).
-_INSTANCE_MAX = 32
+_NOT_IN_INSTANCE = re.compile(r"[^A-Za-z0-9_.:\-]")
+#: Longest instance id kept; a longer one keeps its head and a digest of the whole.
+_INSTANCE_MAX = 64
 #: The role of an engine's scheduler (its lookup client) in the ownership keys.
 SCHEDULER_ROLE = "sched"
 
@@ -99,9 +118,30 @@ def engine_of(key: str | bytes) -> str | None:
 
 
 def validate_engine_id(engine_id: str, name: str = "engine_id") -> str:
-    """Return ``engine_id`` if it can sit inside a hash tag, else raise ConfigError
-    (naming it ``name``)."""
+    """Return ``engine_id`` if it is an engine namespace (a configured id, or
+    ``<configured>@<instance>``) that can sit inside a hash tag, else raise ConfigError
+    naming it ``name`` (the flag, field or variable it came from)."""
     if not isinstance(engine_id, str) or not _ENGINE_ID_RE.fullmatch(engine_id):
+        raise ConfigError(
+            f"{name}={engine_id!r} is invalid: use 1-128 characters of "
+            "A-Z a-z 0-9 _ . : - (no braces, it becomes a Redis Cluster hash tag), "
+            f"optionally followed by {INSTANCE_MARK}<instance> (1-64 of the same characters)"
+        )
+    return engine_id
+
+
+def validate_configured_id(engine_id: str, name: str = "engine_id") -> str:
+    """Return ``engine_id`` if it is a configured engine id, else raise ConfigError naming
+    it ``name``. Unlike a namespace it may not hold INSTANCE_MARK, which joins a configured
+    id to an instance's id: that is what keeps the namespaces (and ACL patterns) of
+    different configured ids apart."""
+    if isinstance(engine_id, str) and INSTANCE_MARK in engine_id:
+        raise ConfigError(
+            f"{name}={engine_id!r} is invalid: {INSTANCE_MARK!r} is reserved (it joins a "
+            "configured engine id to an instance's id); use 1-128 characters of "
+            "A-Z a-z 0-9 _ . : -"
+        )
+    if not isinstance(engine_id, str) or not _CONFIGURED_ID_RE.fullmatch(engine_id):
         raise ConfigError(
             f"{name}={engine_id!r} is invalid: use 1-128 characters of "
             "A-Z a-z 0-9 _ . : - (no braces, it becomes a Redis Cluster hash tag)"
@@ -109,31 +149,84 @@ def validate_engine_id(engine_id: str, name: str = "engine_id") -> str:
     return engine_id
 
 
+def configured_of(engine_id: str) -> str:
+    """The configured engine id of the namespace ``engine_id``: itself for a configured id,
+    the part before INSTANCE_MARK for an instance's (``llama@1796611254`` -> ``llama``).
+    Namespaces of one configured id are one engine's instances, or one engine split.
+
+    >>> configured_of("llama-3.1-8b@r3f9a0c2d4e6b8a10")
+    'llama-3.1-8b'
+    """
+    return engine_id.partition(INSTANCE_MARK)[0]
+
+
+def instance_of(engine_id: str) -> str | None:
+    """The instance part of the namespace ``engine_id``; None for a configured id."""
+    _, mark, instance = engine_id.partition(INSTANCE_MARK)
+    return instance if mark else None
+
+
+def configured_patterns(engine_id: str, tail: str = "*") -> tuple[str, str]:
+    """SCAN/ACL glob patterns of every key ``bl:{<engine>}:<tail>`` of the configured id
+    ``engine_id`` and of its instances, and of no other engine (none has INSTANCE_MARK in
+    its configured id, so ``<engine>@*`` starts only its own instances' namespaces). An
+    ACL also grants the id's :func:`members_key`.
+
+    >>> configured_patterns("llama-3")
+    ('bl:{llama-3}:*', 'bl:{llama-3@*}:*')
+
+    Raises:
+        ConfigError: ``engine_id`` is not a configured id.
+    """
+    validate_configured_id(engine_id)
+    return (
+        f"{PREFIX}:{{{engine_id}}}:{tail}",
+        f"{PREFIX}:{{{engine_id}{INSTANCE_MARK}*}}:{tail}",
+    )
+
+
+def selected_patterns(engine_id: str, tail: str = "*") -> tuple[str, ...]:
+    """SCAN patterns of the keys ``bl:{<namespace>}:<tail>`` that ``--engine-id engine_id``
+    selects: a configured id and its instances (:func:`configured_patterns`), or one
+    instance's namespace alone."""
+    if instance_of(engine_id) is None:
+        return configured_patterns(engine_id, tail)
+    return (f"{PREFIX}:{{{engine_id}}}:{tail}",)
+
+
+def members_key(engine_id: str) -> str:
+    """The hash of every live namespace of the configured id of ``engine_id`` (a namespace
+    or a configured id): ``bl:members:{<configured>}``. Outside every engine's keys (so no
+    fleet reader takes it for an engine), in the configured id's slot, and matched by
+    that id's ACL users (see :func:`configured_patterns`)."""
+    return f"{PREFIX}:members:{{{configured_of(engine_id)}}}"
+
+
 def instance_engine_id(engine_id: str, instance_id: str) -> str:
-    """The engine id of one instance of ``engine_id``: ``<engine_id>.<instance_id>``.
+    """The namespace of one instance of the configured ``engine_id``:
+    ``<engine_id>@<instance_id>``.
 
     vLLM replicas started from one manifest share ``kv_transfer_config.engine_id``; each
     instance's scheduler and ranks share their own namespace only if it carries the
-    instance's id too. Characters an engine id cannot hold become ``-``; where the result
-    would pass 128 characters, ``engine_id`` is cut and 8 hex digits of its digest added,
-    so distinct configured ids stay distinct.
+    instance's identity too (see ``broker_lookup.integrations.identity``). Characters an
+    instance id cannot hold become ``-``; one of more than 64 characters keeps its head and
+    16 hex digits of its digest. The configured id is never cut, so the ACL patterns of
+    :func:`configured_patterns` match every instance whatever the lengths.
 
     >>> instance_engine_id("llama-70b", "3f2a1")
-    'llama-70b.3f2a1'
+    'llama-70b@3f2a1'
 
     Raises:
-        ConfigError: ``engine_id`` is invalid, or ``instance_id`` holds nothing usable.
+        ConfigError: ``engine_id`` is not a configured id, or ``instance_id`` is empty.
     """
-    validate_engine_id(engine_id)
-    instance = _NOT_IN_ENGINE_ID.sub("-", instance_id)[:_INSTANCE_MAX]
+    validate_configured_id(engine_id)
+    instance = _NOT_IN_INSTANCE.sub("-", instance_id)
     if not instance:
         raise ConfigError(f"instance_id={instance_id!r} is empty: no instance namespace")
-    derived = engine_id + INSTANCE_MARK + instance
-    if len(derived) > 128:
-        digest = hashlib.sha256(engine_id.encode()).hexdigest()[:8]
-        keep = 128 - len(digest) - len(instance) - 2
-        derived = f"{engine_id[:keep]}-{digest}{INSTANCE_MARK}{instance}"
-    return validate_engine_id(derived)
+    if len(instance) > _INSTANCE_MAX:
+        digest = hashlib.sha256(instance_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        instance = instance[: _INSTANCE_MAX - len(digest) - 1] + "-" + digest
+    return validate_engine_id(engine_id + INSTANCE_MARK + instance)
 
 
 class KeySpace:

@@ -285,7 +285,7 @@ def _own_command() -> str:
     """How to run ``broker-lookup`` here: the console script when it is on PATH."""
     if shutil.which("broker-lookup"):
         return "broker-lookup"
-    return f"{sys.executable} -m broker_lookup.ops.cli"
+    return f"{sys.executable} -m broker_lookup.cli"
 
 
 def _lookups(demo: Demo, timeout_s: float, server_stays: bool) -> bool:

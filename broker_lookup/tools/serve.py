@@ -104,7 +104,7 @@ def start_detached(environ: Mapping[str, str], timeout_s: float = 60.0) -> Detac
     Raises:
         BrokerUnavailable: It exited or did not announce its URL in time (with its output).
     """
-    argv = python_module("broker_lookup.ops.cli", ["server", "--port", "0"])
+    argv = python_module("broker_lookup.cli", ["server", "--port", "0"])
     # Its own session and no parent-death signal: it must outlive the demo.
     proc = subprocess.Popen(
         argv,

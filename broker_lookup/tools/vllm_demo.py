@@ -28,7 +28,7 @@ from broker_lookup.tools.embedded import EmbeddedServer
 
 __all__ = ["ENGINE_ID", "missing_packages", "run_vllm_demo"]
 
-#: The demo engine's configured id (vLLM adds its instance: ``demo-vllm.<instance>``).
+#: The demo engine's configured id (vLLM adds its instance: ``demo-vllm@<instance>``).
 ENGINE_ID = "demo-vllm"
 _INSTALL = """\
 broker-lookup demo --vllm needs vLLM and LMCache 0.5.6 in this Python ({python});
@@ -99,7 +99,7 @@ def _show(report: dict[str, Any], url: str | None, out: TextIO) -> int:
     )
     tokens = sum(v for n, _, v in samples if n == "broker_lookup_client_hit_tokens_total")
     engines = report["published"]["engines"]
-    engine = engines[0] if engines else f"{ENGINE_ID}.<instance>"
+    engine = engines[0] if engines else f"{ENGINE_ID}@<instance>"
 
     def say(text: str = "") -> None:
         print(text, file=out, flush=True)

@@ -3,11 +3,13 @@
 The client's sender and each rank's reporter are this thread with a different
 ``_send_batch``: callers only append to a deque, and ring a doorbell only if the thread
 sleeps (no I/O, no lock, no sleep on their side; a burst costs one wake-up, not one per
-item); the thread owns its connection, retries a failed batch a bounded number of times
-with backoff, and survives unexpected errors loudly. Once stopping it makes one attempt
-per batch, none after one failed and none past the stop's grace: its owner closes the
-connections then, and nothing may connect again behind it (a stalled server would
-otherwise keep it reconnecting long after).
+item); the thread owns one :class:`~broker_lookup.transport.link.Link` (a lean
+connection, or redis-py's pipeline on Redis Cluster) and hands it to every hook,
+retries a failed batch a bounded number of times with backoff, and survives
+unexpected errors loudly. Once stopping it makes one attempt per batch, none after one
+failed and none past the stop's grace: its owner closes the connections then, and
+nothing may connect again behind it (a stalled server would otherwise keep it
+reconnecting long after).
 
 What a subclass gets and gives, in the order an item travels: its public methods
 queue with :meth:`Batcher._put` (any thread); this loop hands each batch to the one
@@ -34,6 +36,7 @@ import redis
 
 from broker_lookup.errors import BrokerLookupError
 from broker_lookup.threads import LoopThread
+from broker_lookup.transport.link import Link, open_link
 from broker_lookup.transport.script_runner import ScriptSet
 
 __all__ = ["Attempt", "Batcher"]
@@ -130,35 +133,37 @@ class Batcher(LoopThread, Generic[T]):
 
     def _run(self) -> None:
         client = self._factory()
+        link = open_link(client)
         try:
             while not self._stop.is_set():
                 self._sleep()
                 try:
-                    self._idle(client)
-                    self._drain(client)
+                    self._idle(link, client)
+                    self._drain(link, client)
                 except Exception:  # a bug: counted and logged, never a silent dead thread
                     self.guard()
-            self._drain(client)  # ordered shutdown: what close() queued still goes out
+            self._drain(link, client)  # ordered shutdown: what close() queued still goes out
         finally:
-            self._closing()
+            self._closing(link)
+            link.close()
             client.close()
 
-    def _closing(self) -> None:
-        """Called on this thread as it ends, before its client closes its connections."""
+    def _closing(self, link: Link) -> None:
+        """Called on this thread as it ends, before its link and client close."""
 
-    def _drain(self, client: redis.Redis) -> None:
+    def _drain(self, link: Link, client: redis.Redis) -> None:
         while self._queue:
             batch: list[T] = []
             while self._queue and len(batch) < self._max_batch:
                 batch.append(self._queue.popleft())
-            self._send_batch(client, batch)
+            self._send_batch(link, client, batch)
 
-    def _send_batch(self, client: redis.Redis, batch: list[T]) -> None:
-        """The subclass's hook: send ``batch`` in one round trip (see :meth:`_attempts`)
-        and settle each item (this thread)."""
+    def _send_batch(self, link: Link, client: redis.Redis, batch: list[T]) -> None:
+        """The subclass's hook: send ``batch`` over ``link`` in one round trip (see
+        :meth:`_attempts`; ``client`` reloads the scripts) and settle each item."""
         raise NotImplementedError
 
-    def _idle(self, client: redis.Redis) -> None:
+    def _idle(self, link: Link, client: redis.Redis) -> None:
         """Called on every wake-up before draining (a probe of a failing server)."""
 
     def may_attempt(self) -> bool:

@@ -28,8 +28,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import redis
 from redis.exceptions import ResponseError
@@ -45,6 +45,7 @@ from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.lifetime import refresh_commands
 from broker_lookup.protocol.snapshot import MetricsPublisher
+from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.threads import LoopThread
 from broker_lookup.transport.fingerprint import Publisher
 from broker_lookup.transport.lease import Lease, run_claim
@@ -57,6 +58,13 @@ logger = logging.getLogger(__name__)
 
 #: How long the beat waits after a Redis error before it tries again (at most one interval).
 ERROR_BACKOFF_S = 0.2
+
+
+class Diagnostic(Protocol):
+    """A periodic check the beat runs on its connection; it keeps its own pace."""
+
+    def tick(self, client: redis.Redis) -> None:
+        """Check now if due; never raises."""
 
 
 class Heartbeat:
@@ -110,6 +118,8 @@ class Beat(LoopThread):
         heartbeat: a rank's heartbeat, written with each renewal (None: the scheduler).
         metrics: the process's metrics snapshot (None: none).
         fingerprint: the process's hashing fingerprint (None: none).
+        diagnostics: checks that read Redis now and then on the beat's connection (the
+            scheduler's split check); each keeps its own pace and never raises.
     """
 
     def __init__(
@@ -123,6 +133,7 @@ class Beat(LoopThread):
         heartbeat: Heartbeat | None = None,
         metrics: MetricsPublisher | None = None,
         fingerprint: Publisher | None = None,
+        diagnostics: Sequence[Diagnostic] = (),
     ) -> None:
         super().__init__(name, name.replace(" ", "-"))
         self.lease = lease
@@ -131,6 +142,7 @@ class Beat(LoopThread):
         #: The process's metrics snapshot (None: none), written with the keys' refresh.
         self.metrics = metrics
         self._fingerprint = fingerprint
+        self._diagnostics = tuple(diagnostics)
         self._interval_s = config.heartbeat_interval_ms / 1000
         self._refresh = refresh_commands(keys, config.engine_ttl_ms)
         self._scripts = ScriptSet()
@@ -139,6 +151,7 @@ class Beat(LoopThread):
         self.last_beat = 0.0
         #: Beats that failed (Redis unreachable or refusing).
         self.errors = 0
+        self._warn = RateLimitedLog(logger)
 
     def prime(self, client: redis.Redis) -> None:
         """Claim the lease now, through ``client``, before :meth:`start` (a client that
@@ -167,6 +180,8 @@ class Beat(LoopThread):
             self._refresh_keys(link)
             if self._fingerprint is not None:
                 self._fingerprint.tick(client)
+            for diagnostic in self._diagnostics:
+                diagnostic.tick(client)
         except AuthFailed as exc:
             self._on_error(exc)
             return self._interval_s
@@ -179,8 +194,9 @@ class Beat(LoopThread):
 
     def _on_error(self, exc: BrokerLookupError) -> None:
         self.errors += 1
-        if self.errors == 1 or self.errors % 100 == 0:
-            logger.warning("%s: Redis error #%d: %s (retrying)", self.guard.name, self.errors, exc)
+        self._warn(
+            logging.WARNING, "%s: Redis error #%d: %s (retrying)", self.guard.name, self.errors, exc
+        )
 
     def renew(self, client: redis.Redis, link: Link | None) -> None:
         """Claim or renew the lease, with the heartbeat (the lease logs and counts a

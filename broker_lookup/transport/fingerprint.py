@@ -18,6 +18,7 @@ import redis
 from broker_lookup.errors import translate_redis_errors
 from broker_lookup.protocol.fingerprint import (
     PUBLISH_EVERY_S,
+    STALE_MS,
     Fingerprint,
     Hasher,
     compare,
@@ -25,6 +26,7 @@ from broker_lookup.protocol.fingerprint import (
     publish_commands,
 )
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.transport.members import announce
 
 __all__ = ["Publisher", "check", "live_members", "publish"]
 
@@ -115,6 +117,7 @@ class Publisher:
             if client is not None:
                 publish(client, self._keys, self._role, self._hasher, self._ttl_ms)
                 self.mismatches = check(client, self._keys, self._hasher.fingerprint())
+                announce(client, self._keys.engine_id, self._ttl_ms, STALE_MS)
         except Exception as exc:  # a diagnostic must never break its host
             logger.warning("hash fingerprint publish/check failed: %s", exc)
         return self.mismatches

@@ -27,6 +27,7 @@ from typing import Any
 
 import redis
 
+from broker_lookup.errors import translate_redis_errors
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.ownership import Holder, Identity, parse_claim_reply
 from broker_lookup.protocol.scripts import Call, Fence, claim_call, release_call
@@ -275,6 +276,7 @@ def _epoch(token: str | None) -> int | None:
 
 def run_claim(scripts: ScriptSet, client: redis.Redis, link: Link | None, call: Call) -> Any:
     """Run one ``claim.lua`` call over ``link`` (None: through ``client``); NOSCRIPT-safe."""
-    if link is not None:
-        return scripts.run_link(link, client, [call])[0]
-    return scripts.call(client, call)
+    if link is None:
+        return scripts.call(client, call)
+    with translate_redis_errors("running Lua scripts"):
+        return scripts.run(link, client, [call])[0]

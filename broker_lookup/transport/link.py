@@ -24,7 +24,9 @@ connection is needed meanwhile.
 
 :func:`open_link` gives a :class:`LeanLink` for a plain ``redis.Redis`` client, and a
 :class:`ClientLink` (same interface, redis-py's pipeline underneath) where there is no
-plain pool (Redis Cluster's client: it routes each command by slot). Replies through a
+plain pool (Redis Cluster's client: it routes each command by slot). A loop holds the
+one it is given and never asks which: what a ``ClientLink`` cannot do (a write from
+another thread) it declines through the same interface. Replies through a
 ``ClientLink`` are shaped by redis-py's callbacks, so callers accept both shapes
 (:func:`pairs`, :func:`stream_entries`). On fakeredis, which runs a blocking command
 while it is written, a ``LeanLink`` sends the read when it is taken instead of with the
@@ -88,6 +90,24 @@ class Link(Protocol):
 
     def settle_read(self) -> None:
         """Read the outstanding read's reply now, so other commands can be sent meanwhile."""
+        ...
+
+    @property
+    def accepts_direct(self) -> bool:
+        """Whether :meth:`send_nowait` can write on the current connection."""
+        ...
+
+    def send_nowait(self, commands: Sequence[Command]) -> bool | None:
+        """Write ``commands`` from another thread without waiting (see :class:`LeanLink`);
+        None: nothing written, send them another way."""
+        ...
+
+    def replies(self, n: int, wait: bool = True) -> list[Any]:
+        """The next ``n`` replies of commands :meth:`send_nowait` wrote."""
+        ...
+
+    def drop(self) -> None:
+        """Disconnect now; it reconnects on next use."""
         ...
 
     def close(self) -> None:
@@ -328,6 +348,23 @@ class ClientLink:
 
     def settle_read(self) -> None:
         """Nothing to settle: the read is only sent when it is taken."""
+
+    @property
+    def accepts_direct(self) -> bool:
+        """Never: a cluster's commands are routed by its client, not written on a socket."""
+        return False
+
+    def send_nowait(self, commands: Sequence[Command]) -> bool | None:
+        """Writes nothing (None): the commands go through :meth:`call` instead."""
+        return None
+
+    def replies(self, n: int, wait: bool = True) -> list[Any]:
+        """None owed: :meth:`send_nowait` never writes."""
+        return []
+
+    def drop(self) -> None:
+        """Forget the outstanding read; redis-py's client reconnects on its own."""
+        self._read = None
 
     def close(self) -> None:
         """Forget the outstanding read; the client is its owner's to close."""

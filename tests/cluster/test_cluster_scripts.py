@@ -30,6 +30,7 @@ from broker_lookup.protocol.scripts import (
 )
 from broker_lookup.tools.local_cluster import LocalCluster
 from broker_lookup.transport.connection import make_factory
+from broker_lookup.transport.link import ClientLink
 from broker_lookup.transport.script_runner import ScriptSet
 
 from .cluster_ids import slot_of, spread_engine_ids
@@ -107,11 +108,11 @@ def test_every_script_runs_on_every_master_and_writes_only_its_engines_slot(
     for step in range(3):
         # One pipeline per step across all three engines: a ClusterPipeline over 3 nodes.
         calls = [c for e in ids for c in _protocol_calls(KeySpace(e), "r1")[step]]
-        answers.append(scripts.run(cluster_client, calls))
+        answers.append(scripts.run(ClientLink(cluster_client), cluster_client, calls))
     partial = []
     for step in range(5):
         calls = [c for e in ids for c in _partial_calls(KeySpace(e), "r2")[step]]
-        partial.append(scripts.run(cluster_client, calls))
+        partial.append(scripts.run(ClientLink(cluster_client), cluster_client, calls))
     errors = [a for step in answers + partial for a in step if isinstance(a, Exception)]
     assert errors == []
     assert answers[1] == [b"recorded", b"complete"] * 3

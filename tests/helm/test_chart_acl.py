@@ -90,7 +90,7 @@ def _cli_line(role: str, engine: str | None, user: str, password: str) -> str:
     if engine is not None:
         argv += ["--engine-id", engine]
     out = subprocess.run(
-        [sys.executable, "-m", "broker_lookup.ops.cli", *argv],
+        [sys.executable, "-m", "broker_lookup.cli", *argv],
         capture_output=True,
         text=True,
         check=True,
@@ -188,12 +188,14 @@ def test_the_server_runs_the_rendered_users(render: RenderFn, tmp_path: Path) ->
             assert conn.ping() is True, user
             conn.close()
         vllm = client(port, username="vllm-llama-70b", password=secret["vllm-llama-70b"])
-        # A vLLM instance's namespace, <engine>.<instance>: its keys only.
-        assert vllm.xadd("bl:{llama-70b.3f2a1}:requests", {"f": "v"})
-        for other in ("bl:{mistral-7b.tp2}:requests", "bl:{llama-70b-2}:requests", "x"):
+        # A vLLM instance's namespace, <engine>@<instance>: its keys only (not those of
+        # an engine whose id starts with "llama-70b.", nor of its instances).
+        assert vllm.xadd("bl:{llama-70b@3f2a1}:requests", {"f": "v"})
+        others = ("bl:{mistral-7b.tp2}:requests", "bl:{llama-70b-2}:requests", "x")
+        for other in (*others, "bl:{llama-70b.q4}:requests", "bl:{llama-70b.q4@1}:requests"):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 vllm.xadd(other, {"f": "v"})
         exporter = client(port, username="exporter", password=secret["exporter"])
-        assert command(exporter, "XLEN", "bl:{llama-70b.3f2a1}:requests") == 1
+        assert command(exporter, "XLEN", "bl:{llama-70b@3f2a1}:requests") == 1
         with pytest.raises(redis.exceptions.NoPermissionError):
-            exporter.xadd("bl:{llama-70b.3f2a1}:requests", {"f": "v"})
+            exporter.xadd("bl:{llama-70b@3f2a1}:requests", {"f": "v"})

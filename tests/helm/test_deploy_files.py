@@ -177,7 +177,11 @@ def test_acl_least_privilege(acl: dict[str, AclUser], role: str) -> None:
     assert rules.index("resetchannels") < first_grant
     assert rules.index("-@all") < first_grant
     # One engine's keys and its vLLM instances' (the admin's SCRIPT KILL needs none).
-    scoped = [f"~bl:{{{SHIPPED_ENGINE}}}:*", f"~bl:{{{SHIPPED_ENGINE}.*}}:*"]
+    scoped = [
+        f"~bl:{{{SHIPPED_ENGINE}}}:*",
+        f"~bl:{{{SHIPPED_ENGINE}@*}}:*",
+        f"~bl:members:{{{SHIPPED_ENGINE}}}",
+    ]
     assert user.key_patterns == ([] if role == "admin" else scoped)
     assert user.allowed == EXPECTED_COMMANDS[role]
     for broad in ("allkeys", "~*", "+@all", "allcommands", "allchannels", "&*", "nopass"):

@@ -3,7 +3,7 @@
 * the chart's Redis container command + ConfigMap, run as rendered;
 * deploy/valkey.conf with deploy/users.acl: every role can run exactly its
   commands on its engine's keys, ``bl:{vllm-engine}:*`` and its vLLM instances'
-  ``bl:{vllm-engine.<instance>}:*`` (``ACL DRYRUN``), and nothing else: no other
+  ``bl:{vllm-engine@<instance>}:*`` (``ACL DRYRUN``), and nothing else: no other
   engine's keys, so one engine's credential cannot forge another's hits.
 """
 
@@ -31,7 +31,7 @@ from ._server import client, command, running_server, server_binary
 
 pytestmark = [pytest.mark.helm, pytest.mark.real]
 
-K = f"bl:{{{SHIPPED_ENGINE}.3f2a1}}"  # a vLLM instance of the shipped engine
+K = f"bl:{{{SHIPPED_ENGINE}@3f2a1}}"  # a vLLM instance of the shipped engine
 #: Another engine's keys: no role of the shipped engine may touch them.
 OTHER = "bl:{other-engine}"
 #: One valid invocation per command; keys sit under the shipped engine so key rules pass.
@@ -94,6 +94,10 @@ FORBIDDEN = [
     ["EVALSHA", "0" * 40, "2", f"{OTHER}:lookup:1", f"{OTHER}:done"],
     ["SET", f"{OTHER}:hb:0", "{}"],
     ["HSET", "bl:{vllm-engine-2}:lookup:1", "r0", "999"],  # a look-alike engine id
+    # An engine whose configured id starts with the shipped one's and a dot, and its
+    # instance: ``vllm-engine.*`` matched both before ``@`` joined instances.
+    ["HSET", "bl:{vllm-engine.1-8b}:lookup:1", "r0", "999"],
+    ["HSET", "bl:{vllm-engine.1-8b@3f2a1}:lookup:1", "r0", "999"],
 ]
 PASSWORDS = {
     "scheduler": "changeme-scheduler-password",

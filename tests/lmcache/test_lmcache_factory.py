@@ -253,7 +253,7 @@ def test_each_vllm_instance_gets_its_own_namespace(
         server = vllm.maybe_create_lookup_server(engine, make_metadata(), connection_factory=fake)
         made.keep(client)
         made.keep(server)
-        assert client.metadata.engine_id == server.metadata.engine_id == f"{configured}.{instance}"
+        assert client.metadata.engine_id == server.metadata.engine_id == f"{configured}@{instance}"
         assert server.metadata.configured_engine_id == configured
     outside = client_for(lmc, made, config, make_metadata(), connection_factory=fake)
     assert outside.metadata.engine_id == configured  # no vLLM config above: as configured

@@ -24,12 +24,14 @@ def test_written_commands_come_back_paired_with_their_replies(backend: Backend) 
     writes: CallerWrites[str] = CallerWrites(max_owed=8, overdue_ms=60_000)
     try:
         link.call([("DEL", key)])  # connects: the caller may write from now on
+        writes.open_on(link, allowed=True)
+        assert writes.open
         now = time.monotonic()
-        assert writes.try_write(link, "first", ("INCR", key), now) is True
-        assert writes.try_write(link, "second", ("INCRBY", key, 10), now) is True
-        assert writes.replies(link, wait=True) == ([("first", 1), ("second", 11)], None)
-        assert writes.try_write(link, "third", ("INCR", key), now) is True
-        assert writes.rewire(link) == ["third"]  # its reply never read: sent again
+        assert writes.try_write("first", ("INCR", key), now) is True
+        assert writes.try_write("second", ("INCRBY", key, 10), now) is True
+        assert writes.replies(wait=True) == ([("first", 1), ("second", 11)], None)
+        assert writes.try_write("third", ("INCR", key), now) is True
+        assert writes.rewire() == ["third"]  # its reply never read: sent again
         assert not link.accepts_direct  # dropped: nothing more is written on it
         assert link.call([("GET", key)]) == [b"12"]  # a new connection, in step
     finally:

@@ -1,9 +1,10 @@
 """The client's sender and listener over the transport's lean link (transport/link.py).
 
 On fakeredis and a real server they talk over a :class:`LeanLink`; on Redis Cluster
-they keep redis-py's client. These tests pin what the client needs of the link (errors
-as values, NOSCRIPT recovery on the sender's own connection, RESP3 replies, reconnect
-after a kill, no connection left at close).
+over a :class:`ClientLink` (redis-py's pipeline), through the same calls. These tests
+pin what the client needs of the link (errors as values, NOSCRIPT recovery on the
+sender's own connection, RESP3 replies, reconnect after a kill, no connection left at
+close).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def test_scripts_are_reloaded_after_a_flush(backend: Backend, engine_id: str) ->
     call = Call(CANCEL, (ks.lookup("w1"), ks.requests), [1, 100, 60_000, "type", "abort"])
     try:
         admin.script_flush()
-        assert ScriptSet().run_link(link, client, [call]) == [0]  # NOSCRIPT, loaded, run once
+        assert ScriptSet().run(link, client, [call]) == [0]  # NOSCRIPT, loaded, run once
         assert admin.xlen(ks.requests) == 1
     finally:
         link.close()
@@ -73,7 +74,7 @@ def test_lookups_complete_over_the_link_and_survive_a_killed_connection(
     wait_until(lambda: engine.started_ids() == ["w1"])
     engine.report("w1", 12)
     assert wait_until(lambda: client.lookup_cache("w1") == 12)
-    assert client._sender._link is not None and client._listener._link is not None
+    assert isinstance(client._sender._writes._link, LeanLink)  # the sender's one link
     backend.factory().client_kill_filter(_type="normal", skipme=True)
     wait_until(lambda: not client.stats().breaker_open, timeout=10)
     client.lookup(TOKENS, "w2")  # the sender's first write finds its connection dead
@@ -111,10 +112,10 @@ def test_an_idle_healthy_sender_sleeps_and_a_lookup_rings_it(
     wakes = 0
     idle = sender._idle
 
-    def counting(redis_client: Any) -> None:
+    def counting(link: Any, redis_client: Any) -> None:
         nonlocal wakes
         wakes += 1
-        idle(redis_client)
+        idle(link, redis_client)
 
     monkeypatch.setattr(sender, "_idle", counting)
     wait_until(lambda: sender._sleep_s == HEALTHY_IDLE_S, message="the sender's long sleep")

@@ -1,4 +1,4 @@
-"""A vLLM instance's ranks serve ``<engine_id>.<instance>``; their heartbeat still names the
+"""A vLLM instance's ranks serve ``<engine_id>@<instance>``; their heartbeat still names the
 engine id the operator configured, so ``inspect`` and metrics can show it."""
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from broker_lookup.protocol.messages import request_fields
 from broker_lookup.protocol.scripts import REPORT, SUBMIT, Call, submit_args
 from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.connection import ensure_group
+from broker_lookup.transport.link import ClientLink
 from broker_lookup.transport.script_runner import ScriptSet
 
 TOKENS = prompt(0, chunks=10)
@@ -143,7 +144,7 @@ def test_noscript_reload_in_one_pipeline(backend: Backend, engine_id: str) -> No
         ),
     )
     report = Call(REPORT, (ks.lookup("p1"), ks.done), [0, 7, 8, 100, "p1", 1000, 60_000])
-    results = scripts.run(conn, [submit, report, report])
+    results = scripts.run(ClientLink(conn), conn, [submit, report, report])
     assert results[1:] == [b"complete", b"duplicate"]
     assert conn.hget(ks.lookup("p1"), "result") == b"8"
 

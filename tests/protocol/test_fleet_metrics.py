@@ -197,7 +197,7 @@ def test_two_engines_on_one_server_are_told_apart(
         }
 
     wait_until(lambda: counts() == {engine_id: 3, engine_id + "-b": 2}, timeout=10, interval=0.05)
-    # --engine-id: that engine only (and its vLLM instances, "<id>.<instance>").
+    # --engine-id: that engine only (and its vLLM instances, "<id>@<instance>").
     assert counts(engine_id + "-b") == {engine_id: None, engine_id + "-b": 2}
 
 

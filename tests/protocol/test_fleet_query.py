@@ -23,7 +23,7 @@ from faultkit import answer as answer_of
 from helpers import Backend, Made, wait_until
 
 from broker_lookup import FleetClient, LookupMetadata, RedisAsyncLookupClient
-from broker_lookup.ops.cli import main
+from broker_lookup.cli import main
 from broker_lookup.ops.exporter import ExporterServer, FleetCollector
 from broker_lookup.ops.inspect import render as render_report
 from broker_lookup.ops.inspect import snapshot

@@ -142,7 +142,7 @@ def test_a_configured_id_selects_every_instance_and_two_whole_replicas_are_no_sp
     tools_on: Backend, made: Made, engine_id: str
 ) -> None:
     """What the chart's ``helm test`` runs on a vLLM fleet: ``inspect --engine-id`` of the
-    configured id, two replicas (``<id>.<instance>``) each with its scheduler and rank."""
+    configured id, two replicas (``<id>@<instance>``) each with its scheduler and rank."""
     backend = tools_on
     replicas = [instance_engine_id(engine_id, i) for i in ("a1b2c", "d3e4f")]
     ranks = [_rank(backend, made, r, 0, 1) for r in replicas]
@@ -191,7 +191,7 @@ HOSTILE = "req\x1b[2J\x1b]52;c;cm0gLXJmIC8=\x07\nrank 0: engine reported 999 hit
 
 
 def test_ids_are_printed_whole_and_escaped(backend: Backend, made: Made, engine_id: str) -> None:
-    long_id = f"{engine_id}.1796611533336466837-" + "x" * 30  # well past any column
+    long_id = f"{engine_id}@1796611533336466837-" + "x" * 30  # well past any column
     rank = _rank(backend, made, long_id, 0, 1)
     ready(rank)
     client = _scheduler(backend, made, long_id, 1)

@@ -304,11 +304,11 @@ def test_lookups_queued_behind_a_slow_sender_are_not_taken_for_vanished(
     original = sender._send_batch
     gate = {"first": True}
 
-    def behind(conn: Any, batch: Any) -> Any:
+    def behind(link: Any, conn: Any, batch: Any) -> Any:
         if gate["first"]:
             gate["first"] = False
             sender._stop.wait(1.5)  # the sender's own thread, as a long burst would
-        return original(conn, batch)
+        return original(link, conn, batch)
 
     monkeypatch.setattr(sender, "_send_batch", behind)
     for i in range(20):

@@ -312,9 +312,9 @@ def hold_reports(
     that does not answer would, until the returned event is set (at most 20 s)."""
     gate, send = threading.Event(), server._reporter._send_batch
 
-    def gated(client: Any, batch: Any) -> None:
+    def gated(link: Any, client: Any, batch: Any) -> None:
         wait_until(gate.is_set, timeout=20, message="the gate opened")
-        send(client, batch)
+        send(link, client, batch)
 
     monkeypatch.setattr(server._reporter, "_send_batch", gated)
     return gate

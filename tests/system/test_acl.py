@@ -6,7 +6,7 @@ credential cannot forge another's hits), scripts touching such keys, and every
 connection that does not log in (``default`` is off).
 
 The shipped users serve the chart's default engine, ``vllm-engine``, and its vLLM
-instances (``vllm-engine.<instance_id>``): each test runs as such an instance."""
+instances (``vllm-engine@<instance>``): each test runs as such an instance."""
 
 from __future__ import annotations
 
@@ -111,7 +111,11 @@ def test_file_has_least_privilege_users() -> None:
     users = acl_users()
     assert set(users) == {"default", "scheduler", "worker", "vllm", "operator", "admin"}
     assert "off" in users["default"] and "+@all" not in users["default"]
-    scoped = [f"~bl:{{{SHIPPED_ENGINE}}}:*", f"~bl:{{{SHIPPED_ENGINE}.*}}:*"]
+    scoped = [
+        f"~bl:{{{SHIPPED_ENGINE}}}:*",
+        f"~bl:{{{SHIPPED_ENGINE}@*}}:*",
+        f"~bl:members:{{{SHIPPED_ENGINE}}}",
+    ]
     for role in ("scheduler", "worker", "vllm", "operator"):
         rules = users[role]
         assert [r for r in rules if r.startswith(("~", "%"))] == scoped

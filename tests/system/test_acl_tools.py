@@ -16,9 +16,9 @@ import pytest
 import redis
 from helpers import command
 
+from broker_lookup.cli import main as cli_main
 from broker_lookup.config import env_name
 from broker_lookup.ops.acl import acl_line
-from broker_lookup.ops.cli import main as cli_main
 from broker_lookup.protocol.keys import SCHEDULER_ROLE, KeySpace, instance_engine_id
 from broker_lookup.protocol.snapshot import MetricsPublisher
 from broker_lookup.protocol.stats import ClientStats

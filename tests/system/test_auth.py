@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 from helpers import wait_until
 
+from broker_lookup.cli import main as cli_main
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
 from broker_lookup.errors import AUTH_HINT, AuthFailed, BrokerUnavailable, translate_redis_errors
-from broker_lookup.ops.cli import main as cli_main
 from broker_lookup.processes import ExitCode, child_env, free_port, python_module
 from broker_lookup.tools.embedded import EmbeddedServer
 from broker_lookup.transport.connection import make_factory
@@ -174,7 +174,7 @@ def test_the_configs_password_wins_over_the_urls(
 def _cli_output(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_LOOKUP_")}
     return subprocess.run(
-        python_module("broker_lookup.ops.cli", list(args)),
+        python_module("broker_lookup.cli", list(args)),
         env=child_env(env),
         capture_output=True,
         text=True,

@@ -36,7 +36,7 @@ def _cli(*args: str) -> list[str]:
     script = Path(sys.executable).with_name("broker-lookup")
     if script.exists():
         return [str(script), *args]
-    return python_module("broker_lookup.ops.cli", args)
+    return python_module("broker_lookup.cli", args)
 
 
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -73,7 +73,7 @@ def _check_demo_output(out: str, hints: bool = True) -> list[int]:
             pattern = rf"^  redis-cli -h 127\.0\.0\.1 -p \d+ -n 0 {command} 'bl:{{"
             assert re.search(pattern, out, re.M)
     if hints:
-        assert re.search(r"(broker-lookup|-m broker_lookup\.ops\.cli) inspect --redis-url", out)
+        assert re.search(r"(broker-lookup|-m broker_lookup\.cli) inspect --redis-url", out)
     assert re.search(r"ranks stopped: r0=0", out)
     assert out.rstrip().endswith("demo OK")
     return [int(p) for p in re.findall(r"pid (\d+)", out)]

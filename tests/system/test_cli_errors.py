@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from broker_lookup.cli import main as cli_main
 from broker_lookup.config import env_name
-from broker_lookup.ops.cli import main as cli_main
 from broker_lookup.processes import ExitCode, child_env, python_module
 
 pytestmark = [pytest.mark.timeout(180)]

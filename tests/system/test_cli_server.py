@@ -16,8 +16,8 @@ import pytest
 import redis
 from helpers import gone, wait_until
 
-from broker_lookup.ops.cli import COMMANDS
-from broker_lookup.ops.cli import main as cli_main
+from broker_lookup.cli import COMMANDS
+from broker_lookup.cli import main as cli_main
 from broker_lookup.processes import child_env, python_module
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(300)]
@@ -38,7 +38,7 @@ class Served:
     """A ``broker-lookup server`` process and what it printed first."""
 
     def __init__(self, *args: str) -> None:
-        argv = python_module("broker_lookup.ops.cli", ["server", *args])
+        argv = python_module("broker_lookup.cli", ["server", *args])
         self.proc = subprocess.Popen(
             argv,
             env=child_env(os.environ),
@@ -127,7 +127,7 @@ def _path_without_redis_cli(tmp_path: Path) -> str:
 def test_demo_keep_leaves_only_the_server_and_its_hints_work(tmp_path: Path) -> None:
     env = child_env(os.environ, {"PATH": _path_without_redis_cli(tmp_path)})
     demo = subprocess.run(
-        [sys.executable, "-m", "broker_lookup.ops.cli", "demo", "--keep", "--ranks", "1"],
+        [sys.executable, "-m", "broker_lookup.cli", "demo", "--keep", "--ranks", "1"],
         env=env,
         capture_output=True,
         text=True,
@@ -163,5 +163,5 @@ def _argv(command: str) -> list[str]:
     """The printed command as argv (it holds no quoted argument)."""
     words = command.split()
     if words[0] == "broker-lookup":
-        return python_module("broker_lookup.ops.cli", words[1:])
+        return python_module("broker_lookup.cli", words[1:])
     return words

@@ -16,8 +16,8 @@ from datetime import datetime
 
 import pytest
 
+from broker_lookup.cli import main as cli_main
 from broker_lookup.config import env_name
-from broker_lookup.ops.cli import main as cli_main
 from broker_lookup.processes import ExitCode, child_env, python_module
 from faultproxy.proxy import FaultProxy
 

@@ -11,9 +11,9 @@ import redis
 from faultkit import StartRank
 from helpers import RealServer, wait_until
 
+from broker_lookup.cli import main as cli_main
 from broker_lookup.config import LookupConfig, env_name
 from broker_lookup.errors import AUTH_HINT
-from broker_lookup.ops.cli import main as cli_main
 from broker_lookup.ops.doctor import Finding, diagnose
 from broker_lookup.processes import free_port
 from broker_lookup.protocol.fingerprint import member

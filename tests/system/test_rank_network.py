@@ -66,8 +66,10 @@ def setup(
         client = clients(config(real_server.url, **overrides), engine_id, 1)
         alive(client)
         client.lookup(HOT, "warm")
-        assert answer(client, "warm", timeout=10) == FULL
-        return rank, client, redis.Redis.from_url(real_server.url)
+        conn = redis.Redis.from_url(real_server.url)
+        got = answer(client, "warm", timeout=10)
+        assert got == FULL, (client.stats(), beat(conn, KeySpace(engine_id).heartbeat(0)))
+        return rank, client, conn
 
     return make
 

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from helpers import wait_until
 
+from broker_lookup.cli import main as cli_main
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.errors import BrokerLookupError, ConfigError, translate_redis_errors
-from broker_lookup.ops.cli import main as cli_main
 from broker_lookup.processes import child_env
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer

@@ -28,7 +28,7 @@ def _alert(engine: str) -> dict[str, object]:
 
 def test_a_split_engine_fires_for_both_halves_and_a_whole_one_does_not(tmp_path: Path) -> None:
     binary = require_prometheus()
-    halves, whole = ["mn.1796611254403740308", "mn.1796611254717787091"], "mn.1796611254999"
+    halves, whole = ["mn@1796611254403740308", "mn@1796611254717787091"], "mn@1796611254999"
     series = [{"series": SERIES.format(engine=e), "values": "1x10"} for e in halves]
     series.append({"series": SERIES.format(engine=whole), "values": "0x10"})
     tests = {

@@ -33,7 +33,7 @@ def socket_url() -> Iterator[str]:
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_LOOKUP_")}
     return subprocess.run(
-        python_module("broker_lookup.ops.cli", list(args)),
+        python_module("broker_lookup.cli", list(args)),
         env=child_env(env),
         capture_output=True,
         text=True,

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from broker_lookup.cli import main
 from broker_lookup.errors import ConfigError
 from broker_lookup.ops.acl import ROLES, acl_file, acl_line
-from broker_lookup.ops.cli import main
 
 SHIPPED = Path(__file__).resolve().parents[2] / "deploy" / "users.acl"
 
@@ -28,7 +28,8 @@ def test_a_user_is_scoped_to_its_engine_and_its_vllm_instances() -> None:
     assert "#" + hashlib.sha256(b"s3cret").hexdigest() in words
     assert [w for w in words if w.startswith(("~", "%"))] == [
         "~bl:{llama-70b}:*",
-        "~bl:{llama-70b.*}:*",
+        "~bl:{llama-70b@*}:*",
+        "~bl:members:{llama-70b}",
     ]
     assert "-@all" in words and "+eval" not in words and "+evalsha" in words
     assert not any(w.startswith("+@") for w in words)
@@ -71,3 +72,7 @@ def test_the_command_line(
     assert out.startswith("user sched-e1 on #" + hashlib.sha256(b"s3cret").hexdigest())
     assert main(["acl", "--role", "worker"]) == 2
     assert "needs an engine id" in capsys.readouterr().err
+    # An instance's namespace is no configured id: its users would miss their siblings.
+    assert main(["acl", "--engine-id", "vllm-engine@1796611254403740308"]) == 2
+    err = capsys.readouterr().err
+    assert "--engine-id='vllm-engine@1796611254403740308'" in err and "reserved" in err

@@ -1,5 +1,5 @@
 """vLLM replicas from one manifest never share a namespace: under the vLLM plugin the
-engine id is ``<configured engine id>.<VllmConfig.instance_id>``, the same for an
+engine id is ``<configured engine id>@<instance>``, the same for an
 instance's scheduler and its ranks (vLLM ships one config to both), and the configured id
 stays visible. vLLM itself is not needed: its config is a stand-in with the same names."""
 
@@ -15,9 +15,10 @@ from broker_lookup.errors import ConfigError
 from broker_lookup.integrations.lmcache import (
     LMCACHE_FIELDS,
     config_from_lmcache,
+    vllm_config_on_stack,
     vllm_instance_id,
 )
-from broker_lookup.protocol.keys import instance_engine_id, validate_engine_id
+from broker_lookup.protocol.keys import configured_of, instance_engine_id, validate_engine_id
 
 URL = "redis://127.0.0.1:1/0"
 
@@ -52,22 +53,24 @@ class ServiceFactory:
 
 def _lmcache_factory(config: Any, metadata: Any) -> LookupMetadata:
     """What the patched ``create_lookup_client``/``create_lookup_server`` do first."""
-    return config_from_lmcache(config, metadata, vllm_instance_id())[1]
+    return config_from_lmcache(config, metadata, vllm_config_on_stack(), environ={})[1]
 
 
 def test_the_instance_engine_id_joins_both_and_stays_valid() -> None:
-    assert instance_engine_id("llama-70b", "3f2a1") == "llama-70b.3f2a1"
-    assert instance_engine_id("llama-70b", "3f2a1_dp1") == "llama-70b.3f2a1_dp1"  # vLLM DP
-    assert instance_engine_id("e", "a b{c}") == "e.a-b-c-"  # never braces in a hash tag
+    assert instance_engine_id("llama-70b", "3f2a1") == "llama-70b@3f2a1"
+    assert instance_engine_id("llama-70b", "3f2a1_dp1") == "llama-70b@3f2a1_dp1"  # vLLM DP
+    assert instance_engine_id("e", "a b{c}@") == "e@a-b-c--"  # never braces, one @
     longest = instance_engine_id("x" * 128, "3f2a1")
-    assert len(longest) == 128 and longest.endswith(".3f2a1")
-    assert validate_engine_id(longest) == longest
-    other = instance_engine_id("x" * 127 + "y", "3f2a1")
-    assert other != longest  # cut to fit, distinct configured ids stay distinct
+    assert longest == "x" * 128 + "@3f2a1"  # the configured id is never cut
+    assert validate_engine_id(longest) == longest and configured_of(longest) == "x" * 128
+    long_instance = instance_engine_id("e", "i" * 100)
+    assert len(long_instance) == 2 + 64 and long_instance != instance_engine_id("e", "i" * 99)
     with pytest.raises(ConfigError, match="instance_id"):
         instance_engine_id("e", "")
     with pytest.raises(ConfigError, match="engine_id"):
         instance_engine_id("bad{id}", "3f2a1")
+    with pytest.raises(ConfigError, match="reserved"):
+        instance_engine_id("a@b", "3f2a1")  # an instance's namespace is not a configured id
 
 
 def test_replicas_of_one_manifest_get_their_own_namespace() -> None:
@@ -81,8 +84,8 @@ def test_replicas_of_one_manifest_get_their_own_namespace() -> None:
         ServiceFactory("llama-70b", "9c0d4", r).maybe_create_lookup()
         for r in ("scheduler", "worker")
     ]
-    assert {m.engine_id for m in first} == {"llama-70b.3f2a1"}
-    assert {m.engine_id for m in second} == {"llama-70b.9c0d4"}
+    assert {m.engine_id for m in first} == {"llama-70b@3f2a1"}
+    assert {m.engine_id for m in second} == {"llama-70b@9c0d4"}
     assert {m.configured_engine_id for m in first + second} == {"llama-70b"}
     assert [m.worker_id for m in first] == [0, 1]
 
@@ -97,8 +100,9 @@ def test_without_vllm_the_configured_engine_id_is_used() -> None:
 def test_the_broker_engine_id_of_extra_config_is_derived_too() -> None:
     config = _lmcache_config()
     config.extra_config["lookup_broker_engine_id"] = "shared-7"
-    _, meta = config_from_lmcache(config, _lmcache_metadata("ignored"), "3f2a1")
-    assert (meta.engine_id, meta.configured_engine_id) == ("shared-7.3f2a1", "shared-7")
+    vllm_config = SimpleNamespace(instance_id="3f2a1")
+    _, meta = config_from_lmcache(config, _lmcache_metadata("ignored"), vllm_config, {})
+    assert (meta.engine_id, meta.configured_engine_id) == ("shared-7@3f2a1", "shared-7")
 
 
 def test_a_local_vllm_config_is_found_too() -> None:

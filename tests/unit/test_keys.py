@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from broker_lookup.errors import ConfigError
-from broker_lookup.protocol.keys import PREFIX, KeySpace, validate_engine_id
+from broker_lookup.protocol.keys import (
+    PREFIX,
+    KeySpace,
+    configured_of,
+    configured_patterns,
+    engine_of,
+    instance_of,
+    validate_configured_id,
+    validate_engine_id,
+)
 
 
 def test_key_formats() -> None:
@@ -62,6 +71,33 @@ def test_invalid_engine_ids(engine_id: str) -> None:
         KeySpace(engine_id)
 
 
+@pytest.mark.parametrize(
+    "namespace", ["e@i", "llama-3.1-8b@1796611254403740308", "x" * 128 + "@" + "y" * 64]
+)
+def test_instance_namespaces_are_engine_ids_but_not_configured_ids(namespace: str) -> None:
+    assert validate_engine_id(namespace) == namespace
+    assert engine_of(KeySpace(namespace).requests) == namespace
+    with pytest.raises(ConfigError, match=r"--engine-id=.*'@' is reserved"):
+        validate_configured_id(namespace, "--engine-id")
+
+
+@pytest.mark.parametrize("namespace", ["a@b@c", "@b", "a@", "a@" + "y" * 65, "x" * 129 + "@i"])
+def test_invalid_namespaces(namespace: str) -> None:
+    with pytest.raises(ConfigError, match="engine_id"):
+        validate_engine_id(namespace)
+
+
+def test_configured_of_maps_a_namespace_back_to_its_configured_id() -> None:
+    assert configured_of("llama-3.1-8b@1796611254403740308") == "llama-3.1-8b"
+    assert configured_of("llama-3.1-8b") == "llama-3.1-8b"
+    assert instance_of("llama-3.1-8b") is None
+    assert instance_of("llama@1796611254403740308") == "1796611254403740308"
+    assert configured_patterns("llama-3", "metrics:*") == (
+        "bl:{llama-3}:metrics:*",
+        "bl:{llama-3@*}:metrics:*",
+    )
+
+
 @pytest.mark.parametrize("engine_id", [None, 5, b"e"])
 def test_engine_id_must_be_a_str(engine_id: object) -> None:
     with pytest.raises(ConfigError):
@@ -109,3 +145,18 @@ def test_digest_keys_never_collide_with_plain_ones() -> None:
     ks = KeySpace("eng")
     keys = {ks.lookup(i) for i in HOSTILE_IDS} | {ks.lookup(i) for i in ("r", "req-1")}
     assert len(keys) == len(HOSTILE_IDS) + 2
+
+
+def test_the_exporter_reads_one_configured_id_and_its_instances_only() -> None:
+    """``exporter --engine-id llama-3`` exported ``llama-3.1-8b`` (``bl:{llama-3.*}``)."""
+    import fakeredis
+
+    from broker_lookup.ops.exporter import read_snapshots
+
+    client = fakeredis.FakeRedis()
+    engines = ["llama-3", "llama-3@r1", "llama-3.1-8b", "llama-3.1-8b@r2", "llama-30"]
+    for engine in engines:
+        client.set(KeySpace(engine).metrics("0"), b"not a snapshot")
+    assert read_snapshots(client, "llama-3") == ([], 2)  # its own and its instance's
+    assert read_snapshots(client, "llama-3.1-8b@r2") == ([], 1)  # one instance
+    assert read_snapshots(client, None) == ([], len(engines))

@@ -94,7 +94,7 @@ def test_an_idle_reporter_thread_sleeps_until_a_report_rings_it(
     )
     wakes = 0
 
-    def counting(client: Any) -> None:
+    def counting(link: Any, client: Any) -> None:
         nonlocal wakes
         wakes += 1
 

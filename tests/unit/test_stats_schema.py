@@ -94,8 +94,10 @@ def test_the_exporter_counts_a_snapshot_with_malformed_stats_and_scrapes_on() ->
     assert _exporter_with(as_json_object(CLIENT)) == {
         "broker_lookup_exporter_snapshots[('state', 'read')]": 1.0,
         "broker_lookup_exporter_snapshots[('state', 'malformed')]": 0.0,
+        "broker_lookup_exporter_snapshots[('state', 'denied')]": 0.0,
     }
     assert _exporter_with({"dead_ranks": "none"}) == {
         "broker_lookup_exporter_snapshots[('state', 'read')]": 0.0,
         "broker_lookup_exporter_snapshots[('state', 'malformed')]": 1.0,
+        "broker_lookup_exporter_snapshots[('state', 'denied')]": 0.0,
     }

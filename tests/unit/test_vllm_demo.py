@@ -7,7 +7,7 @@ import importlib.metadata
 
 import pytest
 
-from broker_lookup.ops.cli import main
+from broker_lookup.cli import main
 from broker_lookup.processes import ExitCode
 from broker_lookup.tools import vllm_demo
 

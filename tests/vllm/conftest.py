@@ -43,7 +43,7 @@ from broker_lookup.tools.embedded import EmbeddedServer
 
 #: How long ``vllm serve`` may take to answer /health.
 SERVE_START_TIMEOUT_S = 240
-#: The served engine's configured id (its instance's namespace is ``bl-serve.<instance>``).
+#: The served engine's configured id (its instance's namespace is ``bl-serve@<instance>``).
 SERVE_ENGINE_ID = "bl-serve"
 
 

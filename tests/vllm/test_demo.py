@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 def test_demo_vllm_shows_the_hit_and_where_to_see_it(vllm_installed: None) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-m", "broker_lookup.ops.cli", "demo", "--vllm"],
+        [sys.executable, "-m", "broker_lookup.cli", "demo", "--vllm"],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -27,7 +27,7 @@ def test_demo_vllm_shows_the_hit_and_where_to_see_it(vllm_installed: None) -> No
     out = done.stdout
     assert done.returncode == 0, out + done.stderr[-4000:]
     assert "256 tokens found through the broker" in out, out
-    assert 'broker_lookup_client_lookups_total{engine="demo-vllm.' in out, out
+    assert 'broker_lookup_client_lookups_total{engine="demo-vllm@' in out, out
     assert 'outcome="hit",role="scheduler"} 1' in out, out
     assert "broker_lookup_worker_requests_total" in out, out
     assert "RANKS (world size 1)" in out, out  # inspect's report

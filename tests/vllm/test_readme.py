@@ -105,7 +105,7 @@ def test_the_readme_recipe_serves_a_repeated_prompt(tiny_model: Path, tmp_path: 
         assert engine.startswith("vllm-0."), engine
         argv = ["inspect", "--redis-url", broker.url, "--engine-id", engine, "--check"]
         inspect = subprocess.run(
-            [sys.executable, "-m", "broker_lookup.ops.cli", *argv],
+            [sys.executable, "-m", "broker_lookup.cli", *argv],
             capture_output=True,
             text=True,
             timeout=60,

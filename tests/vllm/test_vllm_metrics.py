@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 def exporter(served: dict[str, Any], tmp_path: Path) -> Iterator[int]:
     """``broker-lookup exporter --engine-id bl-serve`` on a free port; yields the port."""
     port = free_port()
-    cmd = [sys.executable, "-m", "broker_lookup.ops.cli", "exporter", "--host", "127.0.0.1"]
+    cmd = [sys.executable, "-m", "broker_lookup.cli", "exporter", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--redis-url", served["redis_url"]]
     cmd += ["--engine-id", served["engine_id"]]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -85,7 +85,7 @@ def test_prometheus_scrapes_what_vllm_did(
             version = prom.values(f"broker_lookup_lmcache_info{{{who}}}")
             assert [dict(labels)["version"] for labels in version] == ["0.5.6"], who
         assert prom.scraped(), prom.log()
-        # The engine label: the key namespace, "bl-serve.<instance>" where vLLM derives it.
+        # The engine label: the key namespace, "bl-serve@<instance>" where vLLM derives it.
         (owner,) = prom.values(f"broker_lookup_client_owner{{{sched}}}")
         engine = dict(owner)["engine"]
         assert engine in check_shipped_queries(prom, engine)

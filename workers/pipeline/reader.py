@@ -6,7 +6,8 @@ with ``>`` and a short BLOCK on its own connection. The reader builds each read
 (:meth:`Reader.read_command`: the loop may send it with the last batch's acks) and
 decodes its raw reply (:meth:`Reader.parse`) into a :class:`Batch`: the entries to
 serve, the ids to ack once served, and the XADDs dead-lettering the entries that
-can't be served (sent with those acks).
+can't be served (sent with those acks): :func:`entry_problem` says which, by the wire's
+rules and the rank's limits.
 
 Nothing read stays pending: after any error, and once a second
 anyway, the reader re-reads its own pending entries, so a delivery whose reply was
@@ -39,14 +40,17 @@ from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import (
     Abort,
+    Keep,
     LookupRequest,
     Request,
     decode_request,
+    request_configs_problem,
+    validate_request,
+    wire_id_problem,
 )
 from broker_lookup.protocol.stats import ConsumerStats
 from broker_lookup.transport.link import Link, pairs, stream_entries
 from workers.pipeline.clock import ServerClock
-from workers.pipeline.entries import entry_problem
 
 __all__ = ["Batch", "Reader"]
 
@@ -235,6 +239,29 @@ class Reader:
         cap = ("MAXLEN", "~", self._config.dead_maxlen)
         dead = self._keys.dead
         return [("XADD", dead, *cap, "*", *fields), ("PEXPIRE", dead, self._config.engine_ttl_ms)]
+
+
+def entry_problem(msg: Request, config: LookupConfig, world_size: int | None) -> str | None:
+    """Why ``msg`` can't be served (None if it can), by the producer's limits too.
+
+    Any non-empty UTF-8 ``str`` is a legal lookup id (keys hold a digest of ids they
+    should not hold verbatim), so ids with spaces or non-ASCII characters are served.
+    """
+    if isinstance(msg, Abort):
+        return wire_id_problem(msg.lookup_id, config.max_lookup_id_length)
+    if isinstance(msg, Keep):
+        if msg.tokens <= 0:
+            return f"keep tokens={msg.tokens} must be > 0 (a partial answer of 0 is an abort)"
+        return wire_id_problem(msg.lookup_id, config.max_lookup_id_length)
+    reason = validate_request(
+        msg, max_chunks=config.max_chunks_per_request, max_id_length=config.max_lookup_id_length
+    )
+    if reason is not None:
+        return reason
+    if world_size is not None and max(msg.expected) >= world_size:
+        return f"expected ranks {msg.expected[:8]} go beyond world_size={world_size}"
+    configs = request_configs_problem(msg.request_configs, config.max_request_configs_bytes)
+    return None if configs is None else configs.reason
 
 
 def _text(value: object) -> str:

@@ -5,8 +5,12 @@ A report made while the read loop serves a batch (an engine that answers inside
 (and the loop's next read) in one write on the loop's link: no hand-off to another
 thread. A report made at any other time (LMCache's engine calls
 ``send_response_to_scheduler`` from its storage event loop; the watchdog) is queued
-for this module's thread, which pipelines whatever waits, so a slow or unreachable
-Redis never stalls the engine (LMCache D14). The queue is bounded: a report that does
+for this module's thread, which pipelines whatever waits over its own link, so a slow
+or unreachable Redis never stalls the engine (LMCache D14). Both ways are one
+transport: :meth:`Reporter._calls` builds the batch's calls, and
+:meth:`ScriptSet.run <broker_lookup.transport.script_runner.ScriptSet.run>` writes
+them on a :class:`~broker_lookup.transport.link.Link` (the loop's, with the XACK and
+the next read ahead and behind them; the thread's, alone). The queue is bounded: a report that does
 not fit is answered ``overflow`` at once, so its lookup is released instead of queued
 without limit while Redis is away.
 
@@ -29,17 +33,17 @@ from types import TracebackType
 from typing import Any, NamedTuple
 
 import redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from broker_lookup.config import LookupConfig
-from broker_lookup.errors import BrokerLookupError
+from broker_lookup.errors import BrokerLookupError, translate_redis_errors
 from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.scripts import Call, progress_call, report_call
+from broker_lookup.protocol.scripts import Call, Fence, progress_call, report_call
 from broker_lookup.transport.batcher import Batcher
 from broker_lookup.transport.lease import Lease
 from broker_lookup.transport.link import Link
-from broker_lookup.transport.script_runner import ScriptSet, is_noscript
+from broker_lookup.transport.script_runner import ScriptSet
 
 __all__ = ["Report", "Reporter", "Served", "Settle"]
 
@@ -187,20 +191,11 @@ class Reporter(Batcher[Report]):
         read again, then deduped.
         """
         reports = batch.reports
+        ahead: list[Command] = list(batch.dead)
+        if batch.ack_ids:
+            ahead.append(("XACK", self._stream, self._group, *batch.ack_ids))
         try:
-            commands, ahead = self._commands(batch)
-            replies = link.call(commands, read)
-            for reply in replies[:ahead]:
-                if isinstance(reply, ResponseError):
-                    raise reply
-            results = replies[ahead:]
-            # A script's answer is a bulk string; only something else can be NOSCRIPT.
-            for result in results:
-                if type(result) is not bytes and is_noscript(result):
-                    link.settle_read()  # the connection is needed now: take the read's reply
-                    calls = [self._call(r) for r in reports]
-                    results = self._scripts.rerun_missing(link, client, calls, results)
-                    break
+            results = self._scripts.run(link, client, self._calls(reports), ahead, read)
         except (BrokerLookupError, RedisError):
             for report in reports:
                 self._enqueue(report)
@@ -208,16 +203,6 @@ class Reporter(Batcher[Report]):
         settle = self._settle
         for report, result in zip(reports, results, strict=True):
             settle(report, result.decode() if type(result) is bytes else self._answer(result))
-
-    def _commands(self, batch: Served) -> tuple[list[Command], int]:
-        """``batch``'s commands in the order they are written, and how many of them come
-        before the reports' (the dead letters and the XACK)."""
-        ahead = len(batch.dead) + (1 if batch.ack_ids else 0)
-        commands: list[Command] = list(batch.dead)
-        if batch.ack_ids:
-            commands.append(("XACK", self._stream, self._group, *batch.ack_ids))
-        commands += [self._scripts.command(self._call(r)) for r in batch.reports]
-        return commands, ahead
 
     # -- the queued path (this reporter's thread) -----------------------------------
 
@@ -244,13 +229,13 @@ class Reporter(Batcher[Report]):
                 self._enqueue(report)
             riding.clear()
 
-    def _send_batch(self, client: redis.Redis, batch: list[Report]) -> None:
+    def _send_batch(self, link: Link, client: redis.Redis, batch: list[Report]) -> None:
         self._await_lease(batch)
-        calls = [self._call(r) for r in batch]
         results: list[Any] | None = None
-        for attempt in self._attempts(len(calls)):
-            with attempt:
-                results = self._scripts.run(client, calls)
+        for attempt in self._attempts(len(batch)):
+            with attempt, translate_redis_errors("sending reports"):
+                # Built per attempt: each carries the fence of the moment it is sent.
+                results = self._scripts.run(link, client, self._calls(batch))
         answers = ["error"] * len(batch) if results is None else [self._answer(r) for r in results]
         for report, answer in zip(batch, answers, strict=True):
             self._settle(report, answer)
@@ -270,9 +255,14 @@ class Reporter(Batcher[Report]):
 
     # -- the script -------------------------------------------------------------------
 
-    def _call(self, report: Report) -> Call:
-        # The fence of the moment the report is sent: a token this process holds now.
+    def _calls(self, reports: list[Report]) -> list[Call]:
+        """The script calls of ``reports``, in order: what both paths send (the one place
+        a batch's calls are built)."""
+        # The fence of the moment the reports are sent: a token this process holds now.
         fence = self._lease.fence if self._lease is not None else None
+        return [self._call(r, fence) for r in reports]
+
+    def _call(self, report: Report, fence: Fence | None) -> Call:
         if report.progress:
             return progress_call(
                 self._keys,

@@ -19,12 +19,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from broker_lookup.config import LookupConfig, LookupMetadata, redact_url
 from broker_lookup.errors import AuthFailed, BrokerLookupError, translate_redis_errors
+from broker_lookup.ops.endpoint import Endpoint, Pinger
 from broker_lookup.ops.metrics import ServerCollector
 from broker_lookup.processes import ExitCode
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.transport.connection import close_factory, make_factory
 from workers.runtime.access import denied_access
-from workers.runtime.health import HealthServer, Pinger
 from workers.server import RedisAsyncLookupServer
 
 if TYPE_CHECKING:  # imported when a rank starts: it loads torch, seconds that --help skips
@@ -205,7 +205,7 @@ class RankRunner:
             raise UsageError(f"reference engine options: {exc}") from None
 
     def _serve(self, engine: ReferenceEngine, server: RedisAsyncLookupServer) -> int:
-        http: HealthServer | None = None
+        http: Endpoint | None = None
         pinger = Pinger(make_factory(self.spec.config, "bl-worker-probe"))
         code: int = ExitCode.OK
         try:
@@ -224,7 +224,7 @@ class RankRunner:
             self._shutdown(engine, server, http, pinger)
         return code
 
-    def _http(self, server: RedisAsyncLookupServer, pinger: Pinger) -> HealthServer | None:
+    def _http(self, server: RedisAsyncLookupServer, pinger: Pinger) -> Endpoint | None:
         if not self.spec.metrics_port:
             return None
         registry = CollectorRegistry()
@@ -237,15 +237,16 @@ class RankRunner:
                 return "consumer group not ready (the rank is not reading yet)"
             return pinger.ping(1.0)
 
-        http = HealthServer(
+        def alive() -> str | None:
+            return None if server.stats().alive else "the rank's read loop is not running"
+
+        return Endpoint(
             self.spec.metrics_host,
             self.spec.metrics_port,
-            alive=lambda: server.stats().alive,
+            lambda: (200, generate_latest(registry), CONTENT_TYPE_LATEST),
+            alive=alive,
             ready=ready,
-            metrics=lambda: (generate_latest(registry), CONTENT_TYPE_LATEST),
-        )
-        http.start()
-        return http
+        ).start()
 
     def _watch(self, server: RedisAsyncLookupServer) -> int:
         wait_s = self.spec.claim_wait_s
@@ -269,7 +270,7 @@ class RankRunner:
         self,
         engine: ReferenceEngine,
         server: RedisAsyncLookupServer,
-        http: HealthServer | None,
+        http: Endpoint | None,
         pinger: Pinger,
     ) -> None:
         if http is not None:

@@ -28,8 +28,7 @@ from dataclasses import dataclass, replace
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
 from broker_lookup.config.sources import CONFIG_FILE_ENV
 from broker_lookup.errors import ConfigError
-from broker_lookup.ops.cli import bounded
-from broker_lookup.processes import ExitCode, child_env, long_options
+from broker_lookup.processes import ExitCode, bounded, child_env, long_options
 from broker_lookup.protocol.keys import validate_engine_id
 from broker_lookup.threads import set_from_signal
 from workers.runtime.rank import RankRunner, RankSpec, UsageError

@@ -1,8 +1,11 @@
-"""The rank's HTTP endpoint: ``/metrics``, ``/healthz`` and ``/readyz``.
+"""One process's HTTP endpoint: ``/metrics``, ``/healthz`` and ``/readyz`` from a thread.
 
-``/healthz`` answers from memory only (a Redis blip must not get a worker restarted);
-``/readyz`` also PINGs Redis through a fresh client, bounded to one second and with
-at most one PING in flight, so a hung Redis cannot pile up probe threads.
+A rank (``python -m workers``) and the exporter serve the same three paths with this one
+server; each hands it what only it knows: the exposition, whether it is alive, whether
+it is ready. ``/healthz`` should answer from memory only (a Redis blip must not get a
+process restarted); ``/readyz`` may ask Redis, through a :class:`Pinger` where a hung
+Redis must not pile up probe threads. From :meth:`Endpoint.stop` (or once
+:attr:`Endpoint.draining` is set) ``/readyz`` fails first, before anything stops.
 """
 
 from __future__ import annotations
@@ -17,12 +20,19 @@ import redis
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
 from broker_lookup.transport.connection import ConnectionFactory
 
-__all__ = ["HealthServer", "Pinger"]
+__all__ = ["Check", "Endpoint", "Exposition", "Pinger", "PostRoute"]
 
 logger = logging.getLogger(__name__)
 
-#: Returns None when ready, else the reason it is not.
-ReadyCheck = Callable[[], str | None]
+#: Returns None when the check passes, else the reason it does not.
+Check = Callable[[], str | None]
+#: One scrape: (HTTP status, body, content type).
+Exposition = Callable[[], tuple[int, bytes, str]]
+#: A POST route (``broker-lookup query --listen``'s ``/query``, the reference router's):
+#: the request body in, (HTTP status, body, content type) out.
+PostRoute = Callable[[bytes], tuple[int, bytes, str]]
+#: The largest POST body read (a long prompt's token ids as JSON fit many times over).
+MAX_POST_BYTES = 16 << 20
 _TEXT = "text/plain; charset=utf-8"
 
 
@@ -72,7 +82,7 @@ class Pinger:
 
 class _Httpd(ThreadingHTTPServer):
     daemon_threads = True
-    owner: HealthServer
+    owner: Endpoint
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -82,19 +92,23 @@ class _Handler(BaseHTTPRequestHandler):
         owner = self.server.owner
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            body, ctype = owner.metrics()
-            self._send(200, body, ctype)
+            self._send(*owner.metrics())
         elif path == "/healthz":
-            ok = owner.alive()
-            self._send(200 if ok else 503, b"ok\n" if ok else b"rank loop is not running\n")
+            self._send(*_answer(owner.alive(), b"ok\n", "not alive"))
         elif path == "/readyz":
-            reason = owner.not_ready()
-            if reason is None:
-                self._send(200, b"ready\n")
-            else:
-                self._send(503, f"not ready: {reason}\n".encode())
+            self._send(*_answer(owner.not_ready(), b"ready\n", "not ready"))
         else:
             self._send(404, b"not found: try /metrics, /healthz or /readyz\n")
+
+    def do_POST(self) -> None:
+        route = self.server.owner.routes.get(self.path.split("?", 1)[0])
+        length = int(self.headers.get("Content-Length") or 0)
+        if route is None:
+            self._send(404, b"not found: no such POST route\n")
+        elif not 0 <= length <= MAX_POST_BYTES:
+            self._send(413, b"body too large\n")
+        else:
+            self._send(*route(self.rfile.read(length)))
 
     def _send(self, code: int, body: bytes, ctype: str = _TEXT) -> None:
         self.send_response(code)
@@ -107,31 +121,48 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("http %s: " + format, self.address_string(), *args)
 
 
-class HealthServer:
-    """Serves the three endpoints from a thread until :meth:`stop`.
+def _answer(reason: str | None, ok: bytes, failed: str) -> tuple[int, bytes]:
+    return (200, ok) if reason is None else (503, f"{failed}: {reason}\n".encode())
+
+
+def _always() -> str | None:
+    return None
+
+
+class Endpoint:
+    """Serves the three paths from a thread, from :meth:`start` until :meth:`stop`.
 
     Args:
         host: Address to bind (``0.0.0.0`` so kubelet probes reach it).
-        port: TCP port (> 0).
-        alive: Whether the rank's loop thread runs (``/healthz``).
-        ready: None when ready, else the reason (``/readyz``).
-        metrics: The exposition bytes and their content type (``/metrics``).
+        port: TCP port (0: one the kernel picks, read back from :attr:`port`).
+        metrics: One scrape's status, body and content type (``/metrics``).
+        alive: None while the process does its work, else why not (``/healthz``).
+        ready: None when it should get traffic, else why not (``/readyz``).
+        name: The HTTP thread's name.
+        routes: POST routes served beside them, by path.
 
     Raises:
         OSError: The port cannot be bound.
+
+    >>> Endpoint("127.0.0.1", 0, lambda: (200, b"", "text/plain")).start().stop()
+    True
     """
 
     def __init__(
         self,
         host: str,
         port: int,
-        alive: Callable[[], bool],
-        ready: ReadyCheck,
-        metrics: Callable[[], tuple[bytes, str]],
+        metrics: Exposition,
+        *,
+        alive: Check = _always,
+        ready: Check = _always,
+        name: str = "broker-lookup-http",
+        routes: dict[str, PostRoute] | None = None,
     ) -> None:
+        self.metrics = metrics
+        self.routes = dict(routes or {})
         self.alive = alive
         self._ready = ready
-        self.metrics = metrics
         #: Set first at shutdown, so ``/readyz`` fails before anything stops.
         self.draining = threading.Event()
         self._httpd = _Httpd((host, port), _Handler)
@@ -139,7 +170,7 @@ class HealthServer:
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
             kwargs={"poll_interval": 0.2},
-            name="broker-lookup-http",
+            name=name,
             daemon=True,
         )
 
@@ -148,9 +179,10 @@ class HealthServer:
         """The bound port."""
         return int(self._httpd.server_address[1])
 
-    def start(self) -> None:
+    def start(self) -> Endpoint:
         """Start serving."""
         self._thread.start()
+        return self
 
     def not_ready(self) -> str | None:
         """The ``/readyz`` answer: None when ready, else why not."""

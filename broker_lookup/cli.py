@@ -7,9 +7,10 @@ one is a new entry, without touching the others::
 
     COMMANDS["acl"] = Subcommand("print ACL users ...", _setup_acl, _run_acl)
 
-This module and the subcommands' modules are the only places logging is configured
-on the scheduler side; ``broker_lookup`` never imports ``workers``: ``worker`` execs
-``python -m workers``.
+It sits on top of the package: it imports ``ops`` and ``tools`` (each only when its
+subcommand runs), nothing in the package imports it. This module and the subcommands'
+modules are the only places logging is configured on the scheduler side;
+``broker_lookup`` never imports ``workers``: ``worker`` execs ``python -m workers``.
 """
 
 from __future__ import annotations
@@ -23,50 +24,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from broker_lookup.config import env_name
-from broker_lookup.processes import ExitCode, child_env, python_module
+from broker_lookup.processes import ExitCode, bounded, child_env, python_module
 
 if TYPE_CHECKING:
     from broker_lookup.config import LookupConfig
 
-__all__ = ["COMMANDS", "Subcommand", "bounded", "build_parser", "main"]
+__all__ = ["COMMANDS", "Subcommand", "build_parser", "main"]
 
 _URL_HELP = f"Redis URL (default: {env_name('redis_url')})"
-
-
-def bounded(
-    kind: Callable[[str], float], low: float, high: float | None = None, *, above: bool = False
-) -> Callable[[str], float]:
-    """An argparse ``type``: ``kind`` of the text, refused unless ``>= low`` (``> low`` with
-    ``above``) and ``<= high``; argparse's error then names the flag and the value.
-
-    >>> bounded(int, 0, 65535)("70000")
-    Traceback (most recent call last):
-    argparse.ArgumentTypeError: 70000 is not in [0, 65535]
-    """
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not {_KINDS.get(kind, 'valid')}"
-            ) from None
-        if (
-            value != value
-            or (value <= low if above else value < low)
-            or (high is not None and value > high)
-        ):
-            rule = f"> {low:g}" if above else f">= {low:g}"
-            if high is not None:
-                rule = f"in {'(' if above else '['}{low:g}, {high:g}]"
-            raise argparse.ArgumentTypeError(f"{text} is not {rule}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the kind in its message with it
-    return parse
-
-
-_KINDS: dict[object, str] = {int: "an integer", float: "a number"}
 
 
 def _engine_id(text: str) -> str:
@@ -403,8 +368,11 @@ def _setup_acl(p: argparse.ArgumentParser) -> None:
 def _run_acl(args: argparse.Namespace) -> int:
     from broker_lookup.errors import ConfigError
     from broker_lookup.ops.acl import acl_file, acl_line
+    from broker_lookup.protocol.keys import validate_configured_id
 
     try:
+        if args.engine_id is not None:  # a configured id: its users reach its instances
+            validate_configured_id(args.engine_id, "--engine-id")
         if args.role is None:
             if args.engine_id is None or args.user or args.password_stdin or args.password_sha256:
                 raise ConfigError(

