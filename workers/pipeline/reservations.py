@@ -50,6 +50,7 @@ class _Held:
     until: float
     last_hash: int  #: the last reserved chunk's hash: a lookup of the prompt holds it
     index: int  #: ... at this chunk index
+    tokens: int  #: the prefix pinned
     lookups: set[str] = field(default_factory=set)  #: lookups of the prompt under way
 
 
@@ -88,8 +89,9 @@ class Reservations:
             return 0
         owner = OWNER_PREFIX + req.query_id
         with self._lock:
-            if owner in self._held:
-                return 0  # a re-read entry (after a reconnect): already held
+            held = self._held.get(owner)
+            if held is not None:  # a re-read entry (after a reconnect): the same answer
+                return held.tokens
             if len(self._held) >= self._capacity:
                 self._count_locked("refused_full")
                 return 0
@@ -105,12 +107,13 @@ class Reservations:
             self._release_owner(owner, None)
             return 0
         until = self._clock() + min(req.reserve_ms, MAX_RESERVE_MS) / 1000
-        held = _Held(owner, until, req.hashes[chunks - 1], chunks - 1)
+        reserved = sum(req.offsets[:chunks])
+        held = _Held(owner, until, req.hashes[chunks - 1], chunks - 1, reserved)
         with self._lock:
             self._held[owner] = held
             self._by_hash.setdefault(held.last_hash, set()).add(owner)
             self._count_locked("reserved")
-        return sum(req.offsets[:chunks])
+        return reserved
 
     def arrived(self, lookup_id: str, hashes: list[int]) -> None:
         """The engine starts ``lookup_id``: a reservation of its prompt is released once
