@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import http.client
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,3 +102,33 @@ def test_no_other_http_server_in_the_product() -> None:
         if "BaseHTTPRequestHandler" in path.read_text()
     )
     assert defining == ["broker_lookup/ops/endpoint.py"]
+
+
+def test_post_routes_answer_and_a_failing_one_is_a_500() -> None:
+    def echo(body: bytes) -> tuple[int, bytes, str]:
+        return 200, body.upper(), "text/plain"
+
+    def broken(body: bytes) -> tuple[int, bytes, str]:
+        raise RuntimeError("a bug")
+
+    endpoint = Endpoint(
+        "127.0.0.1", 0, lambda: (200, b"", "text/plain"), routes={"/e": echo, "/b": broken}
+    ).start()
+    try:
+
+        def post(path: str) -> tuple[int, bytes]:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{endpoint.port}{path}", data=b"hi", method="POST"
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=5) as reply:
+                    return reply.status, reply.read()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read()
+
+        assert post("/e") == (200, b"HI")
+        assert post("/b")[0] == 500
+        assert post("/nowhere")[0] == 404
+        assert post("/e") == (200, b"HI")  # it still serves
+    finally:
+        assert endpoint.stop()
