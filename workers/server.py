@@ -241,7 +241,13 @@ class RedisAsyncLookupServer:
         sizes = self.lifecycle.sizes()
         return RankStats(
             rank=self.rank,
-            counts={**dispatcher.counts(), **self.lifecycle.events()},
+            counts={
+                **dispatcher.counts(),
+                **self.lifecycle.events(),
+                **{"probe_" + k: v for k, v in self.prober.counts.items()},
+                **{"reservation_" + k: v for k, v in self.reservations.counts.items()},
+                "reservations_held": len(self.reservations),
+            },
             running=sizes["running"],
             reporting=sizes["reporting"],
             held=sizes["held"],

@@ -170,7 +170,29 @@ WORKER_METRICS: dict[str, tuple[str, str]] = {
         "Keep entries of partial answers handled: kept, unknown (no such generation "
         "here), unsupported (the engine has no keep_memory_objs).",
     ),
+    "broker_lookup_worker_probes_total": (
+        "counter",
+        "Fleet-query probes and reserves answered, by result: ok, unsupported (the engine cannot look "
+        "up without a load), error (the engine raised), malformed (ignored).",
+    ),
+    "broker_lookup_worker_reservations_total": (
+        "counter",
+        "Reservations for routed requests, by result: reserved, refused_full, released_ttl, "
+        "released_lookup, released_shutdown, unsupported, engine_errors.",
+    ),
+    "broker_lookup_worker_reservations": ("gauge", "Reservations the rank holds now."),
 }
+#: Probe results and reservation events (``probe_<result>``, ``reservation_<event>`` counts).
+_PROBE_RESULTS = ("ok", "unsupported", "error", "malformed")
+_RESERVATION_EVENTS = (
+    "reserved",
+    "refused_full",
+    "released_ttl",
+    "released_lookup",
+    "released_shutdown",
+    "unsupported",
+    "engine_errors",
+)
 
 
 #: Metrics of the process, exported by both collectors: name -> (type, help).
@@ -442,6 +464,10 @@ class ServerCollector(Collector):
         )
         keeps = {r: counts.get("keep_" + r, 0) for r in _KEEP_RESULTS}
         yield self._by_label("broker_lookup_worker_keeps_total", "result", rank, keeps)
+        probes = {r: counts.get("probe_" + r, 0) for r in _PROBE_RESULTS}
+        yield self._by_label("broker_lookup_worker_probes_total", "result", rank, probes)
+        events = {e: counts.get("reservation_" + e, 0) for e in _RESERVATION_EVENTS}
+        yield self._by_label("broker_lookup_worker_reservations_total", "result", rank, events)
         by_reason = consumer.dead_letter_reasons or {"all": consumer.dead_letters}
         yield self._by_label("broker_lookup_worker_dead_letters_total", "reason", rank, by_reason)
         yield self._by_label(
@@ -464,6 +490,7 @@ class ServerCollector(Collector):
             "broker_lookup_worker_expired_total": counts.get("expired", 0),
             "broker_lookup_worker_aborts_total": counts.get("aborts", 0),
             "broker_lookup_worker_engine_errors_total": counts.get("engine_errors", 0),
+            "broker_lookup_worker_reservations": counts.get("reservations_held", 0),
             "broker_lookup_worker_redis_errors_total": consumer.redis_errors + st.reporter_errors,
             "broker_lookup_worker_group_pending": consumer.pending,
             "broker_lookup_worker_group_lag": consumer.lag,

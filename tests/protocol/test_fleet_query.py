@@ -21,12 +21,14 @@ import pytest
 from faultkit import CHUNK, alive, config, prompt, ready
 from faultkit import answer as answer_of
 from helpers import Backend, Made, wait_until
+from prometheus_client import CollectorRegistry, generate_latest
 
 from broker_lookup import FleetClient, LookupMetadata, RedisAsyncLookupClient
 from broker_lookup.cli import main
 from broker_lookup.ops.exporter import ExporterServer, FleetCollector
 from broker_lookup.ops.inspect import render as render_report
 from broker_lookup.ops.inspect import snapshot
+from broker_lookup.ops.metrics import ServerCollector
 from broker_lookup.ops.query_cli import query_route
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace, instance_engine_id
@@ -293,6 +295,16 @@ def test_reserve_pins_the_best_engines_prefix_until_its_ttl(fleet: Fleet, engine
     wait_until(lambda: _pinned(kept) == 0, timeout=5, message="released at its TTL")
     assert server.reservations.counts == {"reserved": 1, "released_ttl": 1}
     assert len(server.reservations) == 0
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServerCollector(server))
+    scraped = generate_latest(registry).decode()
+    for line in (
+        'broker_lookup_worker_reservations_total{rank="0",result="reserved"} 1.0',
+        'broker_lookup_worker_reservations_total{rank="0",result="released_ttl"} 1.0',
+        'broker_lookup_worker_reservations{rank="0"} 0.0',
+        'broker_lookup_worker_probes_total{rank="0",result="ok"} 2.0',  # the query, the reserve
+    ):
+        assert line in scraped, line
 
 
 def test_the_engines_own_lookup_of_the_prompt_takes_the_reservation_over(
