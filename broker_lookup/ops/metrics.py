@@ -172,8 +172,8 @@ WORKER_METRICS: dict[str, tuple[str, str]] = {
     ),
     "broker_lookup_worker_probes_total": (
         "counter",
-        "Fleet-query probes and reserves answered, by result: ok, unsupported (the engine cannot look "
-        "up without a load), error (the engine raised), malformed (ignored).",
+        "Fleet-query probes and reserves answered, by result: ok, unsupported (the engine "
+        "cannot look up without a load), error (the engine raised), malformed (ignored).",
     ),
     "broker_lookup_worker_reservations_total": (
         "counter",
