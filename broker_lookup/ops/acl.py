@@ -69,6 +69,8 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         "del",  # its heartbeat
         "hgetall",
         "hdel",  # the fingerprint hash
+        "xread",
+        "rpush",  # the fleet query: its probe stream, and the answers (with pexpire)
         *_OWNERSHIP,
     ),
     # Read-only: ``broker-lookup inspect`` and the redis-cli commands of docs/deploy.md.

@@ -34,6 +34,8 @@ SCHEDULER_EXTRA = {"evalsha", "script|load", "xread", "xrevrange", "mget", "hget
 WORKER_EXTRA = {
     *"evalsha script|load xgroup|create xreadgroup xack xinfo|groups set hexists".split(),
     *"hgetall hdel".split(),
+    # The fleet query: a rank reads its engine's probe stream and RPUSHes its answers.
+    *"xread rpush".split(),
 }
 #: redis-py >= 5 sends CLIENT SETINFO on every connect and ignores a refusal. The
 #: command (and so an ACL rule naming it) exists only from Redis 7.2, and the file must

@@ -24,6 +24,7 @@ from helpers import command, wait_until
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from broker_lookup import ChunkedTokenHasher, FleetClient
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata
 from broker_lookup.ops.inspect import run_inspect
@@ -229,6 +230,32 @@ def test_partial_answers_run_under_the_shipped_users(
             engine.close(timeout_s=1.0)
     assert _denials(admin) == []
     assert client.stats().redis_errors == 0
+
+
+def test_ranks_answer_the_fleet_query_under_the_shipped_worker_user(
+    acl_server: tuple[EmbeddedServer, redis.Redis], engine_id: str
+) -> None:
+    """The probe stream (XREAD) and the answers (RPUSH, PEXPIRE) need nothing more; the
+    querier is a test admin (the shipped file has no router user)."""
+    server, admin = acl_server
+    engine = ReferenceEngine()
+    fleet = FleetClient(
+        LookupConfig(redis_url=f"redis://{ADMIN[0]}:{ADMIN[1]}@127.0.0.1:{server.port}/0", **FAST)
+    )
+    hashes, offsets = ChunkedTokenHasher(fleet.config).hashes_and_offsets(TOKENS)
+    engine.store(hashes[:3], offsets[:3])
+    meta = LookupMetadata(engine_id=engine_id, world_size=1)
+    rank = RedisAsyncLookupServer(engine, meta, _config(server, "worker"))
+    try:
+        wait_until(lambda: rank.ready and rank.prober.reading.is_set(), timeout=10)
+        answer = fleet.query(TOKENS, engines=[engine_id], deadline_ms=3000, reserve_ms=200)
+        assert [(e.tokens, e.reserved, e.reason) for e in answer.engines] == [(12, 12, None)]
+        wait_until(lambda: len(rank.reservations) == 0, timeout=10)
+    finally:
+        fleet.close()
+        rank.close()
+        engine.close()
+    assert _denials(admin) == []
 
 
 @pytest.mark.parametrize("user", ["scheduler", "worker"])
