@@ -40,6 +40,7 @@ EXAMPLES: dict[str, list[str]] = {
     "eval": ["EVAL", "return 1", "1", f"{K}:lookup:1"],
     "script|load": ["SCRIPT", "LOAD", "return 1"],
     "xread": ["XREAD", "COUNT", "1", "STREAMS", f"{K}:done", "0"],
+    "rpush": ["RPUSH", f"{K}:probe:q1", "answer"],
     "xadd": ["XADD", f"{K}:requests", "*", "f", "v"],
     "xtrim": ["XTRIM", f"{K}:requests", "MAXLEN", "~", "1000"],
     "hmget": ["HMGET", f"{K}:lookup:1", "state", "result"],
