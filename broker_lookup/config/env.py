@@ -64,7 +64,7 @@ OTHER_VARIABLES: dict[str, str] = {
     env_name("test_lmcache"): "tests: the LMCache tests must run on this LMCache version (CI)",
     env_name("helm"): "tests: the helm binary",
     env_name("test_prometheus"): "tests: the prometheus binary the scrape tests run",
-    env_name("demo_cpu_connector"): "demo --vllm: 1 in its vLLM child: the CPU connector",
+    env_name("cpu_connector"): "try-out: 1: the vLLM plugin installs the CPU KV connector",
 }
 
 # Kubernetes "service links" put <SERVICE>_SERVICE_HOST, <SERVICE>_PORT=tcp://... and the like

