@@ -5,7 +5,9 @@ itself is never changed by another source."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -128,3 +130,23 @@ def test_the_switch_takes_the_url_from_the_config_file(tmp_path: Path) -> None:
     assert not broker_requested(plain, switch)
     assert broker_requested(plain, {**switch, CONFIG_FILE_ENV: str(path)})
     assert broker_requested(plain, {**switch, env_name("redis_url"): URL})
+
+
+def test_every_path_reads_the_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from broker_lookup import cli
+    from workers.runtime.runner import build_parser, resolve
+
+    env, lmc, _, _ = _sources(("file",), tmp_path)
+    for name in [n for n in os.environ if n.startswith("BROKER_LOOKUP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv(CONFIG_FILE_ENV, env[CONFIG_FILE_ENV])
+    configs = {
+        "LookupConfig.load": LookupConfig.load(environ=env),
+        "broker-lookup": cli._config(argparse.Namespace(redis_url=None)),
+        "python -m workers": resolve(
+            build_parser().parse_args(["--engine-id", "e", "--world-size", "1", "--rank", "0"]), env
+        ).base.config,
+        "the vLLM plugin": config_from_lmcache(lmc, _metadata(), environ=env)[0],
+    }
+    found = {path: getattr(config, FIELD) for path, config in configs.items()}
+    assert found == dict.fromkeys(configs, VALUES["file"])
