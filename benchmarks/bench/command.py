@@ -6,7 +6,7 @@ measured is the lookup path itself: client, Redis, server, and the hand-offs bet
 ``--vs-lmcache`` runs the same loops on LMCache 0.5.6's ZMQ client and server and adds
 the ratios. ``--quick`` is the CI smoke mode (world sizes 1 and 2, a few hundred
 lookups, small hashing sizes, well under a minute). ``--features-cost`` runs only the
-one-in-flight loop and the throughput loop with issue 13's client features (rank
+one-in-flight loop and the throughput loop with the client's optional features (rank
 insights, size-aware deadlines, partial answers) off and on, and prints both and the
 ratio (``features_cost.py``). ``--floor`` runs only the one-in-flight loop on ours and on
 the protocol's floor (``floor.py``: the same scripts and commands, none of the machinery),
@@ -385,7 +385,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Run the bench from parsed arguments: JSON to ``--out``, a table on stdout."""
     if getattr(args, "cluster", False):
         if args.out is None:
-            args.out = "bench-results.json"  # as before --out lost its default
+            args.out = "bench-results.json"  # the cluster bench always writes its results
         return cmd_cluster_bench(args)
     if getattr(args, "features_cost", False):
         return _cmd_features_cost(args)

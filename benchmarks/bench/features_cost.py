@@ -1,4 +1,4 @@
-"""``python -m benchmarks.bench --features-cost``: what issue 13's features cost per lookup.
+"""``python -m benchmarks.bench --features-cost``: the optional features' cost per lookup.
 
 Each round runs the same one-in-flight loop as the latency figure
 (:func:`measure.sequential_latency`), then the throughput figure's closed loop with

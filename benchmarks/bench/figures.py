@@ -1,4 +1,4 @@
-"""Issue 12's figures from ``python -m benchmarks.bench`` results: CPU per lookup on each side,
+"""The per-lookup figures of ``python -m benchmarks.bench`` results: CPU per lookup on each side,
 the ours / LMCache ratios, and the targets met or missed.
 
 CPU per lookup, one lookup in flight, comes from the latency runs: each process's CPU
@@ -73,7 +73,7 @@ def _side(side: dict[str, Any]) -> dict[str, Any]:
 
 
 def figures(results: dict[str, Any]) -> dict[str, Any]:
-    """Per-lookup figures of each side (µs, ms, lookups/s), as issue 12's table has them."""
+    """Per-lookup figures of each side (µs, ms, lookups/s), as the performance table shows them."""
     out: dict[str, Any] = {"ours": _side(results["ours"])}
     lm = results.get("lmcache")
     if lm:
@@ -199,7 +199,7 @@ def _one_in_flight_targets(worlds: list[str], lat: dict[str, Any]) -> list[dict[
 
 
 def _ratio_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 12's targets: ours / LMCache backoff 0 (value None without ``--vs-lmcache``)."""
+    """The ratio targets: ours / LMCache backoff 0 (value None without ``--vs-lmcache``)."""
     r = results.get("ratios", {}).get(RATIO_VARIANT, {})
     tput = results["ours"].get("throughput", {})
     out = _one_in_flight_targets(list(results["ours"]["latency"]), r.get("latency", {}))
@@ -229,5 +229,5 @@ def _ratio_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Every target with its measured value; ``met`` is None when not measured. Ratio targets
-    are ours / LMCache backoff 0 of the same run (issue 12), caller targets absolute."""
+    are ours / LMCache backoff 0 of the same run, caller targets absolute."""
     return _caller_targets(results) + _ratio_targets(results)

@@ -4,7 +4,7 @@ One bench run against another moves by about ±30 % on a small shared box, which
 change under 10 %. A paired run keeps both sides' ranks up at once on one server, drives
 each with our own client (so only the ranks differ), one lookup in flight at world 1, in
 alternating rounds of ``--lookups`` lookups (A then B, then B then A), and reads each rank
-process's CPU around each of its rounds. A drift of the box's load falls on both sides of
+process's CPU around each of its rounds. A drift of the machine's load falls on both sides of
 a round alike, so the median of the per-round ratios B / A is far steadier than either
 side's own figure. ``--paired ours,ours`` measures the harness's own spread on the day.
 

@@ -45,7 +45,7 @@ from broker_lookup.transport.connection import make_factory
 
 __all__ = ["FleetOptions", "run_fleet"]
 
-_TIMEOUT_MS = 3000  #: lookup_timeout_ms: the box runs many processes on few cores
+_TIMEOUT_MS = 3000  #: lookup_timeout_ms: the machine runs many processes on few cores
 _ENGINE_TTLS_MS = (15_000, 30_000, 60_000)  #: tried in turn where the build has a TTL
 _CONCURRENCY = 6  #: lookups each engine keeps in flight
 _STOP_S = 60.0  #: the whole fleet's stop at the end, at most

@@ -11,7 +11,7 @@ zero of another.
 
 Its client always reaches the server through a fault proxy of its own, so a crash can
 cut it; its ranks do only on a faulty engine (the proxies run in the soak's process, and
-the box has few cores). A stop is ordered (``term``: lookups drained, client closed,
+the machine has few cores). A stop is ordered (``term``: lookups drained, client closed,
 SIGTERM to the ranks) or a crash (``kill``: SIGKILL to the ranks and the client's link
 refused, with lookups in flight; they must still be answered, 0 being right then).
 """
@@ -37,7 +37,7 @@ from broker_lookup.tools.local_ranks import STOP_TIMEOUT_S
 
 __all__ = ["Engine", "FleetSetup"]
 
-_START_TIMEOUT_S = 120.0  #: the box is loaded: a rank's interpreter may take long to start
+_START_TIMEOUT_S = 120.0  #: the machine is loaded: a rank's interpreter may take long to start
 _DRAIN_GRACE_S = 3.0  #: past the hang limit, a drain gives up (those lookups are hangs)
 _EXIT_CHECK_S = 0.5  #: how often a running engine checks that its ranks are alive
 

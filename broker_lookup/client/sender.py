@@ -25,7 +25,7 @@ reply later: every :data:`DIRECT_CHECK_S` while any is unread, or first thing in
 next round trip. The reply only confirms (or, an error, answers 0); the ranks and the
 listener need nothing from it. The caller only *tries* the lock that orders the writes
 (``CallerWrites.offer``), and anything it cannot write at once (the lock busy,
-something queued, a full socket buffer) takes the queue as before, and so does a burst (a submit
+something queued, a full socket buffer) goes through the queue, and so does a burst (a submit
 within :data:`DIRECT_GAP_S` of the last one while that one is unanswered), which stays
 one pipelined batch. A torn write, a reset or a reply overdue by ``socket_timeout_ms``
 drops the connection, and the unanswered submits go back to the head of the queue:

@@ -4,40 +4,29 @@ Field names follow LMCache's ``LMCacheEngineConfig`` where LMCache has them, so 
 deployment can move its settings over unchanged. Every value is checked when the
 object is built; a bad one raises :class:`~broker_lookup.errors.ConfigError`
 naming the field, the value (secrets redacted) and where it came from: the flag, the
-file or the environment variable (built directly, its variable). Where values come
-from is :mod:`broker_lookup.config.sources`; the ``from_*`` constructors and
-:meth:`LookupConfig.load` here only validate what it read.
+file, the LMCache config or the environment variable (built directly, its variable).
+Where values come from, and in which order, is :mod:`broker_lookup.config.sources`:
+the ``from_*`` constructors and :meth:`LookupConfig.load` here are its functions.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from broker_lookup.config.sources import (
-    config_file,
-    env_credentials,
-    env_name,
-    env_origin,
-    env_settings,
-    environment,
-    file_origin,
-    flag_origin,
-    nearest,
-    parse_env,
-    read_file,
-    unknown_variables,
-)
+from broker_lookup.config.env import env_credentials, env_name, env_origin
 from broker_lookup.config.urls import given_credentials, redact_url, url_problem
 from broker_lookup.errors import ConfigError
 from broker_lookup.protocol.keys import validate_configured_id, validate_engine_id
+
+if TYPE_CHECKING:
+    from broker_lookup.config import sources
 
 __all__ = [
     "ENGINE_TTL_MAX_MS",
@@ -48,7 +37,6 @@ __all__ = [
 ]
 
 
-_AT_FIELD = re.compile(r" - at `\$\.([a-z_]+)`")
 #: Fields that must be > 0.
 _POSITIVE = (
     "chunk_size lookup_timeout_ms socket_timeout_ms block_ms heartbeat_interval_ms "
@@ -65,7 +53,8 @@ _ENV_READ: ContextVar[bool] = ContextVar("_ENV_READ", default=False)
 
 
 @contextmanager
-def _env_read() -> Iterator[None]:
+def environment_read() -> Iterator[None]:
+    """Within it, configs are built from values a loader already read from the environment."""
     token = _ENV_READ.set(True)
     try:
         yield
@@ -496,11 +485,15 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         (each submit sets its own lookup's deadline plus grace)."""
         return self.longest_timeout_ms + self.key_grace_ms
 
+    # The loaders live in config.sources (which imports this module): each method here is
+    # one of its functions, so every path loads in the one order it documents.
+
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "mapping") -> LookupConfig:
         """Build from plain values (a parsed file), lax about str/int forms; unknown keys fail."""
-        _refuse_unknown(values, source)
-        return _build(cls, dict(values), dict.fromkeys(values, source))
+        from broker_lookup.config import sources
+
+        return sources.from_mapping(cls, values, source)
 
     @classmethod
     def from_env(
@@ -510,18 +503,19 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
 
         Raises:
             ConfigError: A bad value, or a ``BROKER_LOOKUP_*`` variable that is neither a
-                field's nor one of ``sources.OTHER_VARIABLES`` (a misspelling).
+                field's nor one of ``env.OTHER_VARIABLES`` (a misspelling).
         """
-        values = msgspec.structs.asdict(base) if base is not None else {}
-        origins: dict[str, str] = {}
-        _read_env(values, origins, environ)
-        return _build(cls, values, origins, env_read=True)
+        from broker_lookup.config import sources
+
+        return sources.from_env(cls, environ, base)
 
     @classmethod
     def from_file(cls, path: str | Path) -> LookupConfig:
         """Load a YAML (``.yaml``/``.yml``) or TOML (``.toml``) file of config fields."""
+        from broker_lookup.config import sources
+
         p = Path(path)
-        return cls.from_mapping(read_file(p), source=file_origin(p))
+        return cls.from_mapping(sources.read_file(p), source=sources.file_origin(p))
 
     @classmethod
     def load(
@@ -529,106 +523,23 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
         path: str | Path | None = None,
         environ: Mapping[str, str] | None = None,
         *,
+        lmcache: sources.Given | None = None,
         flags: Mapping[str, str] | None = None,
         **fields: Any,
     ) -> LookupConfig:
-        """The defaults, overridden by the file (``path``, or ``BROKER_LOOKUP_CONFIG_FILE``),
-        then by the ``BROKER_LOOKUP_*`` variables, then by ``flags`` (field -> the text a
-        command-line flag gave), then by ``fields`` (keywords, as ``LookupConfig(...)``
-        takes them). Validated once, so an error names where its value came from.
+        """The config from every source, each overriding the one before: the defaults, the
+        file (``path``, or ``BROKER_LOOKUP_CONFIG_FILE``), the LMCache config (``lmcache``,
+        as the LMCache integration reads it), the ``BROKER_LOOKUP_*`` variables, ``flags``
+        (field -> the text a command-line flag gave), then ``fields`` (keywords, as
+        ``LookupConfig(...)`` takes them). Validated once, so an error names where its
+        value came from (see :mod:`broker_lookup.config.sources`).
 
         >>> LookupConfig.load(environ={}, redis_url="redis://cache:6379/0").redis_url
         'redis://cache:6379/0'
         """
-        env = environment(environ)
-        path = path or config_file(env)
-        values: dict[str, Any] = {}
-        origins: dict[str, str] = {}
-        if path:
-            p = Path(path)
-            given = read_file(p)
-            _refuse_unknown(given, file_origin(p))
-            values.update(given)
-            origins.update(dict.fromkeys(given, file_origin(p)))
-        _read_env(values, origins, env)
-        types = {info.name: info.type for info in msgspec.structs.fields(cls)}
-        for field, raw in (flags or {}).items():
-            origins[field] = flag_origin(field)
-            values[field] = parse_env(field, raw, types[field], origins[field])
-        _refuse_unknown(fields, "LookupConfig.load()")
-        values.update(fields)
-        origins.update({f: f"LookupConfig.load({f}=...)" for f in fields})
-        return _build(cls, values, origins, env_read=True)
+        from broker_lookup.config import sources
 
-
-def _refuse_unknown(values: Mapping[str, Any], source: str) -> None:
-    fields = LookupConfig.__struct_fields__
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        named = ", ".join(name + nearest(name, fields) for name in unknown)
-        raise ConfigError(f"unknown config field(s) in {source}: {named}")
-
-
-def _read_env(
-    values: dict[str, Any], origins: dict[str, str], environ: Mapping[str, str] | None
-) -> None:
-    """Put every ``BROKER_LOOKUP_<FIELD>`` set into ``values``; refuse a misspelt one."""
-    fields = msgspec.structs.fields(LookupConfig)
-    unknown = unknown_variables((info.name for info in fields), environ)
-    if unknown:
-        raise ConfigError(
-            f"unknown environment variable(s): {', '.join(unknown)}; a setting is "
-            f"BROKER_LOOKUP_<FIELD> for a field of LookupConfig"
-        )
-    types = {info.name: info.type for info in fields}
-    for name, raw in env_settings(fields, environ).items():
-        origins[name] = env_origin(name)
-        values[name] = parse_env(name, raw, types[name], origins[name])
-
-
-def _build(
-    cls: type[LookupConfig],
-    values: dict[str, Any],
-    origins: Mapping[str, str],
-    *,
-    env_read: bool = False,
-) -> LookupConfig:
-    """``cls`` from ``values`` (lax about str/int forms); an error names the origin of the
-    value at fault (``origins``: field -> where it came from). ``env_read``: ``values``
-    hold what the environment gives, so credentials are not looked up there again."""
-    try:
-        if env_read:
-            with _env_read():
-                return msgspec.convert(values, cls, strict=False)
-        return msgspec.convert(values, cls, strict=False)
-    except msgspec.ValidationError as exc:
-        raise _located(exc, values, origins) from None
-
-
-def _located(
-    exc: msgspec.ValidationError, values: Mapping[str, Any], origins: Mapping[str, str]
-) -> ConfigError:
-    """``exc`` as a ConfigError naming the field, the (redacted) value and its origin."""
-    cause = exc.__cause__
-    if isinstance(cause, ConfigError):  # raised by a check (msgspec wraps it)
-        if cause.field is None:
-            return cause
-        where = origins.get(cause.field, "the default")
-        if cause.other is not None:
-            there = origins.get(cause.other, "the default")
-            other = (cause.other, cause.other_shown)
-            return _bad(
-                cause.field, cause.shown, cause.problem, where, other=other, other_origin=there
-            )
-        return _bad(cause.field, cause.shown, cause.problem, where)
-    text = str(exc)
-    found = _AT_FIELD.search(text)
-    if found is None or found.group(1) not in values:
-        return ConfigError(f"invalid config: {text}")
-    field = found.group(1)
-    why = _AT_FIELD.sub("", text)
-    shown = _shown(field, values[field])
-    return _bad(field, shown, f"has the wrong type: {why}", origins.get(field, "the default"))
+        return sources.load(cls, path, environ, lmcache=lmcache, flags=flags, fields=fields)
 
 
 class LookupMetadata(_Validated, frozen=True, kw_only=True):

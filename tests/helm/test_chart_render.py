@@ -38,7 +38,7 @@ CRD_KINDS = {
 }
 #: The reference-engine workers, off by default (a vLLM fleet's pods host their ranks).
 REF = "referenceWorkers.enabled=true"
-#: One password for the default user, as before ACL users (an existing server's Secret).
+#: One password for the default user, no ACL users (an existing server's Secret).
 NOACL = "auth.acl.enabled=false"
 
 SCENARIOS: dict[str, dict[str, Any]] = {

@@ -70,8 +70,6 @@ def test_every_lmcache_field_is_carried_over(lmc: SimpleNamespace, make_metadata
 def test_broker_knobs_come_from_prefixed_extra_config(
     lmc: SimpleNamespace, make_metadata: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("BROKER_LOOKUP_BLOCK_MS", "300")  # env is the base ...
-    monkeypatch.setenv("BROKER_LOOKUP_CHUNK_SIZE", "8")  # ... but never beats LMCache's fields
     extra = {
         "lookup_broker_url": URL,
         "lookup_broker_block_ms": 150,
@@ -82,8 +80,14 @@ def test_broker_knobs_come_from_prefixed_extra_config(
     config, _ = convert(lmc, make_metadata(), chunk_size=32, extra_config=extra)
     assert config.block_ms == 150 and config.socket_timeout_ms == 4000
     assert config.redis_password == "s3cret" and config.chunk_size == 32
-    config, _ = convert(lmc, make_metadata(), extra_config={"lookup_broker_url": URL})
-    assert config.block_ms == 300
+    monkeypatch.setenv("BROKER_LOOKUP_BLOCK_MS", "300")  # the environment comes after LMCache
+    config, _ = convert(lmc, make_metadata(), chunk_size=32, extra_config=extra)
+    assert config.block_ms == 300 and config.socket_timeout_ms == 4000
+    monkeypatch.setenv("BROKER_LOOKUP_CHUNK_SIZE", "8")  # but never changes LMCache's fields
+    with pytest.raises(ConfigError, match=r"chunk_size=8 \(env BROKER_LOOKUP_CHUNK_SIZE\) "):
+        convert(lmc, make_metadata(), chunk_size=32, extra_config=extra)
+    monkeypatch.setenv("BROKER_LOOKUP_CHUNK_SIZE", "32")  # the same value is no conflict
+    assert convert(lmc, make_metadata(), chunk_size=32, extra_config=extra)[0].chunk_size == 32
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@
   once the beat learns it, and recorded;
 * a report fenced because another process took the rank over is not sent again; but a job
   whose progress reached Redis keeps that prefix pinned (a partial answer may stand on
-  it), while one without progress is released as before.
+  it), while one without progress is released.
 
 The beat is stopped in these tests, and renewed by hand, so each step is decided by the
 test and not by a timer.

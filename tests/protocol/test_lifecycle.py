@@ -1,5 +1,6 @@
 """The rank's lifecycle of a lookup id against a real stream, on fakeredis and a real server:
-an engine that never reports, the generation race of issue 9, clock skew, NOGROUP.
+an engine that never reports, the generation race (a new lookup under a reused id), clock
+skew, NOGROUP.
 
 Lookups are written the way the client writes them (a ``pending`` hash and a stream
 entry), so each test controls exactly which generation the hash holds when.

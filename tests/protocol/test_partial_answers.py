@@ -1,4 +1,4 @@
-"""Partial answers at the deadline and deadlines that scale with the prompt (issue 13),
+"""Partial answers at the deadline and deadlines that scale with the prompt,
 on fakeredis and on a real server.
 
 One rank holds the whole prompt in memory; the other holds its first chunks in memory

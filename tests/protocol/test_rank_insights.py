@@ -1,4 +1,4 @@
-"""Issue 13, parts 1 and 2: which rank was slow, and ranks that disagree (both backends).
+"""Rank insights: which rank was slow, and ranks that disagree (both backends).
 
 The stamps come from the server's ``TIME`` inside ``submit.lua`` and ``report.lua``; the
 client's listener turns each completion entry into per-rank figures

@@ -202,7 +202,7 @@ def test_short_prompt_answers_zero_without_a_round_trip(
 ) -> None:
     client = make_client()
     assert client.lookup([1, 2, 3], "tiny") == 0
-    # Recorded like any finished lookup: its 0 stays until cleared (issue 9, item 2).
+    # Recorded like any finished lookup: its 0 stays until cleared.
     assert client.lookup_cache("tiny") == 0
     assert client.stats().outcomes["miss"] == 1
     assert not backend.factory().exists(KeySpace(engine_id).lookup("tiny"))

@@ -130,7 +130,7 @@ _PER_LOOKUP = {"rank_cpu_us_per_rank", "scheduler_cpu_us", "e2e_p50_ms", "e2e_p9
 
 
 def _check_figures(side: dict[str, Any], worlds: tuple[int, ...], redis_too: bool) -> None:
-    """Issue 12's per-lookup figures of one side: every world, CPU with 1,000 in flight."""
+    """The per-lookup figures of one side: every world, CPU with 1,000 in flight."""
     assert set(side["one_in_flight"]) == {str(w) for w in worlds}
     for world, row in side["one_in_flight"].items():
         assert _PER_LOOKUP <= set(row) and ("redis_cpu_us" in row) == redis_too

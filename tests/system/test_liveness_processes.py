@@ -29,7 +29,7 @@ import pytest
 from faultkit import FAST, MakeLookupClient, alive, answer, config, prompt
 from helpers import RealServer
 
-from broker_lookup.config.sources import env_name
+from broker_lookup.config.env import env_name
 from broker_lookup.processes import child_env
 from faultproxy.proxy import FaultProxy
 

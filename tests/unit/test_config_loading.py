@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from broker_lookup.config import LookupConfig, env_name
-from broker_lookup.config.sources import OTHER_VARIABLES
+from broker_lookup.config.env import OTHER_VARIABLES
 from broker_lookup.errors import ConfigError
 
 # -- environment ---------------------------------------------------------------------------
@@ -277,7 +277,7 @@ def test_every_variable_the_repository_uses_is_a_field_or_listed() -> None:
         for name, where in used.items()
         if name not in fields and name not in OTHER_VARIABLES and name not in _NOT_VARIABLES
     }
-    assert not stray, f"add these to config.sources.OTHER_VARIABLES (or make them fields): {stray}"
+    assert not stray, f"add these to config.env.OTHER_VARIABLES (or make them fields): {stray}"
 
 
 # -- credentials and keyword overrides -----------------------------------------------------

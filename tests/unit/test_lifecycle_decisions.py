@@ -1,5 +1,6 @@
 """The rank's per-lookup lifecycle (running -> reporting -> held -> released), without Redis
-or an engine: every decision and engine step, including the generation races of issue 9."""
+or an engine: every decision and engine step, including the generation races (a new
+lookup under a reused id)."""
 
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def test_abort_of_the_waiting_generation_drops_it() -> None:
 
 
 def test_stale_answer_of_the_old_generation_never_releases_the_new_one() -> None:
-    # Issue 9 item 6: gen 1 reports; gen 2 arrives before gen 1's report settles. Gen 1's
+    # gen 1 reports; gen 2 arrives before gen 1's report settles. Gen 1's
     # answer comes back "stale" (the hash holds gen 2 now): releasing it must be the
     # release of gen 1, before gen 2 reaches the engine, never a release of gen 2.
     t = lifecycle()

@@ -1,5 +1,5 @@
 """ReferenceEngine's optional partial-answer contract: progress while it loads, and
-keeping exactly a prefix of what it pinned (issue 13)."""
+keeping exactly a prefix of what it pinned."""
 
 from __future__ import annotations
 

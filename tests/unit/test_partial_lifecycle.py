@@ -1,4 +1,4 @@
-"""Progress and keeps in the rank's lifecycle (issue 13, partial answers): no Redis, no
+"""Progress and keeps in the rank's lifecycle (partial answers): no Redis, no
 engine; what each input decides and which engine step follows."""
 
 from __future__ import annotations

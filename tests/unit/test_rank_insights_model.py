@@ -1,5 +1,5 @@
 """Rank insights without a server: the decoder, :class:`RankInsights`, the metric families
-and ``inspect``'s per-rank table (issue 13, parts 1 and 2)."""
+and ``inspect``'s per-rank table."""
 
 from __future__ import annotations
 

