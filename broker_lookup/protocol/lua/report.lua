@@ -14,10 +14,14 @@
 --            changes; the rank keeps at most that prefix pinned, as was promised)
 --          | unknown_rank | invalid (hits not in 0..tokens)
 -- Never creates the key, so a late report cannot resurrect a lookup without a TTL.
--- Each command a script calls costs the server 1-3 µs, several times the Lua around it; every
--- rank runs this once per lookup: a report that does not complete the lookup makes
--- three (HMGET, TIME, HSET), the completing one seven. The script runs atomically, so
--- reading this rank's field in the first HMGET is as good as an HSETNX.
+-- Each command a script calls costs the server 3-5 µs, several times the Lua around it, and
+-- every rank runs this once per lookup: so one HGETALL reads everything a report decides on
+-- (its own field, the other ranks' for the completion), a report that does not complete
+-- the lookup makes two commands (HGETALL, HSET) and the completing one four (HGETALL, one
+-- HSET for its hits and the answer, PEXPIRE, XADD); TIME only with a submitted_us stamp.
+-- The script runs atomically, so reading this rank's field first is as good as an HSETNX.
+-- The done stream's TTL is refreshed by every live process's beat (lifetime.py): only an
+-- XADD that creates it sets it here.
 -- Fencing (one owner per rank): with KEYS[3] (the rank's lease key, owner:<r>) and
 -- ARGV[8] (the token the rank holds), nothing is recorded unless the lease holds that
 -- token, so an old owner that was paused or cut off while another took over changes
@@ -30,70 +34,76 @@ if KEYS[3] then
     return 'fenced'
   end
 end
-local own = 'r' .. ARGV[1]
-local st = redis.call('HMGET', KEYS[1], 'state', 'gen', 'expected', 'tokens', 'submitted_us',
-                      own)
-if not st[1] then return 'dropped' end
-if st[2] ~= ARGV[2] then return 'stale' end
+local flat = redis.call('HGETALL', KEYS[1])
+local h = {}
+for i = 1, #flat, 2 do h[flat[i]] = flat[i + 1] end
+if not h.state then return 'dropped' end
+if h.gen ~= ARGV[2] then return 'stale' end
 local ranks = {}
 local known = false
-for r in string.gmatch(st[3], '[^,]+') do
+for r in string.gmatch(h.expected, '[^,]+') do
   ranks[#ranks + 1] = r
   if r == ARGV[1] then known = true end
 end
 if not known then return 'unknown_rank' end
 local hits = tonumber(ARGV[3])
-if hits == nil or hits < 0 or hits > tonumber(st[4]) or hits ~= math.floor(hits) then
+if hits == nil or hits < 0 or hits > tonumber(h.tokens) or hits ~= math.floor(hits) then
   return 'invalid'
 end
-if st[6] then return 'duplicate' end
-if st[1] ~= 'pending' then
+local own = 'r' .. ARGV[1]
+if h[own] then return 'duplicate' end
+if h.state ~= 'pending' then
   -- A partial answer decided it: a late report must not complete it again.
-  return 'settled:' .. (redis.call('HGET', KEYS[1], 'result') or '0')
+  return 'settled:' .. (h.result or '0')
 end
-local stamp = st[5]
+h[own] = ARGV[3]
+local min = nil
+for i = 1, #ranks do
+  local v = tonumber(h['r' .. ranks[i]])
+  if not v then
+    min = nil
+    break
+  end
+  if min == nil or v < min then min = v end
+end
+local stamp = h.submitted_us
 local sec, us
 if stamp then
   sec = tonumber(string.sub(stamp, 1, -7))
   us = tonumber(string.sub(stamp, -6))
 end
+local timed = {own, ARGV[3]}
 if sec and us then
   -- Integer arithmetic on seconds and micros apart: no double ever holds the epoch µs.
   local t = redis.call('TIME')
   local elapsed = (tonumber(t[1]) - sec) * 1000000 + (tonumber(t[2]) - us)
   if elapsed < 0 then elapsed = 0 end  -- the server's clock stepped back
-  redis.call('HSET', KEYS[1], own, ARGV[3], 'l' .. ARGV[1], string.format('%d', elapsed))
+  h['l' .. ARGV[1]] = string.format('%d', elapsed)
+  timed = {own, ARGV[3], 'l' .. ARGV[1], h['l' .. ARGV[1]]}
 else
   stamp = nil
-  redis.call('HSET', KEYS[1], own, ARGV[3])
 end
-local names = {}
-for i = 1, #ranks do names[i] = 'r' .. ranks[i] end
-if stamp then
-  for i = 1, #ranks do names[#ranks + i] = 'l' .. ranks[i] end
+if min == nil then
+  redis.call('HSET', KEYS[1], unpack(timed))
+  return 'recorded'
 end
-local got = redis.call('HMGET', KEYS[1], unpack(names))
-local min = nil
-for i = 1, #ranks do
-  local v = tonumber(got[i])
-  if not v then return 'recorded' end
-  if min == nil or v < min then min = v end
-end
-redis.call('HSET', KEYS[1], 'state', 'done', 'result', min)
+redis.call('HSET', KEYS[1], 'state', 'done', 'result', min, unpack(timed))
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
+local entry
 if stamp then
   local seen = {}
   local lat = {}
   for i = 1, #ranks do
-    seen[i] = got[i]
-    lat[i] = got[#ranks + i] or ''
+    seen[i] = h['r' .. ranks[i]]
+    lat[i] = h['l' .. ranks[i]] or ''
   end
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[5], 'gen', ARGV[2],
-             'result', min, 'last', ARGV[1], 'ranks', st[3], 'hits', table.concat(seen, ','),
-             'lat', table.concat(lat, ','))
+  entry = {'id', ARGV[5], 'gen', ARGV[2], 'result', min, 'last', ARGV[1], 'ranks', h.expected,
+           'hits', table.concat(seen, ','), 'lat', table.concat(lat, ',')}
 else
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[5], 'gen', ARGV[2],
-             'result', min)
+  entry = {'id', ARGV[5], 'gen', ARGV[2], 'result', min}
 end
-redis.call('PEXPIRE', KEYS[2], ARGV[7])  -- the XADD may have created the stream
+if not redis.call('XADD', KEYS[2], 'NOMKSTREAM', 'MAXLEN', '~', ARGV[4], '*', unpack(entry)) then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(entry))
+  redis.call('PEXPIRE', KEYS[2], ARGV[7])  -- the XADD created the stream
+end
 return 'complete'

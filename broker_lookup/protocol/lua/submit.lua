@@ -11,6 +11,8 @@
 -- generation and changes nothing (no second entry, and the reports fast ranks already
 -- recorded stay). The DEL drops an older generation's hash: its late reports then find
 -- another gen and change nothing.
+-- Four commands a submit (HGET, HSET, PEXPIRE, XADD): each costs the server several times
+-- the same command sent plainly, so none is spent where nothing needs it.
 local held = redis.call('HGET', KEYS[1], 'gen')
 if held == ARGV[1] then
   return 'duplicate'
@@ -34,6 +36,12 @@ else
              'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
-local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(ARGV, 11))
-redis.call('PEXPIRE', KEYS[2], ARGV[10])
+-- The stream's TTL is the engine's, refreshed by every live process's beat (lifetime.py):
+-- only an XADD that creates the stream must set it, here, so nothing is left without one.
+local id = redis.call('XADD', KEYS[2], 'NOMKSTREAM', 'MAXLEN', '~', ARGV[7], '*',
+                      unpack(ARGV, 11))
+if not id then
+  id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(ARGV, 11))
+  redis.call('PEXPIRE', KEYS[2], ARGV[10])
+end
 return id
