@@ -35,7 +35,14 @@ from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError
 from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.scripts import Call, progress_call, report_call
+from broker_lookup.protocol.scripts import (
+    BatchItem,
+    Call,
+    progress_call,
+    report_answers,
+    report_batch_call,
+    report_call,
+)
 from broker_lookup.transport.batcher import Batcher
 from broker_lookup.transport.lease import Lease
 from broker_lookup.transport.link import Link
@@ -188,17 +195,18 @@ class Reporter(Batcher[Report]):
         """
         reports = batch.reports
         try:
-            commands, ahead = self._commands(batch)
+            calls, plan = self._calls(reports)
+            commands, ahead = self._commands(batch, calls)
             replies = link.call(commands, read)
             for reply in replies[:ahead]:
                 if isinstance(reply, ResponseError):
                     raise reply
             results = replies[ahead:]
-            # A script's answer is a bulk string; only something else can be NOSCRIPT.
+            # A script's answer is a bulk string or a batch's list; only an error can be
+            # NOSCRIPT.
             for result in results:
                 if type(result) is not bytes and is_noscript(result):
                     link.settle_read()  # the connection is needed now: take the read's reply
-                    calls = [self._call(r) for r in reports]
                     results = self._scripts.rerun_missing(link, client, calls, results)
                     break
         except (BrokerLookupError, RedisError):
@@ -206,17 +214,17 @@ class Reporter(Batcher[Report]):
                 self._enqueue(report)
             raise
         settle = self._settle
-        for report, result in zip(reports, results, strict=True):
+        for report, result in zip(reports, _spread(results, plan), strict=True):
             settle(report, result.decode() if type(result) is bytes else self._answer(result))
 
-    def _commands(self, batch: Served) -> tuple[list[Command], int]:
-        """``batch``'s commands in the order they are written, and how many of them come
-        before the reports' (the dead letters and the XACK)."""
+    def _commands(self, batch: Served, calls: list[Call]) -> tuple[list[Command], int]:
+        """``batch``'s commands (its reports' ``calls`` last) in the order they are written,
+        and how many of them come before the reports' (the dead letters and the XACK)."""
         ahead = len(batch.dead) + (1 if batch.ack_ids else 0)
         commands: list[Command] = list(batch.dead)
         if batch.ack_ids:
             commands.append(("XACK", self._stream, self._group, *batch.ack_ids))
-        commands += [self._scripts.command(self._call(r)) for r in batch.reports]
+        commands += [self._scripts.command(c) for c in calls]
         return commands, ahead
 
     # -- the queued path (this reporter's thread) -----------------------------------
@@ -246,12 +254,16 @@ class Reporter(Batcher[Report]):
 
     def _send_batch(self, client: redis.Redis, batch: list[Report]) -> None:
         self._await_lease(batch)
-        calls = [self._call(r) for r in batch]
+        calls, plan = self._calls(batch)
         results: list[Any] | None = None
-        for attempt in self._attempts(len(calls)):
+        for attempt in self._attempts(len(batch)):
             with attempt:
                 results = self._scripts.run(client, calls)
-        answers = ["error"] * len(batch) if results is None else [self._answer(r) for r in results]
+        answers = (
+            ["error"] * len(batch)
+            if results is None
+            else [self._answer(r) for r in _spread(results, plan)]
+        )
         for report, answer in zip(batch, answers, strict=True):
             self._settle(report, answer)
 
@@ -269,6 +281,37 @@ class Reporter(Batcher[Report]):
             lease.wait_held(max(0.0, deadline - time.monotonic()))
 
     # -- the script -------------------------------------------------------------------
+
+    def _calls(self, reports: list[Report]) -> tuple[list[Call], list[tuple[int, int]]]:
+        """The script calls that send ``reports``, and where each report's answer is: (the
+        call, its place in that call's answers, -1 for a call of its own). Two or more
+        final reports go in one ``report.lua`` batch (the fence read once, one script
+        call); progress reports each in a ``progress.lua`` call of their own."""
+        finals = [r for r in reports if not r.progress]
+        if len(finals) < 2:
+            return [self._call(r) for r in reports], [(i, -1) for i in range(len(reports))]
+        calls = [self._batch_call(finals)]
+        plan: list[tuple[int, int]] = []
+        place = 0
+        for report in reports:
+            if report.progress:
+                plan.append((len(calls), -1))
+                calls.append(self._call(report))
+            else:
+                plan.append((0, place))
+                place += 1
+        return calls, plan
+
+    def _batch_call(self, finals: list[Report]) -> Call:
+        return report_batch_call(
+            self._keys,
+            [BatchItem(r.lookup_id, r.gen, r.hits) for r in finals],
+            rank=self._rank,
+            done_maxlen=self._config.done_maxlen,
+            done_ttl_ms=self._config.key_grace_ms or 1,
+            engine_ttl_ms=self._config.engine_ttl_ms,
+            fence=self._lease.fence if self._lease is not None else None,
+        )
 
     def _call(self, report: Report) -> Call:
         # The fence of the moment the report is sent: a token this process holds now.
@@ -302,3 +345,14 @@ class Reporter(Batcher[Report]):
         self.errors += 1
         logger.error("rank %d: report script failed: %r", self._rank, result)
         return "error"
+
+
+def _spread(results: list[Any], plan: list[tuple[int, int]]) -> list[Any]:
+    """Each report's answer from its calls' ``results`` (:meth:`Reporter._calls`'s plan):
+    a batch call's list split, a failed batch's error given to each of its reports."""
+    counts: dict[int, int] = {}
+    for call, place in plan:
+        if place >= 0:
+            counts[call] = counts.get(call, 0) + 1
+    lists = {call: report_answers(results[call], n) for call, n in counts.items()}
+    return [results[call] if place < 0 else lists[call][place] for call, place in plan]

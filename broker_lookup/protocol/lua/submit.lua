@@ -27,13 +27,18 @@ if ARGV[9] == '1' then
   local t = redis.call('TIME')
   stamp = t[1] .. string.format('%06d', tonumber(t[2]))
 end
+-- owed and lowest let report.lua complete the lookup from its one read: the reports still
+-- owed, and the fewest hits reported so far (the prompt's tokens before any).
+local owed = 0
+for _ in string.gmatch(ARGV[2], '[^,]+') do owed = owed + 1 end
 if stamp then
   redis.call('HSET', KEYS[1], 'state', 'pending', 'gen', ARGV[1], 'expected', ARGV[2],
              'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8],
-             'submitted_us', stamp)
+             'owed', owed, 'lowest', ARGV[5], 'submitted_us', stamp)
 else
   redis.call('HSET', KEYS[1], 'state', 'pending', 'gen', ARGV[1], 'expected', ARGV[2],
-             'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8])
+             'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8],
+             'owed', owed, 'lowest', ARGV[5])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
 -- The stream's TTL is the engine's, refreshed by every live process's beat (lifetime.py):
