@@ -1,10 +1,12 @@
 """``python -m benchmarks.bench --redis-cost``: where Redis's CPU goes, per lookup.
 
 Per world size, with the one-in-flight loop and then the throughput loop (``window`` in
-flight), on a server of its own (statistics reset before each loop):
+flight), with no statistic reset (deltas; the slow log's settings are restored after):
 
 * ``INFO commandstats`` deltas per lookup: calls and µs of each command. A command a
   script calls counts under its own name too, and within the ``EVALSHA`` that ran it.
+  The µs are the server's wall clock per command: on a loaded box they run above
+  ``used_cpu``; the calls are exact.
 * per script: its share of the ``EVALSHA`` µs, from ``SLOWLOG`` at 0 µs (every command
   logged with its duration and its script's SHA1; the log keeps the last
   :data:`SLOWLOG_LEN` commands, so a long run is sampled at its end);
@@ -40,15 +42,20 @@ def floor_ops(world: int) -> int:
 
 
 class _Window:
-    """The server's counters from construction to :meth:`per_lookup`."""
+    """The server's counters from construction to :meth:`per_lookup`, as deltas: nothing
+    is reset, so a shared server's statistics stay whole; its slow-log settings are
+    restored at the end."""
 
     def __init__(self, server: redis.Redis) -> None:
         self._server = server
-        server.config_set("slowlog-log-slower-than", 0)
+        got: Any = server.config_get("slowlog-*")
+        self._slowlog = {k: got[k] for k in ("slowlog-log-slower-than", "slowlog-max-len")}
         server.config_set("slowlog-max-len", SLOWLOG_LEN)
-        server.slowlog_reset()
-        server.config_resetstat()
+        last: Any = server.execute_command("SLOWLOG", "GET", 1)
+        self._after_id = int(last[0][0]) if last else -1
+        server.config_set("slowlog-log-slower-than", 0)
         self._start = self._counters()
+        self._stats = _commandstats(server)
 
     def _counters(self) -> dict[str, float]:
         info: Any = self._server.info("all")
@@ -60,27 +67,36 @@ class _Window:
     def per_lookup(self, lookups: int, sha_names: dict[str, str]) -> dict[str, Any]:
         """Everything per lookup since construction (``lookups``: how many ran)."""
         now = self._counters()
-        info: Any = self._server.info("commandstats")
+        stats = _commandstats(self._server)
+        self._server.config_set("slowlog-log-slower-than", self._slowlog["slowlog-log-slower-than"])
         slow: Any = self._server.execute_command("SLOWLOG", "GET", SLOWLOG_LEN)
-        self._server.config_set("slowlog-log-slower-than", 10_000)
-        self._server.slowlog_reset()
+        self._server.config_set("slowlog-max-len", self._slowlog["slowlog-max-len"])
         n = max(1, lookups)
-        commands = {
-            name.removeprefix("cmdstat_"): {
-                "calls": round(stats["calls"] / n, 2),
-                "us": round(stats["usec"] / n, 2),
-            }
-            for name, stats in info.items()
-            if not name.startswith(("cmdstat_config", "cmdstat_slowlog", "cmdstat_info"))
-        }
+        commands = {}
+        for name, (calls, usec) in stats.items():
+            calls0, usec0 = self._stats.get(name, (0, 0))
+            if calls > calls0 and not name.startswith(("config", "slowlog", "info")):
+                commands[name] = {
+                    "calls": round((calls - calls0) / n, 2),
+                    "us": round((usec - usec0) / n, 2),
+                }
         evalsha_us = commands.get("evalsha", {}).get("us", 0.0)
+        fresh = [e for e in slow if int(e[0]) > self._after_id]
         return {
             "lookups": lookups,
             "redis_cpu_us": round((now["cpu"] - self._start["cpu"]) * 1e6 / n, 1),
             "commands": dict(sorted(commands.items(), key=lambda kv: -kv[1]["us"])),
-            "scripts": _script_split(slow, sha_names, evalsha_us),
+            "scripts": _script_split(fresh, sha_names, evalsha_us),
             "round_trips": round((now["reads"] - self._start["reads"]) / n, 2),
         }
+
+
+def _commandstats(server: redis.Redis) -> dict[str, tuple[int, int]]:
+    """Calls and µs so far per command (``INFO commandstats``)."""
+    info: Any = server.info("commandstats")
+    return {
+        name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for name, v in info.items()
+    }
 
 
 def _script_split(
