@@ -51,7 +51,7 @@ class _Window:
         got: Any = server.config_get("slowlog-*")
         self._slowlog = {k: got[k] for k in ("slowlog-log-slower-than", "slowlog-max-len")}
         server.config_set("slowlog-max-len", SLOWLOG_LEN)
-        last: Any = server.execute_command("SLOWLOG", "GET", 1)
+        last: Any = server.execute_command("SLOWLOG", "GET", 1)  # type: ignore[no-untyped-call]
         self._after_id = int(last[0][0]) if last else -1
         server.config_set("slowlog-log-slower-than", 0)
         self._start = self._counters()
@@ -69,7 +69,9 @@ class _Window:
         now = self._counters()
         stats = _commandstats(self._server)
         self._server.config_set("slowlog-log-slower-than", self._slowlog["slowlog-log-slower-than"])
-        slow: Any = self._server.execute_command("SLOWLOG", "GET", SLOWLOG_LEN)
+        slow: Any = self._server.execute_command(  # type: ignore[no-untyped-call]
+            "SLOWLOG", "GET", SLOWLOG_LEN
+        )
         self._server.config_set("slowlog-max-len", self._slowlog["slowlog-max-len"])
         n = max(1, lookups)
         commands = {}

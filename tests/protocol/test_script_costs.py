@@ -5,6 +5,8 @@ the beat otherwise. On fakeredis and on a real server."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from helpers import Backend, lookup_request
 
 from broker_lookup.protocol import lookup_hash
@@ -68,7 +70,8 @@ def test_the_last_report_completes_with_the_fewest_hits(backend: Backend, engine
         b"12",
     ]
     assert 0 < conn.pttl(key) <= 5000  # the TTL once done
-    [(_, fields)] = conn.xrange(ks.done)
+    done: Any = conn.xrange(ks.done)
+    [(_, fields)] = done
     assert fields[b"result"] == b"12" and fields[b"gen"] == b"7"
 
 
@@ -193,7 +196,8 @@ def test_a_batch_mixing_generations_and_cancelled_lookups_answers_each(
     assert conn.hmget(ks.lookup("b"), "r0", lookup_hash.OWED) == [None, b"2"]
     assert conn.hmget(ks.lookup("a"), "r0", lookup_hash.OWED, "state") == [b"8", b"1", b"pending"]
     assert conn.hmget(ks.lookup("c"), "state", "result") == [b"done", b"16"]
-    [(_, entry)] = conn.xrange(ks.done)
+    done: Any = conn.xrange(ks.done)
+    [(_, entry)] = done
     assert entry[b"id"] == b"c" and entry[b"result"] == b"16"
 
 

@@ -5,6 +5,7 @@ changes nothing: each report answers ``duplicate`` and each lookup completes onc
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import redis
 from helpers import RealServer, lookup_request, wait_until
@@ -57,6 +58,7 @@ def test_a_batch_whose_reply_was_lost_is_sent_again_and_changes_nothing(
     assert conn.hmget(ks.lookup("a"), "r0", "owed", "state") == [b"8", b"1", b"pending"]
     assert conn.hmget(ks.lookup("b"), "state", "result") == [b"done", b"12"]
     assert conn.hmget(ks.lookup("c"), "state", "result") == [b"done", b"4"]
-    assert sorted(fields[b"id"] for _, fields in conn.xrange(ks.done)) == [b"b", b"c"]
+    done: Any = conn.xrange(ks.done)
+    assert sorted(fields[b"id"] for _, fields in done) == [b"b", b"c"]
     conn.delete(*(ks.lookup(i) for i in "abc"), ks.done, ks.requests)
     conn.close()
