@@ -10,7 +10,9 @@ one-in-flight loop and the throughput loop with issue 13's client features (rank
 insights, size-aware deadlines, partial answers) off and on, and prints both and the
 ratio (``features_cost.py``). ``--floor`` runs only the one-in-flight loop on ours and on
 the protocol's floor (``floor.py``: the same scripts and commands, none of the machinery),
-and with ``--vs-lmcache`` on LMCache too, and prints the ratios (``floor_gap.py``). The
+and with ``--vs-lmcache`` on LMCache too, and prints the ratios (``floor_gap.py``).
+``--redis-cost`` prints what Redis pays per lookup, by command and by script
+(``redis_cost.py``). The
 polling model is described in ``benchmarks.bench.measure``; the results and how
 to read them in ``docs/performance.md``.
 
@@ -214,8 +216,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--redis-cost",
         action="store_true",
         help="only measure Redis's cost per lookup by command and by script, the round trips "
-        "per lookup of each side and the floor, one in flight and --window in flight, per "
-        "world size (default 1,4,8)",
+        "per lookup (the server's reads) and the floor, one in flight and --window in "
+        "flight, per world size (default 1,4,8)",
     )
     p.add_argument("--window", type=int, help="lookups in flight in the throughput runs")
     p.add_argument("--rounds", type=int, help="rounds a side for --paired (default 100)")
