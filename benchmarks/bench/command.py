@@ -10,7 +10,9 @@ one-in-flight loop and the throughput loop with the client's optional features (
 insights, size-aware deadlines, partial answers) off and on, and prints both and the
 ratio (``features_cost.py``). ``--floor`` runs only the one-in-flight loop on ours and on
 the protocol's floor (``floor.py``: the same scripts and commands, none of the machinery),
-and with ``--vs-lmcache`` on LMCache too, and prints the ratios (``floor_gap.py``). The
+and with ``--vs-lmcache`` on LMCache too, and prints the ratios (``floor_gap.py``).
+``--redis-cost`` prints what Redis pays per lookup, by command and by script
+(``redis_cost.py``). The
 polling model is described in ``benchmarks.bench.measure``; the results and how
 to read them in ``docs/performance.md``.
 
@@ -210,6 +212,14 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "from another source tree) in alternating rounds of --lookups lookups, one in "
         "flight, world 1, and print the median of the per-round rank CPU ratios B / A",
     )
+    p.add_argument(
+        "--redis-cost",
+        action="store_true",
+        help="only measure Redis's cost per lookup by command and by script, the round trips "
+        "per lookup (the server's reads) and the floor, one in flight and --window in "
+        "flight, per world size (default 1,4,8)",
+    )
+    p.add_argument("--window", type=int, help="lookups in flight in the throughput runs")
     p.add_argument("--rounds", type=int, help="rounds a side for --paired (default 100)")
     p.add_argument("--lookups", type=int, help="measured lookups per latency run")
     p.add_argument("--duration", type=float, help="seconds per throughput run")
@@ -255,6 +265,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         "worlds": args.worlds,
         "engines": args.engines,
         "vs_lmcache": args.vs_lmcache,
+        "window": getattr(args, "window", None),
     }
     overrides = {k: v for k, v in given.items() if v is not None}
     opts = BenchOptions.defaults(args.quick, **overrides)
@@ -381,6 +392,19 @@ def _cmd_paired(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_redis_cost(args: argparse.Namespace) -> int:
+    from benchmarks.bench.redis_cost import redis_cost, render_redis_cost
+
+    if args.worlds is None:
+        args.worlds = (1, 4, 8)
+    opts = _options(args)
+    return _cmd_one_figure(
+        args,
+        lambda: _one_figure(opts, "redis_cost", lambda url, run_id: redis_cost(opts, url, run_id)),
+        lambda results: render_redis_cost(results["redis_cost"]),
+    )
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the bench from parsed arguments: JSON to ``--out``, a table on stdout."""
     if getattr(args, "cluster", False):
@@ -393,6 +417,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _cmd_floor_gap(args)
     if getattr(args, "paired", None) is not None:
         return _cmd_paired(args)
+    if getattr(args, "redis_cost", False):
+        return _cmd_redis_cost(args)
     opts = _options(args)
     out = args.out or "bench-results.json"
     try:

@@ -4,7 +4,8 @@ The figures an operator sizes a shard with: ``lookups_per_s`` (what the fleet se
 engines together) and ``redis_cpu_us_per_lookup`` (the server's CPU, system + user,
 over the run, divided by the lookups): one core of the server serves about
 ``1e6 / redis_cpu_us_per_lookup`` lookups a second, so at a fleet's rate of lookups per
-engine that many engines. ``redis_cpu_share`` is how busy the server was at this load.
+engine that many engines (``lookups_per_s_per_redis_core``). ``redis_cpu_share`` is how
+busy the server was at this load.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def fleet_summary(
         "redis_cpu_s": round(cpu_s, 3),
         "redis_cpu_share": round(cpu_s / seconds, 3),
         "redis_cpu_us_per_lookup": round(cpu_s * 1e6 / lookups, 1) if lookups else None,
+        "lookups_per_s_per_redis_core": round(lookups / cpu_s) if lookups and cpu_s else None,
         **counts,
         "faults": dict(sorted(sum((Counter(e.log.counts()) for e in engines), Counter()).items())),
         "term_exit_codes": dict(
@@ -128,7 +130,8 @@ def format_fleet_summary(s: dict[str, Any]) -> str:
         f"{s['lost_hits']} (of {s['quiet_hits']} judged), unexpected rank exits "
         f"{s['unexpected_exits']}",
         f"Redis CPU {s['redis_cpu_s']} s ({s['redis_cpu_share']:.0%} of a core): "
-        f"{s['redis_cpu_us_per_lookup']} us per lookup",
+        f"{s['redis_cpu_us_per_lookup']} us per lookup, "
+        f"{s['lookups_per_s_per_redis_core']} lookups/s per Redis core",
         f"used_memory MiB over time: {series}",
         f"memory: {json.dumps(mem, sort_keys=True)}",
         f"keys at the end: {keys['keys']}; without a TTL {len(keys['no_ttl'])} (streams "

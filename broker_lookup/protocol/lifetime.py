@@ -8,9 +8,10 @@ leftover stream would fill the server). Every key of an engine has a TTL:
 * a heartbeat: ``heartbeat_ttl_ms`` (rewritten by each beat);
 * the streams (``requests``, ``done``, ``dead``) and the fingerprint hash
   (:attr:`~broker_lookup.protocol.keys.KeySpace.lasting`): ``engine_ttl_ms``. Every write
-  that adds to one of them sets it again in the same round trip (each script's XADD is
-  followed by a PEXPIRE, so a process that dies right after creating a stream leaves no
-  key without a TTL), and every live process refreshes all of them once per
+  that may create one of them sets it in the same round trip (a script's XADD tries
+  ``NOMKSTREAM`` first and, only where there was no stream, creates it and sets its
+  PEXPIRE in the same script, so a process that dies right after creating a stream leaves
+  no key without a TTL), and every live process refreshes all of them once per
   ``heartbeat_interval_ms`` with :func:`refresh_commands` (a rank with its heartbeat, the
   scheduler's client from its listener thread), so an idle engine loses nothing.
 

@@ -25,6 +25,11 @@ field           value (plain ASCII, so ``redis-cli HGETALL`` reads it)
                 (``progress.lua``; see :func:`progress_field`)
 ``partial``     ``1`` once ``deadline.lua`` answered the lookup at its deadline
                 with the prefix every expected rank confirmed (``result``)
+``owed``        expected ranks whose report is still owed (``report.lua``
+                completes the lookup when it reaches 0, without reading the
+                other ranks' fields again)
+``lowest``      the fewest hits reported so far (``tokens`` before any): the
+                ``result`` once ``owed`` is 0
 ==============  ==========================================================
 """
 
@@ -40,6 +45,8 @@ __all__ = [
     "EXPECTED",
     "GEN",
     "ID",
+    "LOWEST",
+    "OWED",
     "PARTIAL",
     "PENDING",
     "RESULT",
@@ -64,6 +71,8 @@ DEADLINE_MS = "deadline_ms"
 TOKENS = "tokens"
 SUBMITTED_US = "submitted_us"
 PARTIAL = "partial"
+OWED = "owed"
+LOWEST = "lowest"
 
 #: Values of ``state``.
 PENDING = "pending"

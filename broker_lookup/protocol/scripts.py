@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from importlib import resources
+from typing import NamedTuple
 
 import msgspec
 
@@ -28,6 +29,7 @@ __all__ = [
     "PROGRESS",
     "REPORT",
     "SUBMIT",
+    "BatchItem",
     "Call",
     "ScriptSource",
     "cancel_args",
@@ -38,7 +40,9 @@ __all__ = [
     "progress_call",
     "release_call",
     "report_answer",
+    "report_answers",
     "report_args",
+    "report_batch_call",
     "report_call",
     "submit_args",
     "submit_call",
@@ -277,6 +281,44 @@ def report_call(
     if fence is None:
         return Call(REPORT, (keys.lookup(lookup_id), keys.done), args)
     return Call(REPORT, (keys.lookup(lookup_id), keys.done, fence[0]), args)
+
+
+class BatchItem(NamedTuple):
+    """One report of a batch: which lookup, which generation, how many hits."""
+
+    lookup_id: str
+    gen: int
+    hits: int
+
+
+def report_batch_call(
+    keys: KeySpace,
+    items: Sequence[BatchItem],
+    *,
+    rank: int,
+    done_maxlen: int,
+    done_ttl_ms: int,
+    engine_ttl_ms: int,
+    fence: Fence | None = None,
+) -> Call:
+    """One ``report.lua`` call recording every report of ``items`` for ``rank``, in order:
+    the rank's lease is read once for them all (with ``fence``), the server pays one
+    script call, and the answer is a list, one per item (:func:`report_answers`). The
+    other arguments are :func:`report_call`'s."""
+    token = "" if fence is None else fence[1]
+    args: list[Arg] = ["batch", rank, done_maxlen, done_ttl_ms, engine_ttl_ms, token]
+    for item in items:
+        args += [item.gen, item.hits, item.lookup_id]
+    head = (keys.done,) if fence is None else (keys.done, fence[0])
+    return Call(REPORT, (*head, *(keys.lookup(item.lookup_id) for item in items)), args)
+
+
+def report_answers(result: object, n: int) -> list[object]:
+    """The ``n`` answers of a :func:`report_batch_call`: its list, or, where the call
+    failed as a whole (an error, a reply of another shape), that result for each."""
+    if isinstance(result, list) and len(result) == n:
+        return result
+    return [result] * n
 
 
 def report_answer(answer: str) -> tuple[str, int | None]:

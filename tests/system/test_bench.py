@@ -382,3 +382,27 @@ def test_paired_refuses_a_side_it_cannot_run_and_names_it(
         _bench_args("--paired", spec)
     assert exit_.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_redis_cost_counts_each_command_per_lookup_and_restores_the_slow_log(
+    real_server: RealServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    conn = redis.Redis.from_url(real_server.url)
+    slowlog_before = conn.config_get("slowlog-*")
+    out = tmp_path / "cost.json"
+    argv = ["--redis-cost", "--quick", "--redis-url", real_server.url, "--out", str(out)]
+    args = _bench_args(*argv, "--worlds", "2", "--lookups", "30", "--duration", "0.5")
+    table = _one_figure_table(args, capsys, ["world 2, one in flight", "world 2, in flight"])
+    cost = json.loads(out.read_text())["redis_cost"]
+    assert set(cost) == {"2"} and cost["2"]["floor_ops"] == 10  # 3 + 3 per rank + 1
+    for phase in ("one_in_flight", "in_flight"):
+        figures = cost["2"][phase]
+        _positive(figures["redis_cpu_us"], phase)
+        commands = figures["commands"]
+        # Each lookup is one submit and, at world 2, two reports (one script call a batch).
+        assert 1 <= commands["evalsha"]["calls"] <= 3.5, (phase, commands["evalsha"])
+        assert commands["hset"]["calls"] >= 2.5, (phase, commands["hset"])  # submit + 2 reports
+        assert {"submit", "report"} <= set(figures["scripts"]), phase
+    assert "evalsha" in table and "submit" in table
+    assert conn.config_get("slowlog-*") == slowlog_before
+    conn.close()

@@ -41,6 +41,8 @@ def test_fleet_soak_short() -> None:
     assert s["quiet_hits"] > 100 and s["right"] > 1000  # lost hits were judged on something
     assert s["term_exit_codes"] == {0: s["term_exit_codes"][0]}  # ordered stops exit 0
     assert s["lookups_per_s"] > 0 and s["redis_cpu_us_per_lookup"] > 0
+    per_core = 1e6 / s["redis_cpu_us_per_lookup"]  # what one core serves at that cost
+    assert abs(s["lookups_per_s_per_redis_core"] - per_core) <= 0.01 * per_core + 1
     assert len(s["memory_series"]) >= 15 and s["memory"]["judged"], s["memory_series"]
     # Every engine that ran is gone, and what it left has a TTL (streams too, with one).
     # An engine stopped early may have nothing left at all by the end: its keys expired

@@ -76,7 +76,8 @@ def test_engine_ids_spread_over_slots() -> None:
 
 _CALL = re.compile(r"redis\.p?call\s*\(")
 _LITERAL_CMD = re.compile(r"""\s*(['"])([A-Za-z]+)\1\s*(,|\))""")
-_KEY_ARG = re.compile(r"\s*KEYS\[\d+\]\s*[,)]")
+#: ``KEYS[2]``, or ``KEYS[k]`` with a variable index (a batch's n-th key): a declared key.
+_KEY_ARG = re.compile(r"\s*KEYS\[(\d+|[A-Za-z_]\w*)\]\s*[,)]")
 #: Commands whose every argument is a key.
 _ALL_KEYS = {"DEL", "UNLINK", "EXISTS", "TOUCH", "MGET"}
 #: ``redis.*`` functions that are no commands and touch no key.
@@ -143,7 +144,12 @@ def test_the_static_check_catches_keys_outside_KEYS(bad: str) -> None:
 
 @pytest.mark.parametrize(
     "good",
-    ["redis.call('TIME')", "redis.pcall('DEL', KEYS[1], KEYS[2])", 'redis.call("XLEN", KEYS[3])'],
+    [
+        "redis.call('TIME')",
+        "redis.pcall('DEL', KEYS[1], KEYS[2])",
+        'redis.call("XLEN", KEYS[3])',
+        "redis.call('HGET', KEYS[k], 'f')",
+    ],
 )
 def test_the_static_check_accepts_keys_from_KEYS(good: str) -> None:
     assert violations(good) == []

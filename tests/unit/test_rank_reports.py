@@ -9,11 +9,12 @@ from typing import Any
 import fakeredis
 import pytest
 from helpers import wait_until
+from redis.exceptions import ResponseError
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import request_configs_problem
-from workers.pipeline.reporter import Report, Reporter
+from workers.pipeline.reporter import Report, Reporter, _spread
 
 
 def _reporter(settled: list[tuple[Report, str]]) -> Reporter:
@@ -108,3 +109,25 @@ def test_an_idle_reporter_thread_sleeps_until_a_report_rings_it(
     finally:
         assert reporter.stop(5)
     assert settled[0][0] == Report("late", 1, 4)
+
+
+def test_final_reports_of_one_round_trip_go_as_one_batch_and_each_gets_its_answer() -> None:
+    reporter = _reporter([])
+    reports = [
+        Report("a", 1, 4),
+        Report("p", 1, 8, progress=True),
+        Report("b", 2, 0),
+        Report("c", 3, 12),
+    ]
+    calls, plan = reporter._calls(reports)
+    assert [c.script for c in calls] == ["report", "progress"]
+    batch = calls[0]
+    assert batch.args[0] == "batch" and list(batch.args[6:]) == [1, 4, "a", 2, 0, "b", 3, 12, "c"]
+    assert list(batch.keys) == [KeySpace("e").done, *(KeySpace("e").lookup(i) for i in "abc")]
+    answers = _spread([[b"recorded", b"stale", b"complete"], b"recorded"], plan)
+    assert answers == [b"recorded", b"recorded", b"stale", b"complete"]
+    failed = ResponseError("BUSY")
+    assert _spread([failed, b"behind"], plan) == [failed, b"behind", failed, failed]
+    # One final report alone keeps the single call.
+    single, _ = reporter._calls([Report("a", 1, 4)])
+    assert single[0].args[0] == 0 and len(single[0].keys) == 2

@@ -39,7 +39,15 @@ from broker_lookup.config import LookupConfig
 from broker_lookup.errors import BrokerLookupError, translate_redis_errors
 from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.scripts import Call, Fence, progress_call, report_call
+from broker_lookup.protocol.scripts import (
+    BatchItem,
+    Call,
+    Fence,
+    progress_call,
+    report_answers,
+    report_batch_call,
+    report_call,
+)
 from broker_lookup.transport.batcher import Batcher
 from broker_lookup.transport.lease import Lease
 from broker_lookup.transport.link import Link
@@ -195,13 +203,14 @@ class Reporter(Batcher[Report]):
         if batch.ack_ids:
             ahead.append(("XACK", self._stream, self._group, *batch.ack_ids))
         try:
-            results = self._scripts.run(link, client, self._calls(reports), ahead, read)
+            calls, plan = self._calls(reports)
+            results = self._scripts.run(link, client, calls, ahead, read)
         except (BrokerLookupError, RedisError):
             for report in reports:
                 self._enqueue(report)
             raise
         settle = self._settle
-        for report, result in zip(reports, results, strict=True):
+        for report, result in zip(reports, _spread(results, plan), strict=True):
             settle(report, result.decode() if type(result) is bytes else self._answer(result))
 
     # -- the queued path (this reporter's thread) -----------------------------------
@@ -232,11 +241,17 @@ class Reporter(Batcher[Report]):
     def _send_batch(self, link: Link, client: redis.Redis, batch: list[Report]) -> None:
         self._await_lease(batch)
         results: list[Any] | None = None
+        plan: list[tuple[int, int]] = []
         for attempt in self._attempts(len(batch)):
             with attempt, translate_redis_errors("sending reports"):
                 # Built per attempt: each carries the fence of the moment it is sent.
-                results = self._scripts.run(link, client, self._calls(batch))
-        answers = ["error"] * len(batch) if results is None else [self._answer(r) for r in results]
+                calls, plan = self._calls(batch)
+                results = self._scripts.run(link, client, calls)
+        answers = (
+            ["error"] * len(batch)
+            if results is None
+            else [self._answer(r) for r in _spread(results, plan)]
+        )
         for report, answer in zip(batch, answers, strict=True):
             self._settle(report, answer)
 
@@ -255,12 +270,40 @@ class Reporter(Batcher[Report]):
 
     # -- the script -------------------------------------------------------------------
 
-    def _calls(self, reports: list[Report]) -> list[Call]:
-        """The script calls of ``reports``, in order: what both paths send (the one place
-        a batch's calls are built)."""
+    def _calls(self, reports: list[Report]) -> tuple[list[Call], list[tuple[int, int]]]:
+        """The script calls that send ``reports`` (the one place a batch's calls are built,
+        for both paths), and where each report's answer is: (the call, its place in that
+        call's answers, -1 for a call of its own). Two or more final reports go in one
+        ``report.lua`` batch (the fence read once, one script call); progress reports each
+        in a ``progress.lua`` call of their own."""
         # The fence of the moment the reports are sent: a token this process holds now.
         fence = self._lease.fence if self._lease is not None else None
-        return [self._call(r, fence) for r in reports]
+        finals = [r for r in reports if not r.progress]
+        if len(finals) < 2:
+            calls = [self._call(r, fence) for r in reports]
+            return calls, [(i, -1) for i in range(len(reports))]
+        calls = [self._batch_call(finals, fence)]
+        plan: list[tuple[int, int]] = []
+        place = 0
+        for report in reports:
+            if report.progress:
+                plan.append((len(calls), -1))
+                calls.append(self._call(report, fence))
+            else:
+                plan.append((0, place))
+                place += 1
+        return calls, plan
+
+    def _batch_call(self, finals: list[Report], fence: Fence | None) -> Call:
+        return report_batch_call(
+            self._keys,
+            [BatchItem(r.lookup_id, r.gen, r.hits) for r in finals],
+            rank=self._rank,
+            done_maxlen=self._config.done_maxlen,
+            done_ttl_ms=self._config.key_grace_ms or 1,
+            engine_ttl_ms=self._config.engine_ttl_ms,
+            fence=fence,
+        )
 
     def _call(self, report: Report, fence: Fence | None) -> Call:
         if report.progress:
@@ -292,3 +335,14 @@ class Reporter(Batcher[Report]):
         self.errors += 1
         logger.error("rank %d: report script failed: %r", self._rank, result)
         return "error"
+
+
+def _spread(results: list[Any], plan: list[tuple[int, int]]) -> list[Any]:
+    """Each report's answer from its calls' ``results`` (:meth:`Reporter._calls`'s plan):
+    a batch call's list split, a failed batch's error given to each of its reports."""
+    counts: dict[int, int] = {}
+    for call, place in plan:
+        if place >= 0:
+            counts[call] = counts.get(call, 0) + 1
+    lists = {call: report_answers(results[call], n) for call, n in counts.items()}
+    return [results[call] if place < 0 else lists[call][place] for call, place in plan]

@@ -14,86 +14,150 @@
 --            changes; the rank keeps at most that prefix pinned, as was promised)
 --          | unknown_rank | invalid (hits not in 0..tokens)
 -- Never creates the key, so a late report cannot resurrect a lookup without a TTL.
--- Each command a script calls costs the server 1-3 µs, several times the Lua around it; every
--- rank runs this once per lookup: a report that does not complete the lookup makes
--- three (HMGET, TIME, HSET), the completing one seven. The script runs atomically, so
--- reading this rank's field in the first HMGET is as good as an HSETNX.
+-- Each command a script calls costs the server 3-5 µs, several times the Lua around it, and
+-- every rank runs this once per lookup, so a report spends as few as it can: one HMGET
+-- reads everything it decides on, owed (reports still owed) and lowest (the fewest hits
+-- so far) among them, so a report that does not complete the lookup makes two commands
+-- (HMGET, HSET) and the completing one four (HMGET, one HSET for its hits and the answer,
+-- PEXPIRE, XADD). TIME, and a second read of the ranks' fields for the done entry, only
+-- with a submitted_us stamp (rank_insights). A hash without owed (written by an older
+-- submit.lua) is completed as before: the ranks' fields read again after the HSET.
+-- The script runs atomically, so reading this rank's field first is as good as an HSETNX.
+-- The done stream's TTL is refreshed by every live process's beat (lifetime.py): only an
+-- XADD that creates it sets it here.
 -- Fencing (one owner per rank): with KEYS[3] (the rank's lease key, owner:<r>) and
 -- ARGV[8] (the token the rank holds), nothing is recorded unless the lease holds that
 -- token, so an old owner that was paused or cut off while another took over changes
 -- nothing: returns 'fenced'. One GET more per report. The rank always passes both
 -- (report_call's fence); without them the script is unfenced, as the tests of the
 -- other rules call it.
-if KEYS[3] then
-  local lease = redis.call('GET', KEYS[3])
-  if not lease or string.sub(lease, 1, #ARGV[8] + 1) ~= ARGV[8] .. ' ' then
-    return 'fenced'
+-- A batch (ARGV[1] 'batch'): one call for every report a rank sends in one round trip,
+-- so the fence is read once, not once per report.
+--   KEYS: done stream, the lease key when fenced, then one lookup hash per report
+--   ARGV: 'batch', rank, done maxlen, ttl ms once done, done stream ttl ms, the token
+--         (ignored unfenced), then per report: gen, hits, lookup id
+--   Returns one answer per report, in order (all 'fenced' when the lease is not held).
+local batch = ARGV[1] == 'batch'
+local rank, maxlen, done_ttl, stream_ttl, token, done, lease
+if batch then
+  rank, maxlen, done_ttl, stream_ttl, token = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+  done = 1
+  -- One key more than done + a hash per report is the lease (a token may be empty).
+  if #KEYS == (#ARGV - 6) / 3 + 2 then lease = 2 end
+else
+  rank, maxlen, done_ttl, stream_ttl, token = ARGV[1], ARGV[4], ARGV[6], ARGV[7], ARGV[8]
+  done = 2
+  if KEYS[3] then lease = 3 end
+end
+
+local function held()
+  if not lease then return true end
+  local holder = redis.call('GET', KEYS[lease])
+  return holder and string.sub(holder, 1, #token + 1) == token .. ' '
+end
+
+-- One report: lookup hash KEYS[k], its generation, the hits (as sent) and the lookup id.
+local function report(k, gen, sent, lookup_id)
+  local own = 'r' .. rank
+  local st = redis.call('HMGET', KEYS[k], 'state', 'gen', 'expected', 'tokens', 'submitted_us',
+                        own, 'result', 'owed', 'lowest')
+  if not st[1] then return 'dropped' end
+  if st[2] ~= gen then return 'stale' end
+  local ranks = {}
+  local known = false
+  for r in string.gmatch(st[3], '[^,]+') do
+    ranks[#ranks + 1] = r
+    if r == rank then known = true end
+  end
+  if not known then return 'unknown_rank' end
+  local hits = tonumber(sent)
+  if hits == nil or hits < 0 or hits > tonumber(st[4]) or hits ~= math.floor(hits) then
+    return 'invalid'
+  end
+  if st[6] then return 'duplicate' end
+  if st[1] ~= 'pending' then
+    -- A partial answer decided it: a late report must not complete it again.
+    return 'settled:' .. (st[7] or '0')
+  end
+  local mine = {own, sent}
+  local stamp = st[5]
+  local sec, us
+  if stamp then
+    sec = tonumber(string.sub(stamp, 1, -7))
+    us = tonumber(string.sub(stamp, -6))
+  end
+  if sec and us then
+    -- Integer arithmetic on seconds and micros apart: no double ever holds the epoch µs.
+    local t = redis.call('TIME')
+    local elapsed = (tonumber(t[1]) - sec) * 1000000 + (tonumber(t[2]) - us)
+    if elapsed < 0 then elapsed = 0 end  -- the server's clock stepped back
+    mine = {own, sent, 'l' .. rank, string.format('%d', elapsed)}
+  else
+    stamp = nil
+  end
+  local owed = tonumber(st[8])
+  local lowest = tonumber(st[9])
+  local min
+  if owed and lowest then
+    owed = owed - 1
+    if hits < lowest then lowest = hits end
+    if owed > 0 then
+      redis.call('HSET', KEYS[k], 'owed', owed, 'lowest', lowest, unpack(mine))
+      return 'recorded'
+    end
+    min = lowest
+    redis.call('HSET', KEYS[k], 'state', 'done', 'result', min, 'owed', 0, 'lowest', min,
+               unpack(mine))
+  else
+    redis.call('HSET', KEYS[k], unpack(mine))
+    local names = {}
+    for i = 1, #ranks do names[i] = 'r' .. ranks[i] end
+    local got = redis.call('HMGET', KEYS[k], unpack(names))
+    for i = 1, #ranks do
+      local v = tonumber(got[i])
+      if not v then return 'recorded' end
+      if min == nil or v < min then min = v end
+    end
+    redis.call('HSET', KEYS[k], 'state', 'done', 'result', min)
+  end
+  redis.call('PEXPIRE', KEYS[k], done_ttl)
+  local entry = {'id', lookup_id, 'gen', gen, 'result', min}
+  if stamp then
+    local names = {}
+    for i = 1, #ranks do
+      names[i] = 'r' .. ranks[i]
+      names[#ranks + i] = 'l' .. ranks[i]
+    end
+    local got = redis.call('HMGET', KEYS[k], unpack(names))
+    local seen = {}
+    local lat = {}
+    for i = 1, #ranks do
+      seen[i] = got[i]
+      lat[i] = got[#ranks + i] or ''
+    end
+    entry = {'id', lookup_id, 'gen', gen, 'result', min, 'last', rank, 'ranks', st[3],
+             'hits', table.concat(seen, ','), 'lat', table.concat(lat, ',')}
+  end
+  if not redis.call('XADD', KEYS[done], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*',
+                    unpack(entry)) then
+    redis.call('XADD', KEYS[done], 'MAXLEN', '~', maxlen, '*', unpack(entry))
+    redis.call('PEXPIRE', KEYS[done], stream_ttl)  -- the XADD created the stream
+  end
+  return 'complete'
+end
+
+if not batch then
+  if not held() then return 'fenced' end
+  return report(1, ARGV[2], ARGV[3], ARGV[5])
+end
+local first = lease and 3 or 2
+local answers = {}
+local ok = held()
+for i = 0, #KEYS - first do
+  if ok then
+    answers[i + 1] = report(first + i, ARGV[7 + 3 * i], ARGV[8 + 3 * i], ARGV[9 + 3 * i])
+  else
+    answers[i + 1] = 'fenced'
   end
 end
-local own = 'r' .. ARGV[1]
-local st = redis.call('HMGET', KEYS[1], 'state', 'gen', 'expected', 'tokens', 'submitted_us',
-                      own)
-if not st[1] then return 'dropped' end
-if st[2] ~= ARGV[2] then return 'stale' end
-local ranks = {}
-local known = false
-for r in string.gmatch(st[3], '[^,]+') do
-  ranks[#ranks + 1] = r
-  if r == ARGV[1] then known = true end
-end
-if not known then return 'unknown_rank' end
-local hits = tonumber(ARGV[3])
-if hits == nil or hits < 0 or hits > tonumber(st[4]) or hits ~= math.floor(hits) then
-  return 'invalid'
-end
-if st[6] then return 'duplicate' end
-if st[1] ~= 'pending' then
-  -- A partial answer decided it: a late report must not complete it again.
-  return 'settled:' .. (redis.call('HGET', KEYS[1], 'result') or '0')
-end
-local stamp = st[5]
-local sec, us
-if stamp then
-  sec = tonumber(string.sub(stamp, 1, -7))
-  us = tonumber(string.sub(stamp, -6))
-end
-if sec and us then
-  -- Integer arithmetic on seconds and micros apart: no double ever holds the epoch µs.
-  local t = redis.call('TIME')
-  local elapsed = (tonumber(t[1]) - sec) * 1000000 + (tonumber(t[2]) - us)
-  if elapsed < 0 then elapsed = 0 end  -- the server's clock stepped back
-  redis.call('HSET', KEYS[1], own, ARGV[3], 'l' .. ARGV[1], string.format('%d', elapsed))
-else
-  stamp = nil
-  redis.call('HSET', KEYS[1], own, ARGV[3])
-end
-local names = {}
-for i = 1, #ranks do names[i] = 'r' .. ranks[i] end
-if stamp then
-  for i = 1, #ranks do names[#ranks + i] = 'l' .. ranks[i] end
-end
-local got = redis.call('HMGET', KEYS[1], unpack(names))
-local min = nil
-for i = 1, #ranks do
-  local v = tonumber(got[i])
-  if not v then return 'recorded' end
-  if min == nil or v < min then min = v end
-end
-redis.call('HSET', KEYS[1], 'state', 'done', 'result', min)
-redis.call('PEXPIRE', KEYS[1], ARGV[6])
-if stamp then
-  local seen = {}
-  local lat = {}
-  for i = 1, #ranks do
-    seen[i] = got[i]
-    lat[i] = got[#ranks + i] or ''
-  end
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[5], 'gen', ARGV[2],
-             'result', min, 'last', ARGV[1], 'ranks', st[3], 'hits', table.concat(seen, ','),
-             'lat', table.concat(lat, ','))
-else
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[5], 'gen', ARGV[2],
-             'result', min)
-end
-redis.call('PEXPIRE', KEYS[2], ARGV[7])  -- the XADD may have created the stream
-return 'complete'
+return answers

@@ -11,6 +11,8 @@
 -- generation and changes nothing (no second entry, and the reports fast ranks already
 -- recorded stay). The DEL drops an older generation's hash: its late reports then find
 -- another gen and change nothing.
+-- Four commands a submit (HGET, HSET, PEXPIRE, XADD): each costs the server several times
+-- the same command sent plainly, so none is spent where nothing needs it.
 local held = redis.call('HGET', KEYS[1], 'gen')
 if held == ARGV[1] then
   return 'duplicate'
@@ -25,15 +27,26 @@ if ARGV[9] == '1' then
   local t = redis.call('TIME')
   stamp = t[1] .. string.format('%06d', tonumber(t[2]))
 end
+-- owed and lowest let report.lua complete the lookup from its one read: the reports still
+-- owed, and the fewest hits reported so far (the prompt's tokens before any).
+local owed = 0
+for _ in string.gmatch(ARGV[2], '[^,]+') do owed = owed + 1 end
 if stamp then
   redis.call('HSET', KEYS[1], 'state', 'pending', 'gen', ARGV[1], 'expected', ARGV[2],
              'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8],
-             'submitted_us', stamp)
+             'owed', owed, 'lowest', ARGV[5], 'submitted_us', stamp)
 else
   redis.call('HSET', KEYS[1], 'state', 'pending', 'gen', ARGV[1], 'expected', ARGV[2],
-             'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8])
+             'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8],
+             'owed', owed, 'lowest', ARGV[5])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
-local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(ARGV, 11))
-redis.call('PEXPIRE', KEYS[2], ARGV[10])
+-- The stream's TTL is the engine's, refreshed by every live process's beat (lifetime.py):
+-- only an XADD that creates the stream must set it, here, so nothing is left without one.
+local id = redis.call('XADD', KEYS[2], 'NOMKSTREAM', 'MAXLEN', '~', ARGV[7], '*',
+                      unpack(ARGV, 11))
+if not id then
+  id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(ARGV, 11))
+  redis.call('PEXPIRE', KEYS[2], ARGV[10])
+end
 return id
