@@ -60,7 +60,7 @@ def _rank(server: EmbeddedServer, engine_id: str, user: str) -> subprocess.Compl
     ("extra", "reach"),
     [
         ((), "its own rules are unreadable to it (ACL GETUSER denied)"),
-        (("+acl|getuser",), "it may reach keys ~bl:{llama-3}:* ~bl:{llama-3.*}:*"),
+        (("+acl|getuser",), "it may reach keys ~bl:{llama-3}:* ~bl:{llama-3@*}:*"),
     ],
     ids=["getuser-denied", "getuser-allowed"],
 )

@@ -35,6 +35,7 @@ from promkit import (
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupMetadata
 from broker_lookup.ops.exporter import ExporterServer, FleetCollector
+from broker_lookup.protocol.keys import instance_engine_id
 from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.connection import make_factory
 from faultproxy.proxy import FaultProxy
@@ -97,9 +98,10 @@ def fleet(real_server: RealServer, engine_id: str) -> Iterator[RedisAsyncLookupC
 
 @pytest.fixture
 def lame(real_server: RealServer, engine_id: str) -> Iterator[RedisAsyncLookupClient]:
-    """A scheduler of ``<engine_id>.b`` (world size 2) with only its rank 0 running."""
+    """A scheduler of ``<engine_id>@b``, an instance of the engine (world size 2), with
+    only its rank 0 running."""
     cfg = config(real_server.url, metrics_interval_ms=500)
-    other = engine_id + ".b"
+    other = instance_engine_id(engine_id, "b")
     server = RedisAsyncLookupServer(
         StubEngine("instant", hits=HITS),
         LookupMetadata(engine_id=other, world_size=2, worker_id=0),
@@ -142,7 +144,7 @@ def test_prometheus_scrapes_the_exporter_and_runs_the_dashboard_and_alerts(
         wait_for(prom, f"broker_lookup_client_dead_ranks{{{mine}}}", 0)
         # The dead-rank alert's expression names the engine with the dead rank, only it.
         (dead_rule,) = [expr for name, expr in alert_exprs() if name == "BrokerLookupRanksDead"]
-        other = engine_id + ".b"
+        other = instance_engine_id(engine_id, "b")
         wait_until(
             lambda: prom.values(dead_rule) == {frozenset({("engine", other)}): 1.0},
             timeout=60,
