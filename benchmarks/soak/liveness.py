@@ -14,10 +14,14 @@ the end.
 What it counts. These must be 0, and the command exits 1 if one is not:
 
 * ``wrong``: an answer other than the full hit or 0;
-* ``dead_rank``: lookups the client answered ``dead_rank`` (every rank process lived);
+* ``dead_rank``: lookups the client answered ``dead_rank`` (every rank process lived),
+  but for those answered while the box itself stalled or less than a heartbeat TTL + 1 s
+  after (:mod:`benchmarks.soak.box_stalls`: the server or this process did not run for
+  1 s or more), counted apart as ``dead_rank_in_box_stalls``;
 * ``fenced``: reports the ranks sent that Redis answered ``fenced`` (each rank is its
   sole owner: no second process ever claims it);
-* ``broken_promises``: hits answered for a lookup whose pins a rank released;
+* ``broken_promises``: hits answered for a lookup whose pins a rank released early (not
+  when its pin TTL ended: nobody retrieves them here);
 * ``hangs``: lookups unanswered past their deadline + 2 s;
 * ``unexpected_exits``: rank processes that ended before the stop.
 
@@ -43,12 +47,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from benchmarks.soak.box_stalls import BoxStalls
 from benchmarks.soak.rig import Proxies
 from benchmarks.soak.traffic import CHUNK, CHUNKS
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.config import LookupConfig, LookupMetadata, env_name
 from broker_lookup.processes import child_env, long_options
 from broker_lookup.tools.embedded import EmbeddedServer
+from broker_lookup.transport.connection import make_factory
 
 __all__ = ["MUST_BE_ZERO", "LivenessOptions", "format_liveness", "run_liveness"]
 
@@ -150,6 +156,8 @@ class _Traffic:
         self.answers: dict[str, int] = {}
         self.counts: Counter[str] = Counter()
         self.latencies_ms: list[float] = []
+        self.dead_rank_at: list[tuple[float, int]] = []  #: (when seen, how many answers)
+        self._dead_seen = 0
         self._n = 0
 
     def issue(self, now: float, more: int = 0) -> None:
@@ -176,6 +184,10 @@ class _Traffic:
             self.latencies_ms.append((now - started) * 1000)
             verdict = "right" if result == self.full else "zero" if result == 0 else "wrong"
             self.counts[verdict] += 1
+        dead = self.client.stats().outcomes.get("dead_rank", 0)
+        if dead > self._dead_seen:
+            self.dead_rank_at.append((now, dead - self._dead_seen))
+            self._dead_seen = dead
 
 
 class _SlowLinks:
@@ -220,18 +232,29 @@ def run_liveness(
         )
         stack.callback(client.close)
         stack.callback(proxies.clear)  # first on the way out: nothing stays slowed
+        monitor = stack.enter_context(make_factory(config, "bl-soak", socket_timeout_s=10.0)())
         _wait_alive(client, ranks)
+        stalls = BoxStalls(monitor).start()
+        stack.callback(stalls.stop)
         slow = _SlowLinks(rng, proxies, names[o.ranks - o.slow_links :], o)
         traffic = _Traffic(client, o.concurrency, o.timeout_ms / 1000)
         started = time.monotonic()
-        _drive(traffic, slow, started + o.duration_s, o, rng)
+        _drive(traffic, slow, stalls, started + o.duration_s, o, rng)
         seconds = time.monotonic() - started
         exited = [r for r, rank in enumerate(ranks) if rank.proc.poll() is not None]
         outcomes = dict(client.stats().outcomes)
         proxies.clear()
         client.close()
         summaries = [rank.stop() for rank in ranks]
-        return _summary(o, traffic, outcomes, summaries, exited, slow, seconds, proxies)
+        stalls.stop()
+        grace_s = config.heartbeat_ttl_ms / 1000 + 1.0
+        in_stalls = sum(n for at, n in traffic.dead_rank_at if stalls.explains(at, grace_s))
+        box = {"dead_rank_in_box_stalls": in_stalls, "box_stalls": len(stalls.stalls)}
+        box["box_stalled_s"] = stalls.total_s()
+        summary = _summary(o, traffic, outcomes, summaries, exited, slow, seconds, proxies)
+        summary.update(box, dead_rank=summary["dead_rank"] - in_stalls)
+        summary["passed"] = all(summary[k] == 0 for k in MUST_BE_ZERO)
+        return summary
 
 
 def _wait_alive(client: RedisAsyncLookupClient, ranks: list[_Rank]) -> None:
@@ -244,10 +267,16 @@ def _wait_alive(client: RedisAsyncLookupClient, ranks: list[_Rank]) -> None:
 
 
 def _drive(
-    traffic: _Traffic, slow: _SlowLinks, until: float, o: LivenessOptions, rng: random.Random
+    traffic: _Traffic,
+    slow: _SlowLinks,
+    stalls: BoxStalls,
+    until: float,
+    o: LivenessOptions,
+    rng: random.Random,
 ) -> None:
     next_burst = time.monotonic() + rng.uniform(*o.burst_every_s) / 2
     while (now := time.monotonic()) < until:
+        stalls.step(now)
         slow.tick(now)
         burst = o.burst if now >= next_burst else 0
         if burst:
@@ -297,6 +326,7 @@ def _summary(
         "broken_examples": broken[:5],
         "unexpected_exits": len(exited) + sum(1 for s in summaries if s is None),
         "released_early": len(released),
+        "released_at_pin_ttl": sum(int(s.get("released_at_ttl", 0)) for s in ranks),
         "lease_claims": [s.get("claims") for s in ranks],
         "leases_lost": [s.get("lost") for s in ranks],
         "engine_calls": [s.get("calls") for s in ranks],
@@ -327,7 +357,10 @@ def format_liveness(s: dict[str, Any]) -> str:
         f"{s['lookups_per_s']}/s; latency p50 {s['latency_ms']['p50']} ms, "
         f"p99 {s['latency_ms']['p99']} ms, max {s['latency_ms']['max']} ms",
         f"lease claims {s['lease_claims']}, leases lost {s['leases_lost']}, "
-        f"released early {s['released_early']}; client outcomes {s['client_outcomes']}",
+        f"released early {s['released_early']} (at the pin TTL "
+        f"{s['released_at_pin_ttl']}); client outcomes {s['client_outcomes']}",
+        f"box stalls (server or soak not running for 1 s or more): {s['box_stalls']}, "
+        f"{s['box_stalled_s']} s; dead_rank answers in them {s['dead_rank_in_box_stalls']}",
         "must be 0: " + ", ".join(f"{k} {s[k]}" for k in MUST_BE_ZERO),
         f"load average (1 min) at the end: {s['load_average_1m']}",
         "OK" if s["passed"] else "FAILED",

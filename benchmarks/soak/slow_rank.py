@@ -8,7 +8,9 @@ without async loading: each lookup costs ``--sync-ms``; some calls stall ``--sta
 more (the ``--stall-at``-th, counting from 1, and one every ``--stall-every MIN-MAX``
 seconds). Every lookup is a full hit. It prints ``ready`` once it reads its group, and on
 SIGTERM stops in order and prints one JSON line: the rank's counters, its lease claims and
-losses, the engine's calls and stalls, and the ids it released before the stop.
+losses, the engine's calls and stalls, and the ids it released early (before the stop, and
+before half the pin TTL had passed since their report; a rank releases a reported
+lookup's pins when its pin TTL ends, as nobody retrieves them here).
 """
 
 from __future__ import annotations
@@ -34,11 +36,15 @@ class SyncEngine(StubEngine):
     call (0: none) and the first call after each ``stall_every_s`` interval (random in
     the range; None: never) take ``stall_s`` more.
 
+    ``pin_ttl_s``: the rank's pin TTL (``worker_pin_ttl_ms``); a release half of it or
+    more after the report is the TTL's, not early. None: every release is early.
+
     Attributes:
         calls: Lookups answered.
         stalls: Calls that stalled.
-        released_early: Ids whose pins were released before the stop: a hit answered for
-            one of them is a broken promise.
+        released_early: Ids whose pins were released early, before the stop: a hit
+            answered for one of them is a broken promise.
+        released_at_ttl: Releases when the pin TTL ended.
     """
 
     def __init__(
@@ -48,6 +54,7 @@ class SyncEngine(StubEngine):
         stall_at: int = 0,
         stall_every_s: tuple[float, float] | None = None,
         seed: int = 0,
+        pin_ttl_s: float | None = None,
     ) -> None:
         super().__init__("manual", record=False)
         self._sync_s, self._stall_s, self._stall_at = sync_s, stall_s, stall_at
@@ -57,6 +64,9 @@ class SyncEngine(StubEngine):
         self.stalls = 0
         self.stopping = False
         self.released_early: list[str] = []
+        self.released_at_ttl = 0
+        self._pin_ttl_s = pin_ttl_s
+        self._reported: dict[str, float] = {}
 
     def _after(self, now: float) -> float:
         return now + self._rng.uniform(*self._every) if self._every else float("inf")
@@ -84,10 +94,16 @@ class SyncEngine(StubEngine):
         self.calls += 1
         time.sleep(self._sync_s + self._stall())  # the engine's own work, on the caller's thread
         self.report(lookup_id, sum(offsets))
+        if self._pin_ttl_s is not None:
+            self._reported[lookup_id] = time.monotonic()
 
     def cleanup_memory_objs(self, lookup_id: str) -> None:
         super().cleanup_memory_objs(lookup_id)
-        if not self.stopping:
+        reported = self._reported.pop(lookup_id, None)
+        ttl = self._pin_ttl_s
+        if reported is not None and ttl is not None and time.monotonic() - reported >= ttl / 2:
+            self.released_at_ttl += 1
+        elif not self.stopping:
             self.released_early.append(lookup_id)
 
 
@@ -117,11 +133,17 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: set_from_signal(stop))
+    config = LookupConfig.load()
     engine = SyncEngine(
-        args.sync_ms / 1000, args.stall_ms / 1000, args.stall_at, args.stall_every, args.seed
+        args.sync_ms / 1000,
+        args.stall_ms / 1000,
+        args.stall_at,
+        args.stall_every,
+        args.seed,
+        pin_ttl_s=config.worker_pin_ttl_ms / 1000,
     )
     meta = LookupMetadata(engine_id=args.engine_id, world_size=args.world_size, worker_id=args.rank)
-    server = RedisAsyncLookupServer(engine, meta, LookupConfig.load())
+    server = RedisAsyncLookupServer(engine, meta, config)
     while not server.ready and not stop.wait(0.02):
         pass
     print("ready", flush=True)
@@ -134,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         "claims": stats.ownership.claims,
         "lost": stats.ownership.lost,
         "released_early": engine.released_early,
+        "released_at_ttl": engine.released_at_ttl,
         "calls": engine.calls,
         "stalls": engine.stalls,
     }
