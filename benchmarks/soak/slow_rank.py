@@ -101,9 +101,11 @@ class SyncEngine(StubEngine):
         super().cleanup_memory_objs(lookup_id)
         reported = self._reported.pop(lookup_id, None)
         ttl = self._pin_ttl_s
+        if self.stopping:
+            return
         if reported is not None and ttl is not None and time.monotonic() - reported >= ttl / 2:
             self.released_at_ttl += 1
-        elif not self.stopping:
+        else:
             self.released_early.append(lookup_id)
 
 
