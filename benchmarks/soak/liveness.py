@@ -249,8 +249,8 @@ def run_liveness(
         stalls.stop()
         grace_s = config.heartbeat_ttl_ms / 1000 + 1.0
         in_stalls = sum(n for at, n in traffic.dead_rank_at if stalls.explains(at, grace_s))
-        box = {"dead_rank_in_box_stalls": in_stalls, "box_stalls": len(stalls.stalls)}
-        box["box_stalled_s"] = stalls.total_s()
+        box: dict[str, float] = {"dead_rank_in_box_stalls": in_stalls}
+        box.update(box_stalls=len(stalls.stalls), box_stalled_s=stalls.total_s())
         summary = _summary(o, traffic, outcomes, summaries, exited, slow, seconds, proxies)
         summary.update(box, dead_rank=summary["dead_rank"] - in_stalls)
         summary["passed"] = all(summary[k] == 0 for k in MUST_BE_ZERO)

@@ -15,6 +15,7 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import wait_until
@@ -33,7 +34,7 @@ pytestmark = [pytest.mark.helm, pytest.mark.real, pytest.mark.slow]
 
 ENGINE = "vllm-engine"  # the chart's default engine id
 #: Short timers: a rank is seen alive within a second.
-FAST = {"block_ms": 50, "heartbeat_interval_ms": 100, "heartbeat_ttl_ms": 1500}
+FAST: dict[str, Any] = {"block_ms": 50, "heartbeat_interval_ms": 100, "heartbeat_ttl_ms": 1500}
 
 
 @contextmanager
