@@ -206,6 +206,12 @@ def _setup_inspect(p: argparse.ArgumentParser) -> None:
         "role (scheduler, rank) has a second process waiting for it; without --engine-id, "
         "exit 1 on any such conflict",
     )
+    p.add_argument(
+        "--allow-absent",
+        action="store_true",
+        help="with --engine-id: exit 0 when no process of the engine has written a key yet "
+        "(a fresh install; Redis still has to answer this user); default: exit 1",
+    )
     _add_connect_timeout(p)
 
 
@@ -221,6 +227,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
             as_json=args.json,
             watch_s=args.watch,
             check=args.check,
+            allow_absent=args.allow_absent,
             limit=args.limit,
             recent=args.recent,
             connect_timeout_s=args.connect_timeout,

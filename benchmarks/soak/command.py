@@ -31,7 +31,9 @@ slowest recovery after each kind of fault. The summary goes to stdout as JSON an
 for a person.
 
 With ``--engines N`` it soaks a fleet instead: N engines on one server, churning, with
-duplicates of one engine's scheduler and rank (:mod:`benchmarks.soak.fleet`).
+duplicates of one engine's scheduler and rank (:mod:`benchmarks.soak.fleet`). With
+``--liveness`` it soaks one engine's liveness instead: ranks around a synchronous slow
+engine, stalls and slow links, nothing killed (:mod:`benchmarks.soak.liveness`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from benchmarks.soak.chaos import Chaos, ChaosTiming
 from benchmarks.soak.faults import FaultLog
 from benchmarks.soak.fleet import FleetOptions, run_fleet
 from benchmarks.soak.fleet_report import format_fleet_summary
+from benchmarks.soak.liveness import LivenessOptions, format_liveness, run_liveness
 from benchmarks.soak.report import format_summary, passed, summarize
 from benchmarks.soak.rig import Beats, Proxies, Ranks, rss_kb
 from benchmarks.soak.traffic import CHUNK, Prompt, Traffic, make_prompts
@@ -232,6 +235,13 @@ def setup_soak_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workdir", help="keep the ranks' logs and disk tiers here (default: a temp dir)"
     )
+    p.add_argument(
+        "--liveness",
+        action="store_true",
+        help="a liveness soak instead: --ranks ranks around a synchronous 30 ms engine, "
+        "2.5 s engine stalls, the last rank's link 150-200 ms each way; exit 1 on any wrong "
+        "answer, dead_rank answer, fenced report, broken promise or hang",
+    )
     fleet = p.add_argument_group("fleet (many engines on one server)")
     fleet.add_argument(
         "--engines", type=int, default=0, help="engines at a time (default 0: one engine)"
@@ -287,6 +297,12 @@ def cmd_soak(args: argparse.Namespace) -> int:
     if args.engines:
         summary = run_fleet(_fleet_options(args), args.redis_url, args.workdir)
         text, ok = format_fleet_summary(summary), bool(summary["passed"])
+    elif args.liveness:
+        options = LivenessOptions(
+            duration_s=args.duration, ranks=args.ranks or LivenessOptions.ranks, seed=args.seed
+        )
+        summary = run_liveness(options, args.redis_url, args.workdir)
+        text, ok = format_liveness(summary), bool(summary["passed"])
     else:
         summary = run_soak(
             args.duration,
@@ -311,6 +327,12 @@ def _usage_problem(args: argparse.Namespace) -> str:
     calm = args.calm if args.calm is not None else (_FLEET_CALM_S if args.engines else 0.0)
     if args.duration <= 0 or not 0 <= calm < args.duration:
         return "--duration must be > 0 and 0 <= --calm < --duration"
+    if args.liveness:
+        if args.engines or args.chaos_every or args.calm is not None:
+            return "--liveness takes no --engines, --chaos-every or --calm: it injects its own"
+        if args.ranks is not None and args.ranks < 2:
+            return "--liveness needs --ranks >= 2: a fast rank beside a slow link"
+        return ""
     if args.engines:
         if args.ranks is not None:
             return "--ranks is not for --engines: engines run 1 or 2 ranks each"

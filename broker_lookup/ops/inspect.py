@@ -291,6 +291,10 @@ def _once(
     found = namespaces(client, engine_id)
     if not found:
         where = " or ".join(selected_patterns(engine_id))
+        if opts["allow_absent"]:
+            # Reading the engine's keys as this user worked: all a fresh install promises.
+            _print_absent(engine_id, url, where, opts["as_json"], out)
+            return 0
         print(f"no key of engine {engine_id} on {url} ({where})", file=sys.stderr)
         return 1
     args = (opts["world_size"], opts["limit"], opts["recent"])
@@ -302,6 +306,17 @@ def _once(
     else:
         _print_instances(engine_id, snaps, splits, reasons, config, opts, out)
     return 1 if opts["check"] and reasons else 0
+
+
+def _print_absent(engine_id: str, url: str, where: str, as_json: bool, out: TextIO) -> None:
+    """``--allow-absent`` with no key of ``engine_id``: say so, as a passed check."""
+    if as_json:
+        body: Snapshot = {"engine_id": engine_id, "instances": [], "splits": [], "redis_url": url}
+        body["check"] = {"ok": True, "reasons": []}
+        print(json.dumps(body), file=out, flush=True)
+        return
+    line = f"no process of engine {engine_id} has registered on {url} yet ({where})"
+    print(shown(line + ": nothing to check"), file=out, flush=True)
 
 
 def _print_one(
@@ -354,6 +369,7 @@ def run_inspect(
     as_json: bool = False,
     watch_s: float | None = None,
     check: bool = False,
+    allow_absent: bool = False,
     limit: int = 50,
     recent: int = RECENT,
     out: TextIO | None = None,
@@ -364,11 +380,12 @@ def run_inspect(
 
     ``engine_id`` None: every engine on the server; else that engine and its vLLM
     instances, and whether it is split. ``recent``: completion entries read for the
-    per-rank latency (newest first). ``connect_timeout_s``: each answer of Redis is waited
+    per-rank latency (newest first). ``allow_absent``: no key of ``engine_id`` yet (nothing
+    has served it) is a pass, not exit 1. ``connect_timeout_s``: each answer of Redis is waited
     for this long, once (default: ``socket_timeout_ms``, retried).
 
-    Exit codes: 0 ok, 1 ``check`` failed or no key of ``engine_id``, 3 Redis unreachable
-    or refused a read.
+    Exit codes: 0 ok, 1 ``check`` failed or no key of ``engine_id`` (unless
+    ``allow_absent``), 3 Redis unreachable or refused a read.
 
     Raises:
         ConfigError: ``engine_id`` is not an engine id.
@@ -382,6 +399,7 @@ def run_inspect(
         "recent": recent,
         "as_json": as_json,
         "check": check,
+        "allow_absent": allow_absent,
     }
     client = make_factory(config, "bl-inspect", socket_timeout_s=connect_timeout_s)()
     waited = f" (--connect-timeout {connect_timeout_s:g}s)" if connect_timeout_s else ""

@@ -809,6 +809,7 @@ def test_helm_test_hook(render: RenderFn) -> None:
     assert inspect["command"] == ["broker-lookup"]
     assert inspect["args"][0] == "inspect" and "--check" in inspect["args"]
     args = inspect["args"]
+    assert "--allow-absent" not in args  # reference workers are part of the release
     assert args[args.index("--redis-url") + 1] == "$(BROKER_LOOKUP_REDIS_URL)"
     assert args[args.index("--engine-id") + 1] == "$(BROKER_LOOKUP_ENGINE_ID)"
     assert args[args.index("--world-size") + 1] == "$(BROKER_LOOKUP_WORLD_SIZE)"
@@ -823,11 +824,13 @@ def test_helm_test_hook(render: RenderFn) -> None:
 
 
 def test_helm_test_hooks_of_a_vllm_fleet(render: RenderFn) -> None:
-    """No reference workers: inspect reads the engine's keys without --check (vLLM's ranks
-    live in per-instance namespaces), and the exporter's /metrics is scraped."""
+    """No reference workers: inspect checks each vLLM instance's namespace (their ranks are
+    vLLM's: no --world-size) and passes with none yet (--allow-absent), and the exporter's
+    /metrics is scraped."""
     rendered = render("engine.id=e1")
     inspect = container(rendered.get("Pod", "-test-inspect"), "inspect")
-    assert "--check" not in inspect["args"] and "--world-size" not in inspect["args"]
+    assert "--check" in inspect["args"] and "--allow-absent" in inspect["args"]
+    assert "--world-size" not in inspect["args"]
     scrape = container(rendered.get("Pod", "-test-exporter"), "scrape")
     assert scrape["args"][-1] == f"http://{FULL}-exporter:9400/metrics"
     assert not render("exporter.enabled=false").has("Pod", "-test-exporter")

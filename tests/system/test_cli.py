@@ -257,6 +257,20 @@ def test_inspect_of_an_engine_id_that_matches_nothing_exits_1(
     assert f"no key of engine {engine_id} on redis://" in proc.stderr
 
 
+def test_inspect_allow_absent_passes_an_engine_with_no_key_yet(
+    real_server: RealServer, engine_id: str
+) -> None:
+    """A fresh install: nothing has served the engine; Redis answered, so the check passes."""
+    argv = ["inspect", "--redis-url", real_server.url, "--engine-id", engine_id, "--check"]
+    proc = _run(*argv, "--allow-absent")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"no process of engine {engine_id} has registered" in proc.stdout
+    as_json = json.loads(_run(*argv, "--allow-absent", "--json").stdout)
+    assert as_json["instances"] == [] and as_json["check"]["ok"] is True
+    unreachable = _run(*argv[:2], f"redis://127.0.0.1:{free_port()}/0", *argv[3:], "--allow-absent")
+    assert unreachable.returncode == 3, unreachable.stdout + unreachable.stderr
+
+
 def test_inspect_of_the_fleet_lists_engines_and_check_fails_on_a_conflict(
     real_server: RealServer,
     engine_id: str,

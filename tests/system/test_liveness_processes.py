@@ -30,7 +30,7 @@ from faultkit import FAST, MakeLookupClient, alive, answer, config, prompt
 from helpers import RealServer
 
 from broker_lookup.config.env import env_name
-from broker_lookup.processes import child_env
+from broker_lookup.processes import child_env, long_options
 from faultproxy.proxy import FaultProxy
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
@@ -40,18 +40,21 @@ FULL = len(PROMPT)
 #: Deadlines with room for a whole burst behind one synchronous engine (500 x 30 ms);
 #: the lease and heartbeat stay FAST's (1.5 s), shorter than any of the faults.
 PATIENT: dict[str, Any] = {"lookup_timeout_ms": 40_000, "lookup_timeout_max_ms": 40_000}
-SCRIPT = Path(__file__).parents[1] / "support" / "slow_rank_process.py"
+REPO = Path(__file__).parents[2]
 
 
 class SlowRank:
-    """The rank process of ``slow_rank_process.py``; :meth:`stop` returns its summary."""
+    """A ``benchmarks.soak.slow_rank`` process; :meth:`stop` returns its summary."""
 
     def __init__(self, url: str, engine_id: str, sync_ms: int, stall_at: int, stall_ms: int):
         values = {**FAST, **PATIENT, "redis_url": url}
         extra = {env_name(k): str(v) for k, v in values.items()}
-        argv = [sys.executable, str(SCRIPT), engine_id, str(sync_ms), str(stall_at), str(stall_ms)]
+        flags = {"engine-id": engine_id, "sync-ms": sync_ms, "stall-at": stall_at}
+        flags["stall-ms"] = stall_ms
+        argv = [sys.executable, "-m", "benchmarks.soak.slow_rank", *long_options(flags)]
         self.proc = subprocess.Popen(
             argv,
+            cwd=REPO,  # -m finds the checkout's benchmarks package there
             env=child_env(os.environ, extra),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
