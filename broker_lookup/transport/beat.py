@@ -8,8 +8,11 @@ and nothing else:
 * refreshes the TTL of the engine's lasting keys (streams, fingerprint hash: see
   :mod:`broker_lookup.protocol.lifetime`), with the metrics snapshot when one is due and
   this process holds the lease (one snapshot per role);
-* publishes and checks the hashing fingerprint every
-  :data:`~broker_lookup.protocol.fingerprint.PUBLISH_EVERY_S`.
+* beside it, on a thread and connection of their own (:class:`Checks`), the diagnostics
+  that read Redis now and then: the hashing fingerprint every
+  :data:`~broker_lookup.protocol.fingerprint.PUBLISH_EVERY_S`, the scheduler's split
+  check. Their round trips never delay a renewal: over a 200 ms link a fingerprint's
+  four round trips inside the beat made one beat outlast the lease.
 
 It runs on a path that never waits on engine code, a batch or a blocking read: a slow
 engine, a slow link under a big batch or one stalled engine call never makes a live
@@ -52,12 +55,14 @@ from broker_lookup.transport.lease import Lease, run_claim
 from broker_lookup.transport.link import Link, open_link
 from broker_lookup.transport.script_runner import ScriptSet
 
-__all__ = ["Beat", "Heartbeat"]
+__all__ = ["Beat", "Checks", "Heartbeat"]
 
 logger = logging.getLogger(__name__)
 
 #: How long the beat waits after a Redis error before it tries again (at most one interval).
 ERROR_BACKOFF_S = 0.2
+#: How often the diagnostics' thread gives each diagnostic a turn (each keeps its own pace).
+CHECK_EVERY_S = 1.0
 
 
 class Diagnostic(Protocol):
@@ -141,8 +146,12 @@ class Beat(LoopThread):
         self._heartbeat = heartbeat
         #: The process's metrics snapshot (None: none), written with the keys' refresh.
         self.metrics = metrics
-        self._fingerprint = fingerprint
-        self._diagnostics = tuple(diagnostics)
+        #: The diagnostics' thread (None: no diagnostics), started and stopped with the beat.
+        self.checks = (
+            Checks(factory, f"{name} checks", fingerprint, diagnostics)
+            if fingerprint is not None or diagnostics
+            else None
+        )
         self._interval_s = config.heartbeat_interval_ms / 1000
         self._refresh = refresh_commands(keys, config.engine_ttl_ms)
         self._scripts = ScriptSet()
@@ -152,6 +161,20 @@ class Beat(LoopThread):
         #: Beats that failed (Redis unreachable or refusing).
         self.errors = 0
         self._warn = RateLimitedLog(logger)
+
+    def start(self) -> None:
+        """Start the beat, then its diagnostics' thread."""
+        super().start()
+        if self.checks is not None:
+            self.checks.start()
+
+    def stop(self, timeout_s: float) -> bool:
+        """Stop both threads within ``timeout_s`` in all; False if a join timed out."""
+        deadline = time.monotonic() + timeout_s
+        ok = super().stop(timeout_s)
+        if self.checks is not None:
+            ok = self.checks.stop(max(0.0, deadline - time.monotonic())) and ok
+        return ok
 
     def prime(self, client: redis.Redis) -> None:
         """Claim the lease now, through ``client``, before :meth:`start` (a client that
@@ -178,10 +201,6 @@ class Beat(LoopThread):
         try:
             self.renew(client, link)
             self._refresh_keys(link)
-            if self._fingerprint is not None:
-                self._fingerprint.tick(client)
-            for diagnostic in self._diagnostics:
-                diagnostic.tick(client)
         except AuthFailed as exc:
             self._on_error(exc)
             return self._interval_s
@@ -232,3 +251,37 @@ class Beat(LoopThread):
             for reply in link.call(commands):
                 if isinstance(reply, ResponseError):
                     raise reply
+
+
+class Checks(LoopThread):
+    """The diagnostics of one process (its fingerprint, the scheduler's split check), on
+    their own thread and connection so that their round trips never delay the beat; each
+    keeps its own pace and never raises, this loop only gives them a turn every
+    :data:`CHECK_EVERY_S`."""
+
+    def __init__(
+        self,
+        factory: Callable[[], redis.Redis],
+        name: str,
+        fingerprint: Publisher | None,
+        diagnostics: Sequence[Diagnostic],
+    ) -> None:
+        super().__init__(name, name.replace(" ", "-"))
+        self._factory = factory
+        self._fingerprint = fingerprint
+        self._diagnostics = tuple(diagnostics)
+
+    def _run(self) -> None:
+        client = self._factory()
+        try:
+            while not self._stop.is_set():
+                try:
+                    if self._fingerprint is not None:
+                        self._fingerprint.tick(client)
+                    for diagnostic in self._diagnostics:
+                        diagnostic.tick(client)
+                except Exception:  # a bug: counted and logged, the loop goes on
+                    self.guard()
+                self._stop.wait(CHECK_EVERY_S)
+        finally:
+            client.close()
