@@ -23,7 +23,16 @@ import hashlib
 from broker_lookup.errors import ConfigError
 from broker_lookup.protocol.keys import PREFIX, configured_patterns, members_key
 
-__all__ = ["COMMANDS", "DEFAULT_USER", "ROLES", "acl_file", "acl_line", "key_patterns"]
+__all__ = [
+    "COMMANDS",
+    "DEFAULT_USER",
+    "ROLES",
+    "ROUTER_KEYS",
+    "acl_file",
+    "acl_line",
+    "key_patterns",
+    "router_key_patterns",
+]
 
 #: Every connection names itself (CLIENT SETNAME) and may PING (redis-py's health check,
 #: the sender's probe, ``/readyz``).
@@ -93,13 +102,28 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     ),
     # Stops a runaway script (one that has not written yet); touches no key.
     "admin": (*_CONNECTION, "script|kill", "info"),
+    # A router: the fleet query and its reservations (``FleetClient``), nothing that
+    # writes a lookup hash or reports (no EVALSHA); its keys are ROUTER_KEYS alone.
+    "router": (
+        *_CONNECTION,
+        "scan",  # every engine, or a configured id's instances (their epochs keys)
+        "hkeys",  # an engine's known ranks (its epochs hash)
+        "get",  # their heartbeats (world size, liveness)
+        "xadd",
+        "pexpire",  # a probe or reserve on the engine's probe stream, and its TTL
+        "blpop",  # the ranks' answers
+    ),
 }
 #: A vLLM pod: its EngineCore hosts the scheduler's client and its workers the rank
 #: servers, and every process reads one LMCache config and one environment, so they
 #: share one credential with both roles' commands.
 COMMANDS["vllm"] = tuple(dict.fromkeys((*COMMANDS["scheduler"], *COMMANDS["worker"])))
 #: The roles, in the order the shipped file lists them.
-ROLES = ("scheduler", "worker", "vllm", "operator", "admin")
+ROLES = ("scheduler", "worker", "vllm", "operator", "admin", "router")
+#: The keys (their tails after ``bl:{<engine>}:``) a router reaches: an engine's epochs
+#: hash, heartbeats, probe stream and answer lists; not its lookup hashes, request stream,
+#: leases or metrics.
+ROUTER_KEYS = ("epochs", "hb:*", "probes", "probe:*")
 #: First line of every file: connections that do not log in can do nothing.
 DEFAULT_USER = "user default off resetkeys resetchannels -@all"
 
@@ -116,6 +140,18 @@ def key_patterns(engine_id: str | None) -> list[str]:
         return [f"~{PREFIX}:*"]
     patterns = [*configured_patterns(engine_id), members_key(engine_id)]
     return ["~" + pattern for pattern in patterns]
+
+
+def router_key_patterns(engine_id: str | None) -> list[str]:
+    """The ACL key patterns of a router of the configured ``engine_id`` (its instances
+    included), or of every engine with None: the ROUTER_KEYS of each.
+
+    Raises:
+        ConfigError: ``engine_id`` is not a configured id.
+    """
+    if engine_id is None:
+        return [f"~{PREFIX}:{{*}}:{tail}" for tail in ROUTER_KEYS]
+    return ["~" + p for tail in ROUTER_KEYS for p in configured_patterns(engine_id, tail)]
 
 
 def acl_line(
@@ -152,7 +188,10 @@ def acl_line(
         secret = "#" + digest
     else:
         secret = f">changeme-{role}-password"
-    keys = key_patterns(engine_id) if role != "admin" else []
+    if role == "router":
+        keys = router_key_patterns(engine_id)
+    else:
+        keys = key_patterns(engine_id) if role != "admin" else []
     grants = [f"+{command}" for command in dict.fromkeys(COMMANDS[role])]
     return " ".join(
         ["user", name, "on", secret, "resetkeys", "resetchannels", *keys, "-@all", *grants]

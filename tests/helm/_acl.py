@@ -53,6 +53,9 @@ EXPECTED_COMMANDS = {
     | {"xinfo"},  # every XINFO subcommand
     # Stops a runaway script; touches no key.
     "admin": CONNECTION | {"script|kill", "info"},
+    # The fleet query and its reservations: lists engines (SCAN), reads their ranks
+    # (HKEYS epochs, GET heartbeats), XADDs a probe (PEXPIRE its stream), BLPOPs answers.
+    "router": CONNECTION | {"scan", "hkeys", "get", "xadd", "pexpire", "blpop"},
 }
 #: The engine the shipped file's users are scoped to (the chart's default engine.id).
 SHIPPED_ENGINE = "vllm-engine"

@@ -163,10 +163,10 @@ def test_acl_default_user_is_off(acl: dict[str, AclUser]) -> None:
 
 
 def test_acl_roles(acl: dict[str, AclUser]) -> None:
-    assert set(acl) == {"default", "scheduler", "worker", "vllm", "operator", "admin"}
+    assert set(acl) == {"default", "scheduler", "worker", "vllm", "operator", "admin", "router"}
 
 
-@pytest.mark.parametrize("role", ["scheduler", "worker", "vllm", "operator", "admin"])
+@pytest.mark.parametrize("role", ["scheduler", "worker", "vllm", "operator", "admin", "router"])
 def test_acl_least_privilege(acl: dict[str, AclUser], role: str) -> None:
     user = acl[role]
     assert user.enabled
@@ -182,6 +182,12 @@ def test_acl_least_privilege(acl: dict[str, AclUser], role: str) -> None:
         f"~bl:{{{SHIPPED_ENGINE}@*}}:*",
         f"~bl:members:{{{SHIPPED_ENGINE}}}",
     ]
+    if role == "router":  # its engine's probes, answers, epochs and heartbeats alone
+        scoped = [
+            f"~bl:{{{engine}}}:{tail}"
+            for tail in ("epochs", "hb:*", "probes", "probe:*")
+            for engine in (SHIPPED_ENGINE, SHIPPED_ENGINE + "@*")
+        ]
     assert user.key_patterns == ([] if role == "admin" else scoped)
     assert user.allowed == EXPECTED_COMMANDS[role]
     for broad in ("allkeys", "~*", "+@all", "allcommands", "allchannels", "&*", "nopass"):

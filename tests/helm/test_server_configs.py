@@ -77,7 +77,29 @@ EXAMPLES: dict[str, list[str]] = {
     "xgroup|create": ["XGROUP", "CREATE", f"{K}:requests", "rank-0", "$", "MKSTREAM"],
     "xreadgroup": [*"XREADGROUP GROUP rank-0 c0 COUNT 1 STREAMS".split(), f"{K}:requests", ">"],
     "xack": ["XACK", f"{K}:requests", "rank-0", "0-1"],
+    "hkeys": ["HKEYS", f"{K}:epochs"],
+    "blpop": ["BLPOP", f"{K}:probe:q1", "0.01"],
 }
+#: The router reaches an engine's probe stream, answers, epochs and heartbeats alone.
+ROUTER_EXAMPLES = {
+    **EXAMPLES,
+    "xadd": ["XADD", f"{K}:probes", "*", "f", "v"],
+    "pexpire": ["PEXPIRE", f"{K}:probes", "60000"],
+}
+#: What a router must not do: write a lookup hash or the request stream (forge a hit or
+#: a lookup), report (EVALSHA), or touch a lease, heartbeat or another engine's probes.
+ROUTER_FORBIDDEN = [
+    ["HSET", f"{K}:lookup:1", "r0", "999"],
+    ["XADD", f"{K}:requests", "*", "f", "v"],
+    ["XADD", f"{K}:done", "*", "id", "x", "gen", "1", "result", "999"],
+    ["EVALSHA", "0" * 40, "2", f"{K}:lookup:1", f"{K}:done"],
+    ["SET", f"{K}:hb:0", "{}"],
+    ["DEL", f"{K}:hb:0"],
+    ["GET", f"{K}:owner:scheduler"],
+    ["PEXPIRE", f"{K}:lookup:1", "1"],
+    ["XADD", f"{OTHER}:probes", "*", "f", "v"],
+    ["GET", f"{OTHER}:hb:0"],
+]
 #: Things no role may do.
 FORBIDDEN = [
     ["FLUSHALL"],
@@ -106,6 +128,7 @@ PASSWORDS = {
     "vllm": "changeme-vllm-password",
     "operator": "changeme-operator-password",
     "admin": "changeme-admin-password",
+    "router": "changeme-router-password",
 }
 
 
@@ -202,12 +225,18 @@ def test_role_connects_with_redis_py(acl_server: int, admin: redis.Redis, role: 
 
 @pytest.mark.parametrize("role", sorted(PASSWORDS))
 def test_role_may_run_its_commands(admin: redis.Redis, role: str) -> None:
+    examples = ROUTER_EXAMPLES if role == "router" else EXAMPLES
     refused = {
         name: reason
         for name in sorted(EXPECTED_COMMANDS[role])
-        if (reason := dryrun(admin, role, EXAMPLES[name])) != "OK"
+        if (reason := dryrun(admin, role, examples[name])) != "OK"
     }
     assert refused == {}
+
+
+def test_router_cannot_report_or_write_a_lookup(admin: redis.Redis) -> None:
+    allowed = [argv for argv in ROUTER_FORBIDDEN if dryrun(admin, "router", argv) == "OK"]
+    assert allowed == []
 
 
 @pytest.mark.parametrize("role", sorted(PASSWORDS))

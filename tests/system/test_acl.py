@@ -110,7 +110,7 @@ def _as(server: EmbeddedServer, user: str) -> redis.Redis:
 
 def test_file_has_least_privilege_users() -> None:
     users = acl_users()
-    assert set(users) == {"default", "scheduler", "worker", "vllm", "operator", "admin"}
+    assert set(users) == {"default", "scheduler", "worker", "vllm", "operator", "admin", "router"}
     assert "off" in users["default"] and "+@all" not in users["default"]
     scoped = [
         f"~bl:{{{SHIPPED_ENGINE}}}:*",
@@ -134,7 +134,8 @@ def _denials(admin: redis.Redis) -> list[dict[str, Any]]:
     return [
         dict(e)
         for e in admin.acl_log()
-        if e.get("username") in ("scheduler", "worker", "operator") and e.get("object") != HANDSHAKE
+        if e.get("username") in ("scheduler", "worker", "operator", "router")
+        and e.get("object") != HANDSHAKE
     ]
 
 
@@ -232,16 +233,15 @@ def test_partial_answers_run_under_the_shipped_users(
     assert client.stats().redis_errors == 0
 
 
-def test_ranks_answer_the_fleet_query_under_the_shipped_worker_user(
+def test_fleet_query_runs_under_the_shipped_router_and_worker_users(
     acl_server: tuple[EmbeddedServer, redis.Redis], engine_id: str
 ) -> None:
-    """The probe stream (XREAD) and the answers (RPUSH, PEXPIRE) need nothing more; the
-    querier is a test admin (the shipped file has no router user)."""
+    """A query with a reservation, as ``router`` (listing every engine of the configured
+    id, reading ranks and heartbeats, probing, reserving, waiting on answers), answered
+    by a rank as ``worker`` (XREAD, RPUSH, PEXPIRE): nothing is denied."""
     server, admin = acl_server
     engine = ReferenceEngine()
-    fleet = FleetClient(
-        LookupConfig(redis_url=f"redis://{ADMIN[0]}:{ADMIN[1]}@127.0.0.1:{server.port}/0", **FAST)
-    )
+    fleet = FleetClient(_config(server, "router"))
     hashes, offsets = ChunkedTokenHasher(fleet.config).hashes_and_offsets(TOKENS)
     engine.store(hashes[:3], offsets[:3])
     meta = LookupMetadata(engine_id=engine_id, world_size=1)
@@ -251,11 +251,40 @@ def test_ranks_answer_the_fleet_query_under_the_shipped_worker_user(
         answer = fleet.query(TOKENS, engines=[engine_id], deadline_ms=3000, reserve_ms=200)
         assert [(e.tokens, e.reserved, e.reason) for e in answer.engines] == [(12, 12, None)]
         wait_until(lambda: len(rank.reservations) == 0, timeout=10)
+        every = fleet.query(TOKENS, configured=SHIPPED_ENGINE, deadline_ms=3000)
+        assert (engine_id, 12) in [(e.engine_id, e.tokens) for e in every.engines]
     finally:
         fleet.close()
         rank.close()
         engine.close()
     assert _denials(admin) == []
+
+
+def test_router_user_cannot_report(
+    acl_server: tuple[EmbeddedServer, redis.Redis], engine_id: str
+) -> None:
+    """A router's credential forges no hit: no lookup hash, request or completion written,
+    no script run, no heartbeat touched."""
+    server, admin = acl_server
+    ks = KeySpace(engine_id)
+    router = _as(server, "router")
+    report = router_attempts(ks)
+    for attempt in report:
+        with pytest.raises(redis.ResponseError, match=r"NOPERM|No permissions|permission"):
+            command(router, *attempt)
+    assert admin.exists(ks.lookup("x"), ks.requests, ks.done, ks.heartbeat(0)) == 0
+
+
+def router_attempts(ks: KeySpace) -> list[tuple[object, ...]]:
+    """What a report (or a forged lookup) sends, one command each."""
+    return [
+        ("HSET", ks.lookup("x"), "r0", "999"),
+        ("XADD", ks.requests, "*", "m", "junk"),
+        ("XADD", ks.done, "*", "id", "x", "gen", "1", "result", "999"),
+        ("EVALSHA", "0" * 40, 2, ks.lookup("x"), ks.done),
+        ("SCRIPT", "LOAD", "return 1"),
+        ("SET", ks.heartbeat(0), "{}"),
+    ]
 
 
 @pytest.mark.parametrize("user", ["scheduler", "worker"])

@@ -36,7 +36,7 @@ def test_a_user_is_scoped_to_its_engine_and_its_vllm_instances() -> None:
 
 
 def test_roles_and_their_limits() -> None:
-    assert ROLES == ("scheduler", "worker", "vllm", "operator", "admin")
+    assert ROLES == ("scheduler", "worker", "vllm", "operator", "admin", "router")
 
     # A vLLM pod hosts the scheduler's client and the rank servers under one credential.
     def grants(role: str) -> set[str]:
@@ -48,6 +48,22 @@ def test_roles_and_their_limits() -> None:
     assert "~bl:*" in acl_line("operator", None).split()  # a fleet-wide read-only operator
     admin = acl_line("admin", "e").split()
     assert "+script|kill" in admin and not any(w.startswith("~") for w in admin)
+    # A router reaches each engine's probe stream, answers, epochs and heartbeats alone,
+    # and sends no script (so never reports).
+    router = acl_line("router", "e").split()
+    assert [w for w in router if w.startswith("~")] == [
+        "~bl:{e}:epochs",
+        "~bl:{e@*}:epochs",
+        "~bl:{e}:hb:*",
+        "~bl:{e@*}:hb:*",
+        "~bl:{e}:probes",
+        "~bl:{e@*}:probes",
+        "~bl:{e}:probe:*",
+        "~bl:{e@*}:probe:*",
+    ]
+    assert "+evalsha" not in router and "+hset" not in router and "+blpop" in router
+    fleet = [w for w in acl_line("router", None).split() if w.startswith("~")]
+    assert fleet == ["~bl:{*}:epochs", "~bl:{*}:hb:*", "~bl:{*}:probes", "~bl:{*}:probe:*"]
     bad: list[tuple[dict[str, Any], str]] = [
         ({"role": "root", "engine_id": "e"}, "role='root'"),
         ({"role": "worker", "engine_id": None}, "needs an engine id"),
