@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
@@ -60,6 +61,7 @@ __all__ = [
     "PROCESS_LABELS",
     "ExporterServer",
     "FleetCollector",
+    "ServedCollector",
     "read_snapshots",
     "render_once",
     "serve",
@@ -154,7 +156,20 @@ def _families(snapshot: MetricsSnapshot, clock: Callable[[], float]) -> list[Met
     return list(ServerCollector(server, clock, lambda: version).collect())
 
 
-class FleetCollector(Collector):
+class ServedCollector(Collector):
+    """What :class:`ExporterServer` serves: the series of a scrape, and the Redis client
+    its ``/readyz`` pings."""
+
+    @abstractmethod
+    def client(self) -> redis.Redis:
+        """The Redis client ``/readyz`` pings."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close the Redis client."""
+
+
+class FleetCollector(ServedCollector):
     """The series of every process of every engine on one server (see the module doc).
 
     Args:
@@ -303,7 +318,7 @@ class ExporterServer:
 
     def __init__(
         self,
-        collector: FleetCollector,
+        collector: ServedCollector,
         host: str,
         port: int,
         routes: dict[str, PostRoute] | None = None,
@@ -364,7 +379,7 @@ def render_once(collector: FleetCollector) -> bytes:
 
 
 def serve(
-    collector: FleetCollector,
+    collector: ServedCollector,
     host: str,
     port: int,
     stop: threading.Event,

@@ -14,7 +14,9 @@ JSON object::
                                         until its own lookup of the prompt (or this long)
 
 and its answer ``FleetAnswer.to_json()``: 200 (Redis down too: every engine answers
-``unavailable``, a router falls back), 400 for a body that is not a query.
+``unavailable``, a router falls back), 400 for a body that is not a query. Its ``/metrics``
+are its own (``ops.query_metrics``): the fleet's are the exporter's, and the endpoint's
+``router`` ACL user may not read them.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker_lookup.errors import ConfigError
 from broker_lookup.ops.fleet_query import FleetAnswer, FleetClient
+
+if TYPE_CHECKING:
+    from broker_lookup.ops.query_metrics import QueryMetrics
 from broker_lookup.processes import ExitCode
 
 __all__ = ["QUERY_PORT", "query_route", "run", "setup"]
@@ -70,7 +75,7 @@ def setup(p: argparse.ArgumentParser, url_help: str) -> None:
     p.add_argument(
         "--listen",
         metavar="HOST:PORT",
-        help=f"serve POST /query (and /metrics) instead, e.g. 0.0.0.0:{QUERY_PORT}",
+        help=f"serve POST /query (and its own /metrics) instead, e.g. 0.0.0.0:{QUERY_PORT}",
     )
     p.add_argument(
         "--tokenizer",
@@ -79,15 +84,22 @@ def setup(p: argparse.ArgumentParser, url_help: str) -> None:
     )
 
 
-def query_route(fleet: FleetClient, tokenize: Tokenize | None = None) -> Any:
-    """The ``POST /query`` route: JSON body in, ``(status, body, content type)`` out."""
+def query_route(
+    fleet: FleetClient, tokenize: Tokenize | None = None, metrics: QueryMetrics | None = None
+) -> Any:
+    """The ``POST /query`` route: JSON body in, ``(status, body, content type)`` out;
+    each answer counted in ``metrics``."""
 
     def route(body: bytes) -> tuple[int, bytes, str]:
         try:
             ask = _parse(body, tokenize)
         except ValueError as exc:
+            if metrics is not None:
+                metrics.requests.labels("bad_request").inc()
             return 400, json.dumps({"problem": str(exc)}).encode(), _JSON
         answer = fleet.query(**ask)
+        if metrics is not None:
+            metrics.record(answer, ask["reserve_ms"])
         code = 400 if answer.problem and answer.available else 200
         return code, json.dumps(answer.to_json()).encode(), _JSON
 
@@ -218,7 +230,8 @@ def _listen(config: Any, args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from broker_lookup.ops.exporter import FleetCollector, serve
+    from broker_lookup.ops.exporter import serve
+    from broker_lookup.ops.query_metrics import QueryMetrics
     from broker_lookup.threads import set_from_signal
     from broker_lookup.transport.connection import make_factory
 
@@ -227,17 +240,17 @@ def _listen(config: Any, args: argparse.Namespace) -> int:
         raise ConfigError(f"--listen={args.listen!r}: not HOST:PORT")
     tokenize = _tokenizer(args.tokenizer) if args.tokenizer else None
     fleet = FleetClient(config, deadline_ms=args.deadline_ms)
-    collector = FleetCollector(make_factory(config, "bl-query-metrics"), None)
+    metrics = QueryMetrics(make_factory(config, "bl-query-ready"))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: set_from_signal(stop))
     try:
         return serve(
-            collector,
+            metrics,
             host,
             int(port),
             stop,
             announce=lambda line: print(_renamed(line, "query"), flush=True),
-            routes={"/query": query_route(fleet, tokenize)},
+            routes={"/query": query_route(fleet, tokenize, metrics)},
         )
     except OSError as exc:
         print(f"broker-lookup query: cannot serve --listen {args.listen}: {exc}", file=sys.stderr)

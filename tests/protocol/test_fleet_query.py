@@ -22,16 +22,18 @@ from faultkit import CHUNK, alive, config, prompt, ready
 from faultkit import answer as answer_of
 from helpers import Backend, Made, wait_until
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from broker_lookup import FleetClient, LookupMetadata, RedisAsyncLookupClient
 from broker_lookup.cli import main
-from broker_lookup.ops.exporter import ExporterServer, FleetCollector
+from broker_lookup.ops.exporter import ExporterServer
 from broker_lookup.ops.inspect import render as render_report
 from broker_lookup.ops.inspect import snapshot
 from broker_lookup.ops.metrics import ServerCollector
 from broker_lookup.ops.query_cli import query_route
+from broker_lookup.ops.query_metrics import QueryMetrics
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
-from broker_lookup.protocol.keys import KeySpace, instance_engine_id
+from broker_lookup.protocol.keys import KeySpace, configured_of, instance_engine_id
 from broker_lookup.stub_engine import StubEngine
 from workers.reference.engine import ReferenceEngine
 from workers.server import RedisAsyncLookupServer
@@ -218,8 +220,9 @@ def test_the_http_endpoint_answers_json_and_takes_text_with_a_tokenizer(
 ) -> None:
     fleet.rank(engine_id, fleet.engine(2))
     words = {"w": TOKENS}  # a tokenizer of one word: the test's prompt
-    route = query_route(fleet.client, lambda text: words[text])
-    server = ExporterServer(FleetCollector(backend.factory), "127.0.0.1", 0, {"/query": route})
+    metrics = QueryMetrics(backend.factory)
+    route = query_route(fleet.client, lambda text: words[text], metrics)
+    server = ExporterServer(metrics, "127.0.0.1", 0, {"/query": route})
     server.start()
     try:
         ask = {"tokens": TOKENS, "engines": [engine_id], "deadline_ms": 2000}
@@ -237,8 +240,31 @@ def test_the_http_endpoint_answers_json_and_takes_text_with_a_tokenizer(
         for bad in (*bad_bodies, b'{"tokens": [1], "reserve_ms": -1}'):
             code, doc = _post(server.port, bad)
             assert code == 400 and doc["problem"], bad
+        code, doc = _post(server.port, json.dumps({"tokens": TOKENS, "engines": ["gone"]}).encode())
+        assert code == 200 and doc["engines"][0]["reason"] == "no_ranks"
+        # Its own /metrics count each answer by outcome, per configured engine id.
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics") as reply:
+            samples = _samples(reply.read().decode())
+        configured = configured_of(engine_id)
+        assert samples[("broker_lookup_query_requests_total", (("result", "ok"),))] == 4
+        assert samples[("broker_lookup_query_requests_total", (("result", "bad_request"),))] == 6
+        hits = (("engine", configured), ("outcome", "hit"))
+        assert samples[("broker_lookup_query_engine_answers_total", hits)] == 3
+        gone = (("engine", "gone"), ("outcome", "no_ranks"))
+        assert samples[("broker_lookup_query_engine_answers_total", gone)] == 1
+        reserved = (("engine", configured), ("outcome", "reserved"))
+        assert samples[("broker_lookup_query_reservations_total", reserved)] == 1
+        assert samples[("broker_lookup_query_duration_seconds_count", ())] == 4
     finally:
         assert server.stop()
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 @pytest.mark.parametrize("backend", ["real"], indirect=True)  # a process-free CLI run: a URL
