@@ -22,7 +22,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from broker_lookup.ops.acl import COMMANDS, DEFAULT_USER, ROLES, acl_line, key_patterns
+from broker_lookup.ops.acl import (
+    COMMANDS,
+    DEFAULT_USER,
+    ROLES,
+    acl_line,
+    key_patterns,
+    router_key_patterns,
+)
 from broker_lookup.processes import free_port
 
 from ._chart import CHART, REPO, Manifest, Rendered, RenderFailFn, RenderFn, container, env_map
@@ -45,6 +52,7 @@ def roles_document() -> dict[str, object]:
         "default_user": DEFAULT_USER,
         "engine_key_patterns": [p.replace("ENGINE", "%s") for p in key_patterns("ENGINE")],
         "fleet_key_patterns": key_patterns(None),
+        "router_key_patterns": router_key_patterns(None),
         "commands": {role: list(dict.fromkeys(COMMANDS[role])) for role in ROLES},
     }
 

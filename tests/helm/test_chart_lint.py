@@ -133,6 +133,8 @@ K8S_TYPES = {
     "clientNamespaceSelector",
     "metricsNamespaceSelector",
     "metricsPodSelector",
+    "routerPodSelector",
+    "routerNamespaceSelector",
 }
 
 

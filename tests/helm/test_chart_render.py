@@ -55,6 +55,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "extra": ["--set-json", "pdb.maxUnavailable=null"],
     },
     "network-policy": {"sets": ["networkPolicy.enabled=true", REF]},
+    "query-endpoint": {"sets": ["queryEndpoint.enabled=true", "queryEndpoint.tokenizer=gpt2"]},
     "service-monitor-capability": {
         "sets": ["serviceMonitor.enabled=true"],
         "extra": ["--api-versions", "monitoring.coreos.com/v1"],

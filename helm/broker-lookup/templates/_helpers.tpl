@@ -65,6 +65,15 @@ app.kubernetes.io/component: exporter
 {{- printf "%s-exporter" (include "broker-lookup.fullname" .) }}
 {{- end }}
 
+{{- define "broker-lookup.querySelectorLabels" -}}
+{{ include "broker-lookup.selectorLabels" . }}
+app.kubernetes.io/component: query
+{{- end }}
+
+{{- define "broker-lookup.queryFullname" -}}
+{{- printf "%s-query" (include "broker-lookup.fullname" .) }}
+{{- end }}
+
 {{- define "broker-lookup.redisSelectorLabels" -}}
 {{ include "broker-lookup.selectorLabels" . }}
 app.kubernetes.io/component: redis
@@ -198,7 +207,8 @@ The engines with ACL users, as a JSON list: engine.id, then auth.acl.extraEngine
 {{/*
 Every ACL user as a JSON list of {user, role, engine}: per engine its scheduler, worker,
 vllm and operator users (named <role>-<engine>), then the fleet-wide `exporter`
-(operator role, every engine) and `admin`. A user's password is the Secret's key of
+(operator role, every engine), `admin` and, with the query endpoint, `router` (router
+role, every engine). A user's password is the Secret's key of
 the same name. The roles' commands and key patterns are files/acl-roles.json, which is
 generated from broker_lookup/ops/acl.py.
 */}}
@@ -212,6 +222,9 @@ generated from broker_lookup/ops/acl.py.
 {{- end }}
 {{- $users = append $users (dict "user" "exporter" "role" "operator" "engine" "") }}
 {{- $users = append $users (dict "user" "admin" "role" "admin" "engine" "") }}
+{{- if .Values.queryEndpoint.enabled }}
+{{- $users = append $users (dict "user" "router" "role" "router" "engine" "") }}
+{{- end }}
 {{- toJson $users }}
 {{- end }}
 
@@ -222,7 +235,9 @@ Call with (dict "u" <user> "index" <i> "roles" <acl-roles.json>).
 */}}
 {{- define "broker-lookup.aclLine" -}}
 {{- $words := list "user" .u.user "on" (printf "@PW_%d@" .index) "resetkeys" "resetchannels" }}
-{{- if ne .u.role "admin" }}
+{{- if eq .u.role "router" }}
+{{- $words = concat $words .roles.router_key_patterns }}
+{{- else if ne .u.role "admin" }}
 {{- if .u.engine }}
 {{- range .roles.engine_key_patterns }}
 {{- $words = append $words (printf . $.u.engine) }}
