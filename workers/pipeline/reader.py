@@ -96,6 +96,7 @@ class Reader:
         self._group = keys.group(rank)
         self._name = keys.consumer(rank)
         self._recreate = False  # after NOGROUP: the new group starts at 0
+        self._made = False  # the group was made (or found) once: a later one starts at 0
         self._replaying = True
         self._sent_replaying = True  # what the read in flight asked for
         self._next_replay = 0.0
@@ -119,11 +120,14 @@ class Reader:
     # -- the group ------------------------------------------------------------------
 
     def ensure_group(self, link: Link) -> None:
-        """Create the group (idempotent: BUSYGROUP only); at ``0`` after NOGROUP.
+        """Create the group (idempotent: BUSYGROUP only): at ``$`` the first time, at ``0``
+        once this rank has made it before (it went with its stream, whatever error the rank
+        saw first), so nothing written meanwhile is skipped.
 
         MKSTREAM may create the stream, so its TTL is set in the same round trip.
         """
-        start = "0" if self._recreate else "$"
+        again = self._recreate or self._made
+        start = "0" if again else "$"
         stream = self._keys.requests
         create = ("XGROUP", "CREATE", stream, self._group, start, "MKSTREAM")
         with translate_redis_errors(f"creating consumer group {self._group} on {stream}"):
@@ -132,15 +136,20 @@ class Reader:
                 raise reply
             if isinstance(ttl, ResponseError):
                 raise ttl
-        if self._recreate and not isinstance(reply, ResponseError):
+        if again and not isinstance(reply, ResponseError):
             logger.info("rank %d: re-created group %s at 0", self._rank, self._group)
         self._recreate = False
+        self._made = True
 
     def group_info(self, link: Link) -> None:
         """Refresh the group's ``pending`` and ``lag`` in :attr:`stats`."""
         with translate_redis_errors("reading group info"):
             [groups] = link.call([("XINFO", "GROUPS", self._keys.requests)])
             if isinstance(groups, ResponseError):
+                if "no such key" in str(groups).lower():
+                    # The stream expired or was flushed: its group went with it. NOGROUP, so
+                    # the group is made again at 0 and nothing written meanwhile is skipped.
+                    raise NoGroup(f"consumer group missing while reading group info: {groups}")
                 raise groups
         for raw in groups:
             g = {_text(k): v for k, v in pairs(raw).items()}

@@ -21,7 +21,7 @@
 -- (HMGET, HSET) and the completing one four (HMGET, one HSET for its hits and the answer,
 -- PEXPIRE, XADD). TIME, and a second read of the ranks' fields for the done entry, only
 -- with a submitted_us stamp (rank_insights). A hash without owed (written by an older
--- submit.lua) is completed as before: the ranks' fields read again after the HSET.
+-- submit.lua) is completed by reading the ranks' fields again after the HSET.
 -- The script runs atomically, so reading this rank's field first is as good as an HSETNX.
 -- The done stream's TTL is refreshed by every live process's beat (lifetime.py): only an
 -- XADD that creates it sets it here.
