@@ -26,6 +26,8 @@ import uuid
 from contextlib import ExitStack
 from typing import Any
 
+import redis
+
 from benchmarks.route.fleet import Fleet
 from benchmarks.route.latency import query_cost
 from benchmarks.route.policies import EventIndex, FleetQuery, Policy, RoundRobin
@@ -86,9 +88,19 @@ def _defaults(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    """Every arm, then the query's cost; the result."""
+    """Every arm, then the query's cost; the result. The run's keys are deleted after."""
     config = LookupConfig(redis_url=url)
     run_id = uuid.uuid4().hex[:8]
+    try:
+        arms = _arms(args, config, run_id)
+        latency = [query_cost(url, run_id, n, args.queries, 20) for n in args.latency_engines]
+    finally:
+        _delete_keys(url, run_id)
+    return {"run_id": run_id, "arms": arms, "query_cost": latency}
+
+
+def _arms(args: argparse.Namespace, config: LookupConfig, run_id: str) -> dict[str, Any]:
+    """Each policy on a fresh fleet, the same trace and the same restarts."""
     trace = make_trace(
         config, args.requests, args.groups, args.prefix_chunks, args.own_chunks, args.seed
     )
@@ -97,14 +109,14 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         rng.randrange(args.requests // 10, args.requests): rng.randrange(args.engines)
         for _ in range(args.restarts)
     }
-    arms: dict[str, Any] = {}
-    fleet_client = FleetClient(config, deadline_ms=100)
     plans: list[tuple[str, Any]] = [
         (f"fleet query, reserve {args.reserve_ms} ms", args.reserve_ms),
         ("fleet query, no reservation", 0),
         *((f"event index, lag {lag} ms", lag / 1000) for lag in args.lags_ms),
         ("round robin", None),
     ]
+    arms: dict[str, Any] = {}
+    fleet_client = FleetClient(config, deadline_ms=100)
     try:
         for k, (name, knob) in enumerate(plans):
             fleet = Fleet(config, f"bench-{run_id}-a{k}", args.engines, args.capacity)
@@ -121,8 +133,18 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
                 fleet.close()
     finally:
         fleet_client.close()
-    latency = [query_cost(url, run_id, n, args.queries, 20) for n in args.latency_engines]
-    return {"arms": arms, "query_cost": latency}
+    return arms
+
+
+def _delete_keys(url: str, run_id: str) -> None:
+    """Drop every key of this run: a shared server keeps no benchmark litter."""
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(match=f"bl:{{bench-{run_id}-*", count=1000))
+        for start in range(0, len(keys), 500):
+            client.unlink(*keys[start : start + 500])
+    finally:
+        client.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import redis
 from helpers import RealServer
 
 from benchmarks.route.__main__ import _defaults, parser, run
@@ -77,3 +78,8 @@ def test_quick_run_measures_every_arm_and_the_query(real_server: RealServer) -> 
     result.update(settings=vars(args), load_average=[(1.0, 1.0, 1.0)] * 2, cpus=2, seconds=1.0)
     table = render(result)
     assert "round robin" in table and "4 engines" in table
+    server = redis.Redis.from_url(real_server.url)
+    try:  # the run's keys are gone: a shared server keeps no litter
+        assert list(server.scan_iter(match=f"bl:{{bench-{result['run_id']}-*")) == []
+    finally:
+        server.close()
