@@ -12,7 +12,6 @@ event-fed index of :mod:`benchmarks.route.policies` applies after its lag.
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
 
 from benchmarks.bench.measure import BenchError
 from benchmarks.route.trace import Request
@@ -63,27 +62,24 @@ class Fleet:
         self.ids = [f"{prefix}-{i}" for i in range(n)]
         #: Restarts so far per engine: a request routed before one lost its cache with it.
         self.generation = [0] * n
-        self._stack = ExitStack()
         self._slots: list[_Slot] = []
+        self._clients: list[RedisAsyncLookupClient] = []
         self._past: dict[str, int] = {}  # the counts of engines restarted since
         try:
             for eid in self.ids:
                 self._slots.append(_Slot(eid, capacity, config))
-            self._clients = [
-                self._stack.enter_context(
-                    _closing(
-                        RedisAsyncLookupClient(config, LookupMetadata(engine_id=eid, world_size=1))
-                    )
-                )
-                for eid in self.ids
-            ]
+            for eid in self.ids:
+                meta = LookupMetadata(engine_id=eid, world_size=1)
+                self._clients.append(RedisAsyncLookupClient(config, meta))
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
         """Stop every client, then every rank (a client outliving its rank would say so)."""
-        self._stack.close()
+        for client in self._clients:
+            client.close()
+        self._clients.clear()
         for slot in self._slots:
             slot.close()
         self._slots.clear()
@@ -136,16 +132,3 @@ class Fleet:
         counts.update({f"reservations_{k}": v for k, v in slot.rank.reservations.counts.items()})
         for k, v in counts.items():
             out[k] = out.get(k, 0) + v
-
-
-class _closing:
-    """A context manager closing ``thing`` (redis-py's ``closing`` without the typing gap)."""
-
-    def __init__(self, thing: RedisAsyncLookupClient) -> None:
-        self.thing = thing
-
-    def __enter__(self) -> RedisAsyncLookupClient:
-        return self.thing
-
-    def __exit__(self, *exc: object) -> None:
-        self.thing.close()
