@@ -46,6 +46,36 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: give integers separated by commas") from None
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= 1")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= 0")
+    return value
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of requests a second > 0")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     """The command's options; ``--quick`` replaces the sizes' defaults."""
     p = argparse.ArgumentParser(
@@ -55,19 +85,21 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--redis-url", help="default: an embedded Valkey")
     p.add_argument("--quick", action="store_true", help="a smoke run of seconds")
-    p.add_argument("--engines", type=int, help="engines routed to (default 8; quick 4)")
-    p.add_argument("--capacity", type=int, default=40, help="chunks each engine holds")
-    p.add_argument("--requests", type=int, help="requests per arm (default 2000; quick 150)")
-    p.add_argument("--groups", type=int, default=48, help="shared prefixes in the trace")
-    p.add_argument("--prefix-chunks", type=int, default=4)
-    p.add_argument("--own-chunks", type=int, default=4, help="most chunks a request adds")
-    p.add_argument("--in-flight", type=int, default=8, help="routed, not yet looked up")
-    p.add_argument("--rate", type=float, default=100.0, help="requests a second (trace time)")
-    p.add_argument("--restarts", type=int, help="engine restarts per arm (default 6; quick 1)")
+    p.add_argument("--engines", type=_positive, help="engines routed to (default 8; quick 4)")
+    p.add_argument("--capacity", type=_positive, default=40, help="chunks each engine holds")
+    p.add_argument("--requests", type=_positive, help="requests per arm (default 2000; quick 150)")
+    p.add_argument("--groups", type=_positive, default=48, help="shared prefixes in the trace")
+    p.add_argument("--prefix-chunks", type=_positive, default=4)
+    p.add_argument("--own-chunks", type=_positive, default=4, help="most chunks a request adds")
+    p.add_argument("--in-flight", type=_count, default=8, help="routed, not yet looked up")
+    p.add_argument("--rate", type=_rate, default=100.0, help="requests a second (trace time)")
+    p.add_argument("--restarts", type=_count, help="engine restarts per arm (default 6; quick 1)")
     p.add_argument("--lags-ms", type=_ints, default=[10, 100, 1000], help="the index's lags")
-    p.add_argument("--reserve-ms", type=int, default=2000)
+    p.add_argument("--reserve-ms", type=_count, default=2000)
     p.add_argument("--latency-engines", type=_ints, help="default 4,8,16; quick 4")
-    p.add_argument("--queries", type=int, help="queries per fleet size (default 2000; quick 100)")
+    p.add_argument(
+        "--queries", type=_positive, help="queries per fleet size (default 2000; quick 100)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--out", help="also write the JSON result here")

@@ -38,6 +38,33 @@ def test_the_index_sees_each_event_only_after_its_lag() -> None:
     assert index.route(prompt, 0.5) == (1, 256)
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--engines", "0", ">= 1"),
+        ("--restarts", "-1", ">= 0"),
+        ("--rate", "nan", "> 0"),
+        ("--lags-ms", "10,x", "integers"),
+    ],
+)
+def test_bad_options_are_refused_by_name(
+    flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parser().parse_args([flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and repr(value) in err and says in err
+
+
+def test_quick_shrinks_only_what_was_not_given() -> None:
+    quick = _args("--engines", "6")
+    assert (quick.engines, quick.requests, quick.latency_engines) == (6, 150, [4])
+    full = parser().parse_args([])
+    _defaults(full)
+    assert (full.engines, full.requests, full.latency_engines) == (8, 2000, [4, 8, 16])
+
+
 def _args(*argv: str) -> argparse.Namespace:
     args = parser().parse_args(["--quick", *argv])
     _defaults(args)
