@@ -4,7 +4,8 @@
 engine answering at once, so the figure is the query's path, not an engine's), asked one
 query at a time over all of them. Redis's CPU per query is the ``used_cpu`` delta over
 the queries less the idle ranks' own (heartbeats, blocked reads) over as long a time
-measured right after; the commands per query come from ``INFO commandstats`` deltas.
+measured right after; the commands per query, and the µs the server timed inside them,
+come from ``INFO commandstats`` deltas.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ def _redis_cpu(server: redis.Redis) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
-def _calls(server: redis.Redis) -> dict[str, int]:
+def _calls(server: redis.Redis) -> dict[str, tuple[int, int]]:
+    """Calls and µs so far per command."""
     info: Any = server.info("commandstats")
-    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items()}
+    return {k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for k, v in info.items()}
 
 
 def query_cost(url: str, run_id: str, n: int, queries: int, warmup: int) -> dict[str, Any]:
@@ -60,11 +62,12 @@ def query_cost(url: str, run_id: str, n: int, queries: int, warmup: int) -> dict
     finally:
         fleet.close()
         server.close()
-    commands = {
-        k: round((v - calls0.get(k, 0)) / queries, 2)
-        for k, v in calls1.items()
-        if v > calls0.get(k, 0) and k not in ("info",)
-    }
+    commands, command_us = {}, 0
+    for k, (calls, usec) in calls1.items():
+        before = calls0.get(k, (0, 0))
+        if calls > before[0] and k != "info":
+            commands[k] = round((calls - before[0]) / queries, 2)
+            command_us += usec - before[1]
     return {
         "engines": n,
         "queries": queries,
@@ -72,5 +75,6 @@ def query_cost(url: str, run_id: str, n: int, queries: int, warmup: int) -> dict
         "queries_with_a_rank_late": short,
         "redis_cpu_us_per_query": max(0.0, spent - idle) * 1e6 / queries,
         "redis_cpu_us_per_query_gross": spent * 1e6 / queries,
+        "commandstats_us_per_query": command_us / queries,
         "commands_per_query": dict(sorted(commands.items(), key=lambda kv: -kv[1])),
     }

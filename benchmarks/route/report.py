@@ -27,7 +27,7 @@ def render(result: dict[str, Any]) -> str:
         )
     lines.append(
         f"  {'query over':<12}{'p50 ms':>8}{'p99 ms':>8}{'max ms':>8}{'Redis µs/query':>16}"
-        f"{'gross':>8}  commands per query"
+        f"{'gross':>8}{'in cmds':>9}  commands per query"
     )
     for q in result["query_cost"]:
         lat = q["latency"]
@@ -35,6 +35,7 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"  {str(q['engines']) + ' engines':<12}{lat['p50_ms']:>8.2f}{lat['p99_ms']:>8.2f}"
             f"{lat['max_ms']:>8.2f}{q['redis_cpu_us_per_query']:>16.0f}"
-            f"{q['redis_cpu_us_per_query_gross']:>8.0f}  {top}"
+            f"{q['redis_cpu_us_per_query_gross']:>8.0f}"
+            f"{q['commandstats_us_per_query']:>9.0f}  {top}"
         )
     return "\n".join(lines)

@@ -101,7 +101,7 @@ def test_quick_run_measures_every_arm_and_the_query(real_server: RealServer) -> 
     (cost,) = result["query_cost"]
     assert cost["engines"] == 4 and cost["latency"]["n"] == 40
     assert cost["commands_per_query"]["blpop"] >= 1
-    assert cost["redis_cpu_us_per_query_gross"] > 0
+    assert cost["redis_cpu_us_per_query_gross"] > 0 and cost["commandstats_us_per_query"] > 0
     result.update(settings=vars(args), load_average=[(1.0, 1.0, 1.0)] * 2, cpus=2, seconds=1.0)
     table = render(result)
     assert "round robin" in table and "4 engines" in table
