@@ -157,16 +157,31 @@ def _families(snapshot: MetricsSnapshot, clock: Callable[[], float]) -> list[Met
 
 
 class ServedCollector(Collector):
-    """What :class:`ExporterServer` serves: the series of a scrape, and the Redis client
-    its ``/readyz`` pings."""
+    """What :class:`ExporterServer` serves: the series of a scrape (:meth:`collect`), and
+    the one Redis client its ``/readyz`` pings, made by ``factory`` when first needed."""
+
+    def __init__(self, factory: Callable[[], redis.Redis]) -> None:
+        self._factory = factory
+        self._client: redis.Redis | None = None
+        self._lock = threading.Lock()
 
     @abstractmethod
+    def collect(self) -> Iterator[Metric]:
+        """Every series of one scrape."""
+
     def client(self) -> redis.Redis:
-        """The Redis client ``/readyz`` pings."""
+        """The Redis client (made on first use)."""
+        with self._lock:
+            if self._client is None:
+                self._client = self._factory()
+            return self._client
 
-    @abstractmethod
     def close(self) -> None:
         """Close the Redis client."""
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
 
 
 class FleetCollector(ServedCollector):
@@ -184,25 +199,9 @@ class FleetCollector(ServedCollector):
         engine_id: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._factory = factory
-        self._client: redis.Redis | None = None
+        super().__init__(factory)
         self._engine_id = engine_id
         self._clock = clock
-        self._lock = threading.Lock()
-
-    def client(self) -> redis.Redis:
-        """The exporter's Redis client."""
-        with self._lock:
-            if self._client is None:
-                self._client = self._factory()
-            return self._client
-
-    def close(self) -> None:
-        """Close the Redis client."""
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
 
     def collect(self) -> Iterator[Metric]:
         """One family per metric name, every process's samples in it.

@@ -27,7 +27,6 @@ so the series stay few.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 
 import redis
@@ -53,9 +52,7 @@ class QueryMetrics(ServedCollector):
     """
 
     def __init__(self, factory: Callable[[], redis.Redis]) -> None:
-        self._factory = factory
-        self._client: redis.Redis | None = None
-        self._lock = threading.Lock()
+        super().__init__(factory)
         self._registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "broker_lookup_query_requests",
@@ -102,17 +99,3 @@ class QueryMetrics(ServedCollector):
     def collect(self) -> Iterator[Metric]:
         """Every series (one scrape)."""
         yield from self._registry.collect()
-
-    def client(self) -> redis.Redis:
-        """The client ``/readyz`` pings."""
-        with self._lock:
-            if self._client is None:
-                self._client = self._factory()
-            return self._client
-
-    def close(self) -> None:
-        """Close the client."""
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
