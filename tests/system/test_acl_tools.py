@@ -126,7 +126,8 @@ def test_an_engines_operator_reading_the_fleet_skips_the_other_engines_in_one_li
     assert "Traceback" not in captured.out + captured.err
     (skip,) = _finding(captured.out, "skip", "ranks")
     assert f"user {user} may not read the keys of engine {OTHER}" in skip
-    assert "No permissions to access a key" in skip and "broker-lookup acl" in skip
+    # Redis's refusal in its own words (Valkey's and Redis 7.0's differ in case and length).
+    assert "no permissions to access" in skip.lower() and "broker-lookup acl" in skip
     assert "every check that ran passed, 1 skipped" in captured.out
     assert cli_main(_as(user, server, monkeypatch, "inspect", "--check")) == 0
     out = capsys.readouterr().out
