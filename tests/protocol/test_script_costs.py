@@ -23,8 +23,11 @@ from broker_lookup.transport.script_runner import ScriptSet
 ENGINE_TTL_MS = 600_000
 
 
-def _submit(conn: object, ks: KeySpace, expected: str, gen: int = 7) -> None:
-    request = lookup_request("s", gen, chunks=10, expected=[int(r) for r in expected.split(",")])
+def _submit(
+    conn: object, ks: KeySpace, expected: str, gen: int = 7, lookup_id: str = "s"
+) -> None:
+    ranks = [int(r) for r in expected.split(",")]
+    request = lookup_request(lookup_id, gen, chunks=10, expected=ranks)
     call = submit_call(
         ks,
         request,
@@ -151,30 +154,14 @@ def _batch(
     return [a for a in answers if isinstance(a, bytes)]
 
 
-def _submit_as(conn: object, ks: KeySpace, lookup_id: str, gen: int, expected: str) -> None:
-    request = lookup_request(
-        lookup_id, gen, chunks=10, expected=[int(r) for r in expected.split(",")]
-    )
-    call = submit_call(
-        ks,
-        request,
-        expected=expected,
-        created_ms=1,
-        ttl_ms=60_000,
-        maxlen=100,
-        engine_ttl_ms=ENGINE_TTL_MS,
-    )
-    assert ScriptSet().call(conn, call)  # type: ignore[arg-type]
-
-
 def test_a_batch_mixing_generations_and_cancelled_lookups_answers_each(
     backend: Backend, engine_id: str
 ) -> None:
     conn, ks = backend.factory(), KeySpace(engine_id)
-    _submit_as(conn, ks, "a", 7, "0,1")
-    _submit_as(conn, ks, "b", 9, "0,1")
-    _submit_as(conn, ks, "c", 3, "0")
-    _submit_as(conn, ks, "gone", 4, "0")
+    _submit(conn, ks, "0,1", gen=7, lookup_id="a")
+    _submit(conn, ks, "0,1", gen=9, lookup_id="b")
+    _submit(conn, ks, "0", gen=3, lookup_id="c")
+    _submit(conn, ks, "0", gen=4, lookup_id="gone")
     conn.delete(ks.lookup("gone"))  # cancelled before the batch
     items = [
         BatchItem("a", 7, 8),
@@ -203,8 +190,8 @@ def test_a_batch_mixing_generations_and_cancelled_lookups_answers_each(
 
 def test_a_batch_sent_again_changes_nothing(backend: Backend, engine_id: str) -> None:
     conn, ks = backend.factory(), KeySpace(engine_id)
-    _submit_as(conn, ks, "a", 7, "0,1")
-    _submit_as(conn, ks, "b", 7, "0")
+    _submit(conn, ks, "0,1", gen=7, lookup_id="a")
+    _submit(conn, ks, "0", gen=7, lookup_id="b")
     items = [BatchItem("a", 7, 8), BatchItem("b", 7, 12)]
     assert _batch(conn, ks, items) == [b"recorded", b"complete"]
     before = {k: conn.hgetall(ks.lookup(k)) for k in ("a", "b")}
@@ -215,8 +202,8 @@ def test_a_batch_sent_again_changes_nothing(backend: Backend, engine_id: str) ->
 
 def test_a_fenced_batch_records_nothing(backend: Backend, engine_id: str) -> None:
     conn, ks = backend.factory(), KeySpace(engine_id)
-    _submit_as(conn, ks, "a", 7, "0,1")
-    _submit_as(conn, ks, "b", 7, "0")
+    _submit(conn, ks, "0,1", gen=7, lookup_id="a")
+    _submit(conn, ks, "0", gen=7, lookup_id="b")
     lease = ks.owner("0")
     conn.set(lease, "new-token holder", px=60_000)  # another process took the rank over
     before = {k: conn.hgetall(ks.lookup(k)) for k in ("a", "b")}
@@ -230,8 +217,8 @@ def test_a_fenced_batch_records_nothing(backend: Backend, engine_id: str) -> Non
 
 def test_a_single_report_and_a_batch_of_one_agree(backend: Backend, engine_id: str) -> None:
     conn, ks = backend.factory(), KeySpace(engine_id)
-    _submit_as(conn, ks, "s", 7, "0,1")
-    _submit_as(conn, ks, "t", 7, "0,1")
+    _submit(conn, ks, "0,1", gen=7, lookup_id="s")
+    _submit(conn, ks, "0,1", gen=7, lookup_id="t")
     assert _report(conn, ks, 0, 8) == b"recorded"
     assert _batch(conn, ks, [BatchItem("t", 7, 8)]) == [b"recorded"]
     strip = {b"id", b"created_ms"}
