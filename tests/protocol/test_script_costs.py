@@ -23,9 +23,7 @@ from broker_lookup.transport.script_runner import ScriptSet
 ENGINE_TTL_MS = 600_000
 
 
-def _submit(
-    conn: object, ks: KeySpace, expected: str, gen: int = 7, lookup_id: str = "s"
-) -> None:
+def _submit(conn: object, ks: KeySpace, expected: str, gen: int = 7, lookup_id: str = "s") -> None:
     ranks = [int(r) for r in expected.split(",")]
     request = lookup_request(lookup_id, gen, chunks=10, expected=ranks)
     call = submit_call(
