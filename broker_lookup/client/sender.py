@@ -53,7 +53,15 @@ from broker_lookup.errors import BrokerLookupError, BrokerUnavailable, translate
 from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import Abort, Keep, LookupRequest
-from broker_lookup.protocol.scripts import Call, cancel_call, deadline_call, keep_call, submit_call
+from broker_lookup.protocol.scripts import (
+    Call,
+    cancel_call,
+    deadline_call,
+    keep_call,
+    submit_answers,
+    submit_batches,
+    submit_call,
+)
 from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.transport.batcher import Batcher
 from broker_lookup.transport.link import Link
@@ -209,7 +217,10 @@ class Sender(Batcher[Item]):
             pairs = self._calls(batch)
         if not pairs:
             return
-        calls = [call for _, call in pairs]
+        # Consecutive submits ride one submit.lua batch: the server pays one script call
+        # for them, not one each.
+        packed = submit_batches([call for _, call in pairs])
+        calls = [call for call, _ in packed]
         results: list[Any] | None = None
         try:
             with self._breaker.track("sender"):
@@ -229,7 +240,8 @@ class Sender(Batcher[Item]):
             writes.open_on(link, allowed)
         self.batches += 1
         now = time.monotonic()
-        for (item, _), res in zip(pairs, results, strict=True):
+        answers = submit_answers(results, [n for _, n in packed])
+        for (item, _), res in zip(pairs, answers, strict=True):
             self._settle(item, res, now)
 
     def _tick(self) -> float:

@@ -44,9 +44,15 @@ __all__ = [
     "report_args",
     "report_batch_call",
     "report_call",
+    "submit_answers",
     "submit_args",
+    "submit_batches",
     "submit_call",
 ]
+
+#: Most submits one ``submit.lua`` batch carries: the server runs a script to its end
+#: before anything else, so a burst of thousands is cut into calls of this many.
+SUBMIT_BATCH_MAX = 64
 
 SUBMIT = "submit"
 REPORT = "report"
@@ -131,6 +137,71 @@ def submit_call(
     )
     # A tuple: untracked by the GC at its first collection, unlike a list.
     return Call(SUBMIT, (keys.lookup(request.lookup_id), keys.requests), tuple(args))
+
+
+def _submit_batch(calls: Sequence[Call]) -> Call:
+    """One ``submit.lua`` batch call doing what ``calls`` (single submits to one stream,
+    with one expected list, stream cap and stream TTL) do, in their order."""
+    head = calls[0].args
+    # The single ARGV's order (submit_args): gen, expected, created_ms, deadline_ms,
+    # tokens, ttl ms, maxlen, lookup id, insights, stream ttl ms, then the pairs.
+    args: list[Arg] = ["batch", head[1], head[6], head[9]]
+    for call in calls:
+        a = call.args
+        args += [a[0], a[2], a[3], a[4], a[5], a[7], a[8], (len(a) - 10) // 2, *a[10:]]
+    return Call(SUBMIT, (calls[0].keys[1], *(call.keys[0] for call in calls)), tuple(args))
+
+
+def _same_batch(a: Call, b: Call) -> bool:
+    """Whether submits ``a`` and ``b`` can ride one batch: one stream, one expected list,
+    one stream cap and TTL (a batch carries those once)."""
+    return (
+        a.keys[1] == b.keys[1]
+        and a.args[1] == b.args[1]
+        and a.args[6] == b.args[6]
+        and a.args[9] == b.args[9]
+    )
+
+
+def submit_batches(calls: Sequence[Call], most: int = SUBMIT_BATCH_MAX) -> list[tuple[Call, int]]:
+    """``calls`` as sent: each run of consecutive :func:`submit_call` calls (at most
+    ``most``) as one ``submit.lua`` batch, every other call as it is, in order; each with
+    the count of ``calls`` it stands for (:func:`submit_answers` gives theirs back).
+
+    The order on the wire is kept, so a cancel queued between two submits still runs
+    between them. A run of one is sent as the single call it is.
+    """
+    out: list[tuple[Call, int]] = []
+    run: list[Call] = []
+
+    def flush() -> None:
+        if len(run) == 1:
+            out.append((run[0], 1))
+        elif run:
+            out.append((_submit_batch(run), len(run)))
+        run.clear()
+
+    for call in calls:
+        if call.script != SUBMIT or (run and (len(run) >= most or not _same_batch(run[0], call))):
+            flush()
+        if call.script == SUBMIT:
+            run.append(call)
+        else:
+            out.append((call, 1))
+    flush()
+    return out
+
+
+def submit_answers(results: Sequence[object], counts: Sequence[int]) -> list[object]:
+    """The answers of the calls :func:`submit_batches` packed, one per original call, from
+    the ``results`` of the calls it returned (``counts``: how many each stands for)."""
+    out: list[object] = []
+    for result, n in zip(results, counts, strict=True):
+        if n == 1:
+            out.append(result)
+        else:
+            out += report_answers(result, n)
+    return out
 
 
 def cancel_args(*, gen: int, maxlen: int, engine_ttl_ms: int, fields: dict[str, Arg]) -> list[Arg]:

@@ -56,20 +56,27 @@ local function held()
   return holder and string.sub(holder, 1, #token + 1) == token .. ' '
 end
 
+-- Built once per call, not per report: the rank's field and its mark in ',0,1,2,'.
+local own = 'r' .. rank
+local mark = ',' .. rank .. ','
+
+-- The expected ranks of 'expected' ("0,1,2"), as a list: only the paths that read every
+-- rank's fields need it (a hash without owed, the done entry with a stamp).
+local function listed(expected)
+  local ranks = {}
+  for r in string.gmatch(expected, '[^,]+') do ranks[#ranks + 1] = r end
+  return ranks
+end
+
 -- One report: lookup hash KEYS[k], its generation, the hits (as sent) and the lookup id.
+-- The Lua between the commands costs about as much as a command does, so the common path
+-- builds no table and no closure: the rank is found in the list with one plain find.
 local function report(k, gen, sent, lookup_id)
-  local own = 'r' .. rank
   local st = redis.call('HMGET', KEYS[k], 'state', 'gen', 'expected', 'tokens', 'submitted_us',
-                        own, 'result', 'owed', 'lowest')
+                        own, 'owed', 'lowest')
   if not st[1] then return 'dropped' end
   if st[2] ~= gen then return 'stale' end
-  local ranks = {}
-  local known = false
-  for r in string.gmatch(st[3], '[^,]+') do
-    ranks[#ranks + 1] = r
-    if r == rank then known = true end
-  end
-  if not known then return 'unknown_rank' end
+  if not string.find(',' .. st[3] .. ',', mark, 1, true) then return 'unknown_rank' end
   local hits = tonumber(sent)
   if hits == nil or hits < 0 or hits > tonumber(st[4]) or hits ~= math.floor(hits) then
     return 'invalid'
@@ -77,11 +84,10 @@ local function report(k, gen, sent, lookup_id)
   if st[6] then return 'duplicate' end
   if st[1] ~= 'pending' then
     -- A partial answer decided it: a late report must not complete it again.
-    return 'settled:' .. (st[7] or '0')
+    return 'settled:' .. (redis.call('HGET', KEYS[k], 'result') or '0')
   end
-  local mine = {own, sent}
   local stamp = st[5]
-  local sec, us
+  local sec, us, lat, elapsed
   if stamp then
     sec = tonumber(string.sub(stamp, 1, -7))
     us = tonumber(string.sub(stamp, -6))
@@ -89,27 +95,41 @@ local function report(k, gen, sent, lookup_id)
   if sec and us then
     -- Integer arithmetic on seconds and micros apart: no double ever holds the epoch µs.
     local t = redis.call('TIME')
-    local elapsed = (tonumber(t[1]) - sec) * 1000000 + (tonumber(t[2]) - us)
-    if elapsed < 0 then elapsed = 0 end  -- the server's clock stepped back
-    mine = {own, sent, 'l' .. rank, string.format('%d', elapsed)}
+    local took = (tonumber(t[1]) - sec) * 1000000 + (tonumber(t[2]) - us)
+    if took < 0 then took = 0 end  -- the server's clock stepped back
+    lat, elapsed = 'l' .. rank, string.format('%d', took)
   else
     stamp = nil
   end
-  local owed = tonumber(st[8])
-  local lowest = tonumber(st[9])
+  local owed = tonumber(st[7])
+  local lowest = tonumber(st[8])
   local min
   if owed and lowest then
     owed = owed - 1
     if hits < lowest then lowest = hits end
     if owed > 0 then
-      redis.call('HSET', KEYS[k], 'owed', owed, 'lowest', lowest, unpack(mine))
+      if lat then
+        redis.call('HSET', KEYS[k], 'owed', owed, 'lowest', lowest, own, sent, lat, elapsed)
+      else
+        redis.call('HSET', KEYS[k], 'owed', owed, 'lowest', lowest, own, sent)
+      end
       return 'recorded'
     end
     min = lowest
-    redis.call('HSET', KEYS[k], 'state', 'done', 'result', min, 'owed', 0, 'lowest', min,
-               unpack(mine))
+    if lat then
+      redis.call('HSET', KEYS[k], 'state', 'done', 'result', min, 'owed', 0, 'lowest', min,
+                 own, sent, lat, elapsed)
+    else
+      redis.call('HSET', KEYS[k], 'state', 'done', 'result', min, 'owed', 0, 'lowest', min,
+                 own, sent)
+    end
   else
-    redis.call('HSET', KEYS[k], unpack(mine))
+    if lat then
+      redis.call('HSET', KEYS[k], own, sent, lat, elapsed)
+    else
+      redis.call('HSET', KEYS[k], own, sent)
+    end
+    local ranks = listed(st[3])
     local names = {}
     for i = 1, #ranks do names[i] = 'r' .. ranks[i] end
     local got = redis.call('HMGET', KEYS[k], unpack(names))
@@ -123,6 +143,7 @@ local function report(k, gen, sent, lookup_id)
   redis.call('PEXPIRE', KEYS[k], done_ttl)
   local entry = {'id', lookup_id, 'gen', gen, 'result', min}
   if stamp then
+    local ranks = listed(st[3])
     local names = {}
     for i = 1, #ranks do
       names[i] = 'r' .. ranks[i]

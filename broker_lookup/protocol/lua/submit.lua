@@ -13,40 +13,79 @@
 -- another gen and change nothing.
 -- Four commands a submit (HGET, HSET, PEXPIRE, XADD): each costs the server several times
 -- the same command sent plainly, so none is spent where nothing needs it.
-local held = redis.call('HGET', KEYS[1], 'gen')
-if held == ARGV[1] then
-  return 'duplicate'
+-- A batch (ARGV[1] 'batch'): one call for every submit the client's sender sends in one
+-- round trip, so the server pays one script call, not one per lookup; each lookup is
+-- still idempotent per its own generation, and the stream's TTL is set at most once.
+--   KEYS: the request stream, then one lookup hash per submit
+--   ARGV: 'batch', expected, stream maxlen, the stream's ttl ms, then per submit: gen,
+--         created_ms, deadline_ms, tokens, key ttl ms, lookup id, insights, the count of
+--         the entry's field/value pairs, then those pairs
+--   Returns one answer per submit, in order (the entry's id or 'duplicate').
+local time_stamp = nil
+local function stamp()
+  if not time_stamp then
+    -- Seconds and micros as TIME gives them, joined as text: a double of ~1.7e15 would
+    -- print as 1.7e+15 and lose its digits. One TIME per call: a batch's lookups were
+    -- all submitted at this instant of the server's clock.
+    local t = redis.call('TIME')
+    time_stamp = t[1] .. string.format('%06d', tonumber(t[2]))
+  end
+  return time_stamp
 end
-if held then  -- the usual first submit finds no key: nothing to delete
-  redis.call('DEL', KEYS[1])
-end
-local stamp = nil
-if ARGV[9] == '1' then
-  -- Seconds and micros as TIME gives them, joined as text: a double of ~1.7e15 would
-  -- print as 1.7e+15 and lose its digits.
-  local t = redis.call('TIME')
-  stamp = t[1] .. string.format('%06d', tonumber(t[2]))
-end
+
 -- owed and lowest let report.lua complete the lookup from its one read: the reports still
 -- owed, and the fewest hits reported so far (the prompt's tokens before any).
-local owed = 0
-for _ in string.gmatch(ARGV[2], '[^,]+') do owed = owed + 1 end
-if stamp then
-  redis.call('HSET', KEYS[1], 'state', 'pending', 'gen', ARGV[1], 'expected', ARGV[2],
-             'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8],
-             'owed', owed, 'lowest', ARGV[5], 'submitted_us', stamp)
-else
-  redis.call('HSET', KEYS[1], 'state', 'pending', 'gen', ARGV[1], 'expected', ARGV[2],
-             'created_ms', ARGV[3], 'deadline_ms', ARGV[4], 'tokens', ARGV[5], 'id', ARGV[8],
-             'owed', owed, 'lowest', ARGV[5])
+local function count(expected)
+  local owed = 0
+  for _ in string.gmatch(expected, '[^,]+') do owed = owed + 1 end
+  return owed
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[6])
--- The stream's TTL is the engine's, refreshed by every live process's beat (lifetime.py):
--- only an XADD that creates the stream must set it, here, so nothing is left without one.
-local id = redis.call('XADD', KEYS[2], 'NOMKSTREAM', 'MAXLEN', '~', ARGV[7], '*',
-                      unpack(ARGV, 11))
-if not id then
-  id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', unpack(ARGV, 11))
-  redis.call('PEXPIRE', KEYS[2], ARGV[10])
+
+-- One submit: hash, its generation and fields, the stream and the entry's pairs
+-- ARGV[first..last].
+local function submit(hash, gen, expected, owed, created, deadline, tokens, ttl, id, insights,
+                      stream, maxlen, stream_ttl, first, last)
+  local held = redis.call('HGET', hash, 'gen')
+  if held == gen then
+    return 'duplicate'
+  end
+  if held then  -- the usual first submit finds no key: nothing to delete
+    redis.call('DEL', hash)
+  end
+  if insights == '1' then
+    redis.call('HSET', hash, 'state', 'pending', 'gen', gen, 'expected', expected,
+               'created_ms', created, 'deadline_ms', deadline, 'tokens', tokens, 'id', id,
+               'owed', owed, 'lowest', tokens, 'submitted_us', stamp())
+  else
+    redis.call('HSET', hash, 'state', 'pending', 'gen', gen, 'expected', expected,
+               'created_ms', created, 'deadline_ms', deadline, 'tokens', tokens, 'id', id,
+               'owed', owed, 'lowest', tokens)
+  end
+  redis.call('PEXPIRE', hash, ttl)
+  -- The stream's TTL is the engine's, refreshed by every live process's beat (lifetime.py):
+  -- only an XADD that creates the stream must set it, here, so nothing is left without one.
+  local entry = redis.call('XADD', stream, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*',
+                           unpack(ARGV, first, last))
+  if not entry then
+    entry = redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, first, last))
+    redis.call('PEXPIRE', stream, stream_ttl)
+  end
+  return entry
 end
-return id
+
+if ARGV[1] ~= 'batch' then
+  return submit(KEYS[1], ARGV[1], ARGV[2], count(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6],
+                ARGV[8], ARGV[9], KEYS[2], ARGV[7], ARGV[10], 11, #ARGV)
+end
+local expected, maxlen, stream_ttl = ARGV[2], ARGV[3], ARGV[4]
+local owed = count(expected)
+local answers = {}
+local a = 5
+for k = 2, #KEYS do
+  local pairs_end = a + 7 + 2 * tonumber(ARGV[a + 7])
+  answers[k - 1] = submit(KEYS[k], ARGV[a], expected, owed, ARGV[a + 1], ARGV[a + 2],
+                          ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], KEYS[1], maxlen,
+                          stream_ttl, a + 8, pairs_end)
+  a = pairs_end + 1
+end
+return answers

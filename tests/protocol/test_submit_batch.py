@@ -1,0 +1,152 @@
+"""The client's sender sends the submits of one round trip as one ``submit.lua`` batch:
+each lookup is still idempotent per its generation (a batch sent again after a lost reply
+changes nothing), an older generation's hash is replaced, the stream's TTL is set by the
+write that creates it, and a batch writes what the same submits sent one by one write. On
+fakeredis and on a real server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from helpers import Backend, lookup_request
+
+from broker_lookup.protocol import lookup_hash
+from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import Abort
+from broker_lookup.protocol.scripts import (
+    SUBMIT,
+    Call,
+    cancel_call,
+    report_call,
+    submit_answers,
+    submit_batches,
+    submit_call,
+)
+from broker_lookup.transport.script_runner import ScriptSet
+
+ENGINE_TTL_MS = 600_000
+
+
+def _call(ks: KeySpace, lookup_id: str, gen: int, *, insights: bool = False) -> Call:
+    request = lookup_request(lookup_id, gen, chunks=10, expected=[0, 1])
+    return submit_call(
+        ks,
+        request,
+        expected="0,1",
+        created_ms=1,
+        ttl_ms=60_000,
+        maxlen=100,
+        engine_ttl_ms=ENGINE_TTL_MS,
+        insights=insights,
+    )
+
+
+def _send(conn: object, calls: list[Call]) -> list[Any]:
+    """``calls`` as the sender sends them: packed, run in one round trip, unpacked."""
+    packed = submit_batches(calls)
+    scripts = ScriptSet()
+    results = [scripts.call(conn, call) for call, _ in packed]  # type: ignore[arg-type]
+    return submit_answers(results, [n for _, n in packed])
+
+
+def _report(conn: object, ks: KeySpace, lookup_id: str, rank: int, gen: int) -> Any:
+    call = report_call(
+        ks,
+        lookup_id,
+        rank=rank,
+        gen=gen,
+        hits=8,
+        done_maxlen=100,
+        done_ttl_ms=5000,
+        engine_ttl_ms=ENGINE_TTL_MS,
+    )
+    return ScriptSet().call(conn, call)  # type: ignore[arg-type]
+
+
+def test_consecutive_submits_ride_one_call_and_the_order_is_kept() -> None:
+    ks = KeySpace("e")
+    cancel = cancel_call(ks, Abort(lookup_id="x", gen=1), maxlen=100, engine_ttl_ms=1)
+    calls = [_call(ks, "a", 1), _call(ks, "b", 1), cancel, _call(ks, "c", 1)]
+    packed = submit_batches(calls)
+    assert [(call.script, n) for call, n in packed] == [(SUBMIT, 2), ("cancel", 1), (SUBMIT, 1)]
+    assert packed[0][0].keys == (ks.requests, ks.lookup("a"), ks.lookup("b"))
+    assert packed[2][0] is calls[3]  # a run of one goes as the single call it is
+    assert [n for _, n in submit_batches([_call(ks, str(i), 1) for i in range(5)], 2)] == [2, 2, 1]
+    error = ConnectionError("lost")
+    answers = submit_answers([[b"1-0", b"duplicate"], error, b"2-0"], [2, 1, 1])
+    assert answers == [b"1-0", b"duplicate", error, b"2-0"]
+    assert submit_answers([error], [3]) == [error] * 3  # the whole batch failed
+
+
+def test_a_batch_sent_again_after_a_lost_reply_changes_nothing(
+    backend: Backend, engine_id: str
+) -> None:
+    conn, ks = backend.factory(), KeySpace(engine_id)
+    calls = [_call(ks, "a", 7), _call(ks, "b", 7), _call(ks, "c", 3)]
+    first = _send(conn, calls)
+    assert all(isinstance(a, bytes) and a != b"duplicate" for a in first)
+    assert conn.xlen(ks.requests) == 3
+    assert _report(conn, ks, "a", 0, 7) == b"recorded"  # a fast rank, before the retry
+    before = {k: conn.hgetall(ks.lookup(k)) for k in "abc"}
+    assert _send(conn, calls) == [b"duplicate"] * 3  # its reply was lost: sent again
+    assert {k: conn.hgetall(ks.lookup(k)) for k in "abc"} == before
+    assert conn.xlen(ks.requests) == 3  # no second entry for any of them
+    assert _report(conn, ks, "a", 1, 7) == b"complete"  # the reports kept still count
+
+
+def test_a_batch_mixing_generations_and_cancelled_lookups_answers_each(
+    backend: Backend, engine_id: str
+) -> None:
+    conn, ks = backend.factory(), KeySpace(engine_id)
+    assert _send(conn, [_call(ks, "old", 6), _call(ks, "same", 7), _call(ks, "gone", 2)])
+    assert _report(conn, ks, "old", 0, 6) == b"recorded"
+    ScriptSet().call(  # type: ignore[arg-type]
+        conn, cancel_call(ks, Abort(lookup_id="gone", gen=2), maxlen=100, engine_ttl_ms=1000)
+    )
+    assert not conn.exists(ks.lookup("gone"))
+    entries = conn.xlen(ks.requests)
+    batch = [_call(ks, "old", 7), _call(ks, "same", 7), _call(ks, "gone", 3), _call(ks, "new", 1)]
+    answers = _send(conn, batch)
+    assert answers[1] == b"duplicate"
+    assert all(a != b"duplicate" for i, a in enumerate(answers) if i != 1)
+    assert conn.xlen(ks.requests) == entries + 3
+    # The older generation's hash is gone with its report: its late reports are stale.
+    assert conn.hmget(ks.lookup("old"), "gen", "r0", lookup_hash.OWED) == [b"7", None, b"2"]
+    assert _report(conn, ks, "old", 1, 6) == b"stale"
+    assert conn.hmget(ks.lookup("gone"), "gen", "state") == [b"3", b"pending"]
+    for lookup_id in ("old", "same", "gone", "new"):
+        assert 0 < conn.pttl(ks.lookup(lookup_id)) <= 60_000  # nothing without a TTL
+
+
+def test_a_batch_creating_the_stream_sets_its_ttl_once(backend: Backend, engine_id: str) -> None:
+    conn, ks = backend.factory(), KeySpace(engine_id)
+    assert not conn.exists(ks.requests)
+    _send(conn, [_call(ks, str(i), 1) for i in range(4)])
+    assert conn.xlen(ks.requests) == 4
+    assert ENGINE_TTL_MS - 60_000 < conn.pttl(ks.requests) <= ENGINE_TTL_MS
+    conn.pexpire(ks.requests, 100_000)
+    _send(conn, [_call(ks, str(i), 2) for i in range(4)])
+    assert conn.xlen(ks.requests) == 8
+    assert 0 < conn.pttl(ks.requests) <= 100_000  # there already: left to the beat
+
+
+def test_a_batch_writes_what_single_submits_write(backend: Backend, engine_id: str) -> None:
+    conn, ks = backend.factory(), KeySpace(engine_id)
+    scripts = ScriptSet()
+    for lookup_id, insights in (("s1", False), ("s2", True)):
+        scripts.call(conn, _call(ks, lookup_id, 4, insights=insights))  # type: ignore[arg-type]
+    _send(conn, [_call(ks, "b1", 4), _call(ks, "b2", 4, insights=True)])
+    strip = {b"id", lookup_hash.SUBMITTED_US.encode()}
+
+    def seen(lookup_id: str) -> dict[bytes, bytes]:
+        return {k: v for k, v in conn.hgetall(ks.lookup(lookup_id)).items() if k not in strip}
+
+    assert seen("s1") == seen("b1") and seen("s2") == seen("b2")
+    stamps = conn.hmget(ks.lookup("b1"), lookup_hash.SUBMITTED_US)
+    assert stamps == [None]  # no insights, no stamp
+    stamp = conn.hget(ks.lookup("b2"), lookup_hash.SUBMITTED_US)
+    assert stamp is not None and stamp.isdigit() and len(stamp) >= 16
+    entries: Any = conn.xrange(ks.requests)
+    # The same entry, its lookup id aside (s1 sent alone, b1 in the batch).
+    single, batched = entries[0][1], entries[2][1]
+    assert {k: v.replace(b"s1", b"b1") for k, v in single.items()} == batched
