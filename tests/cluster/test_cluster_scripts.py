@@ -22,11 +22,15 @@ from broker_lookup.protocol.scripts import (
     CANCEL,
     REPORT,
     SUBMIT,
+    BatchItem,
     Call,
     deadline_call,
     keep_call,
     progress_call,
+    report_batch_call,
+    submit_answers,
     submit_args,
+    submit_batches,
 )
 from broker_lookup.tools.local_cluster import LocalCluster
 from broker_lookup.transport.connection import make_factory
@@ -135,6 +139,34 @@ def test_every_script_runs_on_every_master_and_writes_only_its_engines_slot(
         assert "cmdstat_command|getkeys" not in local_cluster.admin(n).info("commandstats")
     for engine_id in ids:
         _assert_written_only_in_its_slot(local_cluster, engine_id)
+
+
+def test_the_batched_scripts_run_on_every_master_in_their_engines_slot(
+    local_cluster: LocalCluster, cluster_client: redis.Redis
+) -> None:
+    """A sender's submit batch and each rank's report batch name every key in KEYS."""
+    ids = spread_engine_ids(local_cluster, 3)
+    scripts = ScriptSet()
+    link = ClientLink(cluster_client)
+    for engine_id in ids:
+        ks = KeySpace(engine_id)
+        submits = [_protocol_calls(ks, lookup_id)[0][0] for lookup_id in ("b1", "b2")]
+        packed = submit_batches(submits)
+        assert [n for _, n in packed] == [2]
+        answers = submit_answers(scripts.run(link, cluster_client, [packed[0][0]]), [2])
+        assert all(isinstance(a, bytes) and a != b"duplicate" for a in answers)
+        items = [BatchItem("b1", GEN, 16), BatchItem("b2", GEN, 8)]
+        reports = [
+            report_batch_call(
+                ks, items, rank=rank, done_maxlen=1000, done_ttl_ms=5000, engine_ttl_ms=60_000
+            )
+            for rank in (0, 1)
+        ]
+        results = scripts.run(link, cluster_client, reports)
+        assert results == [[b"recorded"] * 2, [b"complete"] * 2]
+        node = local_cluster.admin(local_cluster.owner(slot_of(engine_id)))
+        assert node.xlen(ks.requests) == 2 and node.xlen(ks.done) == 2
+        cluster_client.delete(ks.requests, ks.done, ks.lookup("b1"), ks.lookup("b2"))
 
 
 def _assert_written_only_in_its_slot(local_cluster: LocalCluster, engine_id: str) -> None:
