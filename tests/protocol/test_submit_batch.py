@@ -100,7 +100,7 @@ def test_a_batch_mixing_generations_and_cancelled_lookups_answers_each(
     conn, ks = backend.factory(), KeySpace(engine_id)
     assert _send(conn, [_call(ks, "old", 6), _call(ks, "same", 7), _call(ks, "gone", 2)])
     assert _report(conn, ks, "old", 0, 6) == b"recorded"
-    ScriptSet().call(  # type: ignore[arg-type]
+    ScriptSet().call(
         conn, cancel_call(ks, Abort(lookup_id="gone", gen=2), maxlen=100, engine_ttl_ms=1000)
     )
     assert not conn.exists(ks.lookup("gone"))
@@ -134,12 +134,13 @@ def test_a_batch_writes_what_single_submits_write(backend: Backend, engine_id: s
     conn, ks = backend.factory(), KeySpace(engine_id)
     scripts = ScriptSet()
     for lookup_id, insights in (("s1", False), ("s2", True)):
-        scripts.call(conn, _call(ks, lookup_id, 4, insights=insights))  # type: ignore[arg-type]
+        scripts.call(conn, _call(ks, lookup_id, 4, insights=insights))
     _send(conn, [_call(ks, "b1", 4), _call(ks, "b2", 4, insights=True)])
     strip = {b"id", lookup_hash.SUBMITTED_US.encode()}
 
-    def seen(lookup_id: str) -> dict[bytes, bytes]:
-        return {k: v for k, v in conn.hgetall(ks.lookup(lookup_id)).items() if k not in strip}
+    def seen(lookup_id: str) -> dict[Any, Any]:
+        raw: dict[Any, Any] = conn.hgetall(ks.lookup(lookup_id))
+        return {k: v for k, v in raw.items() if k not in strip}
 
     assert seen("s1") == seen("b1") and seen("s2") == seen("b2")
     stamps = conn.hmget(ks.lookup("b1"), lookup_hash.SUBMITTED_US)
