@@ -399,8 +399,10 @@ def test_redis_cost_counts_each_command_per_lookup_and_restores_the_slow_log(
         figures = cost["2"][phase]
         _positive(figures["redis_cpu_us"], phase)
         commands = figures["commands"]
-        # Each lookup is one submit and, at world 2, two reports (one script call a batch).
-        assert 1 <= commands["evalsha"]["calls"] <= 3.5, (phase, commands["evalsha"])
+        # Each lookup is one submit and, at world 2, two reports: one script call each with
+        # one in flight, one a batch of submits or of a rank's reports with many.
+        low = 1 if phase == "one_in_flight" else 0.01
+        assert low <= commands["evalsha"]["calls"] <= 3.5, (phase, commands["evalsha"])
         assert commands["hset"]["calls"] >= 2.5, (phase, commands["hset"])  # submit + 2 reports
         assert {"submit", "report"} <= set(figures["scripts"]), phase
     assert "evalsha" in table and "submit" in table
