@@ -6,9 +6,12 @@ fakeredis and on a real server."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
-from helpers import Backend, lookup_request
+import pytest
+from faultkit import Serve
+from helpers import Backend, lookup_request, wait_until
 
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
@@ -22,6 +25,7 @@ from broker_lookup.protocol.scripts import (
     submit_batches,
     submit_call,
 )
+from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.script_runner import ScriptSet
 
 ENGINE_TTL_MS = 600_000
@@ -151,3 +155,35 @@ def test_a_batch_writes_what_single_submits_write(backend: Backend, engine_id: s
     # The same entry, its lookup id aside (s1 sent alone, b1 in the batch).
     single, batched = entries[0][1], entries[2][1]
     assert {k: v.replace(b"s1", b"b1") for k, v in single.items()} == batched
+
+
+def test_a_burst_the_sender_queued_goes_as_one_batch_and_every_lookup_is_answered(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, _, client = serve(StubEngine(), submit_on_caller_thread=False)
+    sender = client._sender
+    gate, send, run = threading.Event(), sender._send_batch, sender._scripts.run
+    sent: list[list[Call]] = []
+
+    def gated(link: Any, redis_client: Any, batch: Any) -> None:
+        gate.wait(20)  # the first round trip waits: the rest of the burst queues behind it
+        send(link, redis_client, batch)
+
+    def recorded(link: Any, redis_client: Any, calls: Any, *args: Any, **kw: Any) -> Any:
+        sent.append(list(calls))
+        return run(link, redis_client, calls, *args, **kw)
+
+    monkeypatch.setattr(sender, "_send_batch", gated)
+    monkeypatch.setattr(sender._scripts, "run", recorded)
+    ids = [f"burst-{i}" for i in range(6)]
+    for lookup_id in ids:
+        client.lookup(list(range(40)), lookup_id)
+    gate.set()
+    wait_until(lambda: sorted(engine.started_ids()) == sorted(ids), message="all sent")
+    submits = [c for calls in sent for c in calls if c.script == SUBMIT]
+    assert len(submits) < len(ids)  # one script call carried several lookups
+    assert sum(len(c.keys) - 1 if c.args[0] == "batch" else 1 for c in submits) == len(ids)
+    for i, lookup_id in enumerate(ids):
+        engine.report(lookup_id, 4 * i)
+    answers = {lookup_id: 4 * i for i, lookup_id in enumerate(ids)}
+    wait_until(lambda: {i: client.lookup_cache(i) for i in ids} == answers, message="every answer")
