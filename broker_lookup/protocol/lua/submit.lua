@@ -41,41 +41,41 @@ local function count(expected)
   return owed
 end
 
--- One submit: hash, its generation and fields, the stream and the entry's pairs
--- ARGV[first..last].
-local function submit(hash, gen, expected, owed, created, deadline, tokens, ttl, id, insights,
-                      stream, maxlen, stream_ttl, first, last)
-  local held = redis.call('HGET', hash, 'gen')
+-- One submit: the hash KEYS[h], its generation and fields, the stream KEYS[s] and the
+-- entry's pairs ARGV[first..last]. Keys go by index, so every command names KEYS[n].
+local function submit(h, gen, expected, owed, created, deadline, tokens, ttl, id, insights,
+                      s, maxlen, stream_ttl, first, last)
+  local held = redis.call('HGET', KEYS[h], 'gen')
   if held == gen then
     return 'duplicate'
   end
   if held then  -- the usual first submit finds no key: nothing to delete
-    redis.call('DEL', hash)
+    redis.call('DEL', KEYS[h])
   end
   if insights == '1' then
-    redis.call('HSET', hash, 'state', 'pending', 'gen', gen, 'expected', expected,
+    redis.call('HSET', KEYS[h], 'state', 'pending', 'gen', gen, 'expected', expected,
                'created_ms', created, 'deadline_ms', deadline, 'tokens', tokens, 'id', id,
                'owed', owed, 'lowest', tokens, 'submitted_us', stamp())
   else
-    redis.call('HSET', hash, 'state', 'pending', 'gen', gen, 'expected', expected,
+    redis.call('HSET', KEYS[h], 'state', 'pending', 'gen', gen, 'expected', expected,
                'created_ms', created, 'deadline_ms', deadline, 'tokens', tokens, 'id', id,
                'owed', owed, 'lowest', tokens)
   end
-  redis.call('PEXPIRE', hash, ttl)
+  redis.call('PEXPIRE', KEYS[h], ttl)
   -- The stream's TTL is the engine's, refreshed by every live process's beat (lifetime.py):
   -- only an XADD that creates the stream must set it, here, so nothing is left without one.
-  local entry = redis.call('XADD', stream, 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*',
+  local entry = redis.call('XADD', KEYS[s], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*',
                            unpack(ARGV, first, last))
   if not entry then
-    entry = redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, first, last))
-    redis.call('PEXPIRE', stream, stream_ttl)
+    entry = redis.call('XADD', KEYS[s], 'MAXLEN', '~', maxlen, '*', unpack(ARGV, first, last))
+    redis.call('PEXPIRE', KEYS[s], stream_ttl)
   end
   return entry
 end
 
 if ARGV[1] ~= 'batch' then
-  return submit(KEYS[1], ARGV[1], ARGV[2], count(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6],
-                ARGV[8], ARGV[9], KEYS[2], ARGV[7], ARGV[10], 11, #ARGV)
+  return submit(1, ARGV[1], ARGV[2], count(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6],
+                ARGV[8], ARGV[9], 2, ARGV[7], ARGV[10], 11, #ARGV)
 end
 local expected, maxlen, stream_ttl = ARGV[2], ARGV[3], ARGV[4]
 local owed = count(expected)
@@ -83,8 +83,8 @@ local answers = {}
 local a = 5
 for k = 2, #KEYS do
   local pairs_end = a + 7 + 2 * tonumber(ARGV[a + 7])
-  answers[k - 1] = submit(KEYS[k], ARGV[a], expected, owed, ARGV[a + 1], ARGV[a + 2],
-                          ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], KEYS[1], maxlen,
+  answers[k - 1] = submit(k, ARGV[a], expected, owed, ARGV[a + 1], ARGV[a + 2],
+                          ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], 1, maxlen,
                           stream_ttl, a + 8, pairs_end)
   a = pairs_end + 1
 end
