@@ -167,6 +167,37 @@ def test_reasons_for_zero(fleet: Fleet, engine_id: str) -> None:
     assert answer.best() is None
 
 
+def test_silent_engines_share_the_deadline_instead_of_each_taking_it(
+    fleet: Fleet, engine_id: str
+) -> None:
+    # The answers are popped by pipelined BLPOPs that Redis serves one after another:
+    # three silent engines must not cost three deadlines.
+    silent = [f"{engine_id}-silent{k}" for k in range(3)]
+    for name in silent:
+        fleet.rank(name, fleet.engine(4)).prober.stop(5.0)
+    fleet.rank(engine_id, fleet.engine(2))
+    answer = fleet.client.query(TOKENS, engines=[*silent, engine_id], deadline_ms=400)
+    got = {e.engine_id: (e.tokens, e.reason) for e in answer.engines}
+    assert got == {engine_id: (2 * CHUNK, None), **dict.fromkeys(silent, (0, "deadline"))}
+    assert answer.elapsed_ms < 2 * 400, answer.elapsed_ms
+
+
+def test_a_rank_new_since_the_last_query_is_asked_too(fleet: Fleet, engine_id: str) -> None:
+    # The client remembers an engine's ranks between queries; a rank that registers
+    # later must be found (its heartbeat read, its answer awaited), never left out.
+    fleet.rank(engine_id, fleet.engine(4), rank=0, world_size=2)
+    first = fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=2000).engines[0]
+    assert (first.tokens, first.reason, first.expected) == (0, "dead_rank", (0, 1))
+    fleet.rank(engine_id, fleet.engine(1), rank=1, world_size=2)
+    later = fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=2000).engines[0]
+    assert (later.tokens, later.answered, later.reason) == (CHUNK, (0, 1), None)
+    # A new engine, never asked before, answers in its first query.
+    other = engine_id + "-new"
+    fleet.rank(other, fleet.engine(3))
+    both = by_engine(fleet.client.query(TOKENS, engines=[engine_id, other], deadline_ms=2000))
+    assert (both[other].tokens, both[engine_id].tokens) == (3 * CHUNK, CHUNK)
+
+
 def test_a_rank_closed_turns_its_engine_to_dead_rank(fleet: Fleet, engine_id: str) -> None:
     fleet.rank(engine_id, fleet.engine(4), rank=0, world_size=2)
     one = fleet.rank(engine_id, fleet.engine(4), rank=1, world_size=2)
