@@ -212,6 +212,7 @@ class FleetClient:
         total = sum(chunk_offsets)
         budget = self._budget(deadline_ms)
         link: Link | None = None
+        client: redis.Redis | None = None
         try:
             client = self._connected()
             if not names:
@@ -244,7 +245,7 @@ class FleetClient:
             )
         finally:
             if link is not None:
-                self._give_back(link)
+                self._give_back(link, client)
         return FleetAnswer(total, answers, _ms_since(started))
 
     def _reserve(
@@ -303,12 +304,12 @@ class FleetClient:
                 return self._links.pop()
         return open_link(client)
 
-    def _give_back(self, link: Link) -> None:
+    def _give_back(self, link: Link, client: redis.Redis | None) -> None:
         with self._lock:
-            if self._client is not None:
+            if client is self._client:
                 self._links.append(link)
                 return
-        link.close()  # closed meanwhile
+        link.close()  # its client was closed meanwhile
 
     def _connected(self) -> redis.Redis:
         # One client (its pool serves every thread: the HTTP endpoint queries from many).
