@@ -73,6 +73,8 @@ logger = logging.getLogger(__name__)
 RESOLVE_EVERY_S = 1.0
 #: The socket must outlast the longest BLPOP by this much.
 SOCKET_MARGIN_MS = 500
+#: Engines whose ranks a client remembers at most (then it forgets them all, once).
+RANKS_REMEMBERED = 10_000
 #: The shortest BLPOP timeout (Redis reads a shorter one as 0: block forever).
 MIN_BLOCK_S = 0.001
 
@@ -349,6 +351,8 @@ class FleetClient:
         new to this client). Returns when the probes left (monotonic): an answer is no
         older than that."""
         fields = probe_fields(probe)
+        if len(self._ranks) > RANKS_REMEMBERED:
+            self._ranks.clear()  # engines come and go (a vLLM instance per restart)
         commands: list[Command] = []
         plan: list[tuple[_Engine, list[int], bool]] = []
         for e in found:
@@ -366,28 +370,41 @@ class FleetClient:
             beats = {rank: next(replies) for rank in known}
             if probed:
                 next(replies), next(replies)  # the XADD's id, the PEXPIRE's 1
-            self._ranks[e.keys.engine_id] = e.ranks
+            self._remember(e)
             new = sorted(e.ranks - set(known))
             if new or (e.ranks and not probed):
                 late.append((e, new, probed))
             _live(e, beats)
-        if late:
-            # Ranks this client had not seen: their heartbeats, and the probe to an engine
-            # that had none, in a second round trip.
-            commands = []
-            for e, new, probed in late:
-                commands += [("GET", e.keys.heartbeat(rank)) for rank in new]
-                commands += [] if probed else _probe(e, fields)
-            sent = time.monotonic()
-            replies = iter(_call(link, commands))
-            for e, new, probed in late:
-                beats = {rank: next(replies) for rank in new}
-                if not probed:
-                    next(replies), next(replies)
-                _live(e, beats)
+        if late:  # ``sent`` stays the first round trip's: ages are upper bounds
+            self._send_late(link, late, fields)
         for e in found:
             e.expected = tuple(range(e.world)) if e.world else tuple(sorted(e.live))
         return sent
+
+    def _send_late(
+        self,
+        link: Link,
+        late: list[tuple[_Engine, list[int], bool]],
+        fields: dict[str, bytes | str | int],
+    ) -> None:
+        """The second round trip: the heartbeats of ranks this client had not seen, and the
+        probe to an engine that had none."""
+        commands: list[Command] = []
+        for e, new, probed in late:
+            commands += [("GET", e.keys.heartbeat(rank)) for rank in new]
+            commands += [] if probed else _probe(e, fields)
+        replies = iter(_call(link, commands))
+        for e, new, probed in late:
+            beats = {rank: next(replies) for rank in new}
+            if not probed:
+                next(replies), next(replies)
+            _live(e, beats)
+
+    def _remember(self, e: _Engine) -> None:
+        if e.ranks:
+            self._ranks[e.keys.engine_id] = e.ranks
+        else:
+            self._ranks.pop(e.keys.engine_id, None)
 
     def _wait(self, link: Link, found: list[_Engine], query_id: str, until: float) -> None:
         """Pop the answers until every live expected rank answered or ``until``.
