@@ -1,9 +1,9 @@
 """The fleet query against real rank processes (``python -m workers``) under faults: a
-rank killed, the querier's link held (through the TCP fault proxy), Redis restarted,
-while queries and reservations are in flight. In every case: no wrong answer (a count
-is the prefix every rank holds, or 0 with its reason), no hang (each query returns
-within its deadline, or its socket timeout when Redis is unreachable), no leaked pin
-(a reservation is released at its TTL, whatever happened to Redis meanwhile).
+rank killed, the querier's link or one rank's link held (through the TCP fault proxy),
+Redis restarted, while queries and reservations are in flight. In every case: no wrong
+answer (a count is the prefix every rank holds, or 0 with its reason), no hang (each
+query returns within its deadline, or its socket timeout when Redis is unreachable), no
+leaked pin (a reservation is released at its TTL, whatever happened to Redis meanwhile).
 """
 
 from __future__ import annotations
