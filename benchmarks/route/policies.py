@@ -89,6 +89,7 @@ class FleetQuery(RoundRobin):
         self._index = {eid: i for i, eid in enumerate(ids)}
         self.latency_ns: list[int] = []
         self.reserved_short = 0  #: routes whose reservation pinned less than was found
+        self.short: set[int] = set()  #: ... their requests' indexes
         self.failed = 0  #: queries answered unavailable or with a problem
 
     def route(self, request: Request, now: float) -> tuple[int, int]:
@@ -108,6 +109,7 @@ class FleetQuery(RoundRobin):
             return super().route(request, now)
         if self.reserve_ms and best.reserved < best.tokens:
             self.reserved_short += 1
+            self.short.add(request.index)
         return self._index[best.engine_id], best.tokens
 
 

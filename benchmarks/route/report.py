@@ -16,7 +16,7 @@ def render(result: dict[str, Any]) -> str:
         f"{s['seed']}); load average {result['load_average'][0][0]:.1f} -> "
         f"{result['load_average'][1][0]:.1f} on {result['cpus']} CPUs, {result['seconds']} s",
         f"  {'policy':<30}{'reused tok/req':>15}{'expected':>10}{'routed exp.':>12}"
-        f"{'false hits':>11}{'rate':>9}{'restarts':>9}{'rate w/o':>9}",
+        f"{'false hits':>11}{'rate':>9}{'restart*':>9}{'rate w/o':>9}{'short':>6}{'other':>6}",
     ]
     for name, arm in result["arms"].items():
         lines.append(
@@ -24,7 +24,13 @@ def render(result: dict[str, Any]) -> str:
             f"{arm['expected_per_request']:>10.1f}{arm['routed_expecting']:>12}"
             f"{arm['false_hits']:>11}{100 * arm['false_hit_rate']:>8.2f}%"
             f"{arm['false_hits_restart']:>9}{100 * arm['false_hit_rate_no_restart']:>8.2f}%"
+            f"{arm['false_hits_reserved_short']:>6}{arm['false_hits_unexplained']:>6}"
         )
+    lines.append(
+        "  * restart: the engine restarted between the route and its own lookup (counted: the"
+        " lookup found fewer; inherent: its cache and reservations died with it); short: the"
+        " reservation pinned less than the query found; other: neither"
+    )
     lines.append(
         f"  {'query over':<12}{'p50 ms':>8}{'p99 ms':>8}{'max ms':>8}{'Redis µs/query':>16}"
         f"{'gross':>8}{'in cmds':>9}  commands per query"

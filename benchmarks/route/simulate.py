@@ -30,6 +30,7 @@ class Outcome:
     expected: list[int] = field(default_factory=list)
     false_hits: int = 0  #: routed expecting N tokens, the engine's lookup found fewer
     false_hits_restart: int = 0  #: ... of which the engine restarted in between
+    false_hits_short: int = 0  #: ... of the others, its reservation pinned less than found
 
     def summary(self, requests: list[Request]) -> dict[str, Any]:
         """The arm's figures."""
@@ -45,6 +46,12 @@ class Outcome:
             "false_hit_rate": self.false_hits / n,
             "false_hits_restart": self.false_hits_restart,
             "false_hit_rate_no_restart": (self.false_hits - self.false_hits_restart) / n,
+            "false_hits_reserved_short": self.false_hits_short,
+            # Neither a restart nor a reservation that fell short: with reservation, a
+            # defect (the prefix was pinned, yet the lookup found less).
+            "false_hits_unexplained": (
+                self.false_hits - self.false_hits_restart - self.false_hits_short
+            ),
         }
 
 
@@ -67,7 +74,10 @@ def run_arm(
         out.expected.append(expected)
         if found < expected:
             out.false_hits += 1
-            out.false_hits_restart += fleet.generation[engine] != generation
+            if fleet.generation[engine] != generation:
+                out.false_hits_restart += 1  # its cache and reservations went with it
+            elif isinstance(policy, FleetQuery) and request.index in policy.short:
+                out.false_hits_short += 1
         policy.emitted(now, fleet.serve(engine, request))
 
     now = 0.0

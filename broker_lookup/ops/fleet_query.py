@@ -7,11 +7,16 @@ and the HTTP endpoint (``ops.query_http``). Per query:
    as every live vLLM instance of it (``<id>@<instance>``, ``keys.configured_patterns``)
    plus the id itself; no candidates, every engine on the server (both by SCAN, remembered for
    ``RESOLVE_EVERY_S``);
-2. one pipeline reads each engine's known ranks (``epochs``), then one pipeline reads
-   their heartbeats and XADDs the probe to each engine with a rank (``protocol.probe``);
-3. each live rank answers on its own probe thread, never through its lookups' stream;
-   the client waits with BLPOP on the answer lists until every live rank answered or the
-   deadline passed.
+2. one pipeline reads each engine's ranks (``epochs``) and the heartbeats of the ranks it
+   had at the last query, and XADDs the probe to each engine that had a rank
+   (``protocol.probe``); a rank new to this client costs a second one (its heartbeat,
+   and the probe if its engine had none);
+3. each live rank answers on its own probe thread, never through its lookups' stream,
+   RPUSHing to the engine's answer list in the write that carries its next read;
+4. the client pops the answers with pipelined single-key BLPOPs (one per answer missing,
+   the time left shared among them: each command in one engine's slot, so Redis Cluster
+   serves them) until every live rank answered or the deadline passed: answers that
+   arrive together take one round trip.
 
 Per engine the answer is the minimum over its expected ranks (a heartbeat names its world
 size) of what each holds, exact at the moment it answered; ``age_ms`` bounds how long
@@ -36,6 +41,7 @@ import redis
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.errors import REDIS_ERRORS, BrokerLookupError, MalformedMessage
+from broker_lookup.protocol.commands import Arg, Command
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import (
     PREFIX,
@@ -57,6 +63,7 @@ from broker_lookup.protocol.probe import (
 )
 from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.transport.connection import ConnectionFactory, make_factory
+from broker_lookup.transport.link import Link, open_link
 
 __all__ = ["EngineAnswer", "FleetAnswer", "FleetClient"]
 
@@ -66,6 +73,10 @@ logger = logging.getLogger(__name__)
 RESOLVE_EVERY_S = 1.0
 #: The socket must outlast the longest BLPOP by this much.
 SOCKET_MARGIN_MS = 500
+#: Engines whose ranks a client remembers at most (then it forgets them all, once).
+RANKS_REMEMBERED = 10_000
+#: The shortest BLPOP timeout (Redis reads a shorter one as 0: block forever).
+MIN_BLOCK_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,7 @@ class _Engine:
     ranks: set[int] = field(default_factory=set)
     expected: tuple[int, ...] = ()
     live: set[int] = field(default_factory=set)
+    world: int = 0  #: the largest world size the live ranks' heartbeats name
     got: dict[int, int] = field(default_factory=dict)
     bad: bool = False
 
@@ -145,16 +157,24 @@ class FleetClient:
             config, "bl-fleet-query", own_retries=True
         )
         self._client: redis.Redis | None = None
+        #: Links not in use now (a query takes one and gives it back).
+        self._links: list[Link] = []
         self._lock = threading.Lock()
         self._hasher = ChunkedTokenHasher(config)
+        #: Per engine, its ranks as its epochs hash named them at the last query.
+        self._ranks: dict[str, set[int]] = {}
         self._resolved: dict[tuple[str, ...] | None, tuple[float, list[str]]] = {}
         self._warn = RateLimitedLog(logger, 30.0)
 
     def close(self) -> None:
-        """Close the connection (a later query opens another)."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        """Close the connections (a later query opens others)."""
+        with self._lock:
+            links, self._links = self._links, []
+            client, self._client = self._client, None
+        for link in links:
+            link.close()
+        if client is not None:
+            client.close()
 
     # -- the query ------------------------------------------------------------------
 
@@ -193,10 +213,13 @@ class FleetClient:
             return FleetAnswer(0, problem=str(exc))
         total = sum(chunk_offsets)
         budget = self._budget(deadline_ms)
+        link: Link | None = None
+        client: redis.Redis | None = None
         try:
             client = self._connected()
             if not names:
                 names = self._resolve(client, wanted)
+            link = self._take_link(client)
             found = [_Engine(KeySpace(n)) for n in names]
             probe = Probe(
                 query_id=new_query_id(),
@@ -205,25 +228,30 @@ class FleetClient:
                 budget_ms=budget,
                 request_configs=request_configs,
             )
-            sent = self._send(client, found, probe)
-            self._wait(client, found, probe.query_id, started + budget / 1000)
+            sent = self._send(link, found, probe)
+            self._wait(link, found, probe.query_id, started + budget / 1000)
             answers = [_answer(e, _ms_since(sent)) for e in found]
             answers.sort(key=_best_first)
             if reserve_ms and answers and answers[0].tokens:
                 engine = next(e for e in found if e.keys.engine_id == answers[0].engine_id)
-                reserved = self._reserve(client, engine, answers[0].tokens, probe, reserve_ms)
+                reserved = self._reserve(link, engine, answers[0].tokens, probe, reserve_ms)
                 answers[0] = replace(answers[0], reserved=reserved, reserved_ms=reserve_ms)
         except REDIS_ERRORS as exc:
-            # The pool reconnects by itself; the next query tries again.
+            # The link reconnects on its next use; the next query tries again.
+            if link is not None:
+                link.drop()
             self._warn(logging.WARNING, "fleet query: Redis failed: %s", exc)
             answers = [EngineAnswer(n, 0, (), (), None, "unavailable") for n in (names or [])]
             return FleetAnswer(
                 total, answers, _ms_since(started), f"Redis failed: {exc}", available=False
             )
+        finally:
+            if link is not None:
+                self._give_back(link, client)
         return FleetAnswer(total, answers, _ms_since(started))
 
     def _reserve(
-        self, client: redis.Redis, engine: _Engine, tokens: int, probe: Probe, reserve_ms: int
+        self, link: Link, engine: _Engine, tokens: int, probe: Probe, reserve_ms: int
     ) -> int:
         """Ask ``engine``'s ranks to pin the first ``tokens`` of ``probe``'s prompt; the
         prefix every rank pinned (0 if one did not answer in time)."""
@@ -239,12 +267,9 @@ class FleetClient:
             reserve_ms=reserve_ms,
             request_configs=probe.request_configs,
         )
-        pipe = client.pipeline(transaction=False)
-        pipe.xadd(engine.keys.probes, probe_fields(ask), maxlen=PROBES_MAXLEN, approximate=True)  # type: ignore[arg-type]
-        pipe.pexpire(engine.keys.probes, PROBES_TTL_MS)
-        pipe.execute()
+        _call(link, _probe(engine, probe_fields(ask)))
         waiting = _Engine(engine.keys, engine.ranks, engine.expected, engine.live)
-        self._wait(client, [waiting], ask.query_id, time.monotonic() + probe.budget_ms / 1000)
+        self._wait(link, [waiting], ask.query_id, time.monotonic() + probe.budget_ms / 1000)
         if waiting.bad or not set(waiting.expected) <= set(waiting.got):
             return 0
         return min(waiting.got[r] for r in waiting.expected)
@@ -273,6 +298,20 @@ class FleetClient:
         wanted = self.deadline_ms if deadline_ms is None else int(deadline_ms)
         ceiling = max(1, self.config.socket_timeout_ms - SOCKET_MARGIN_MS)
         return max(1, min(wanted, ceiling))
+
+    def _take_link(self, client: redis.Redis) -> Link:
+        """A link of this client's own (one per query under way: each holds a connection)."""
+        with self._lock:
+            if self._links:
+                return self._links.pop()
+        return open_link(client)
+
+    def _give_back(self, link: Link, client: redis.Redis | None) -> None:
+        with self._lock:
+            if client is self._client:
+                self._links.append(link)
+                return
+        link.close()  # its client was closed meanwhile
 
     def _connected(self) -> redis.Redis:
         # One client (its pool serves every thread: the HTTP endpoint queries from many).
@@ -306,37 +345,76 @@ class FleetClient:
         self._resolved[configured] = (now, names)
         return names
 
-    def _send(self, client: redis.Redis, found: list[_Engine], probe: Probe) -> float:
-        """Read the engines' ranks and heartbeats; probe those with a rank. Returns when
-        the probes left (monotonic)."""
-        pipe = client.pipeline(transaction=False)
-        for e in found:
-            pipe.hkeys(e.keys.epochs)
-        for e, roles in zip(found, pipe.execute(), strict=True):
-            e.ranks = {int(r) for r in map(_text, roles) if r.isdigit()}
+    def _send(self, link: Link, found: list[_Engine], probe: Probe) -> float:
+        """Read the engines' ranks and heartbeats and probe those with a rank, in one round
+        trip while the remembered ranks still hold (a second one for an engine with ranks
+        new to this client). Returns when the probes left (monotonic): an answer is no
+        older than that."""
         fields = probe_fields(probe)
-        pipe = client.pipeline(transaction=False)
-        asked = [e for e in found if e.ranks]
-        for e in asked:
-            for rank in sorted(e.ranks):
-                pipe.get(e.keys.heartbeat(rank))
-            pipe.xadd(e.keys.probes, fields, maxlen=PROBES_MAXLEN, approximate=True)  # type: ignore[arg-type]
-            pipe.pexpire(e.keys.probes, PROBES_TTL_MS)
-        replies = iter(pipe.execute())
+        if len(self._ranks) > RANKS_REMEMBERED:
+            self._ranks.clear()  # engines come and go (a vLLM instance per restart)
+        commands: list[Command] = []
+        plan: list[tuple[_Engine, list[int], bool]] = []
+        for e in found:
+            known = sorted(self._ranks.get(e.keys.engine_id, ()))
+            commands.append(("HKEYS", e.keys.epochs))
+            commands += [("GET", e.keys.heartbeat(rank)) for rank in known]
+            if known:
+                commands += _probe(e, fields)
+            plan.append((e, known, bool(known)))
         sent = time.monotonic()
-        for e in asked:
-            world = 0
-            for rank in sorted(e.ranks):
-                beat = next(replies)
-                if beat is not None:
-                    e.live.add(rank)
-                    world = max(world, _world_size(beat))
-            next(replies), next(replies)
-            e.expected = tuple(range(world)) if world else tuple(sorted(e.live))
+        replies = iter(_call(link, commands))
+        late: list[tuple[_Engine, list[int], bool]] = []
+        for e, known, probed in plan:
+            e.ranks = {int(r) for r in map(_text, next(replies)) if r.isdigit()}
+            beats = {rank: next(replies) for rank in known}
+            if probed:
+                next(replies), next(replies)  # the XADD's id, the PEXPIRE's 1
+            self._remember(e)
+            new = sorted(e.ranks - set(known))
+            if new or (e.ranks and not probed):
+                late.append((e, new, probed))
+            _live(e, beats)
+        if late:  # ``sent`` stays the first round trip's: ages are upper bounds
+            self._send_late(link, late, fields)
+        for e in found:
+            e.expected = tuple(range(e.world)) if e.world else tuple(sorted(e.live))
         return sent
 
-    def _wait(self, client: redis.Redis, found: list[_Engine], query_id: str, until: float) -> None:
-        """BLPOP the answer lists until every live expected rank answered or ``until``."""
+    def _send_late(
+        self,
+        link: Link,
+        late: list[tuple[_Engine, list[int], bool]],
+        fields: dict[str, bytes | str | int],
+    ) -> None:
+        """The second round trip: the heartbeats of ranks this client had not seen, and the
+        probe to an engine that had none."""
+        commands: list[Command] = []
+        for e, new, probed in late:
+            commands += [("GET", e.keys.heartbeat(rank)) for rank in new]
+            commands += [] if probed else _probe(e, fields)
+        replies = iter(_call(link, commands))
+        for e, new, probed in late:
+            beats = {rank: next(replies) for rank in new}
+            if not probed:
+                next(replies), next(replies)
+            _live(e, beats)
+
+    def _remember(self, e: _Engine) -> None:
+        if e.ranks:
+            self._ranks[e.keys.engine_id] = e.ranks
+        else:
+            self._ranks.pop(e.keys.engine_id, None)
+
+    def _wait(self, link: Link, found: list[_Engine], query_id: str, until: float) -> None:
+        """Pop the answers until every live expected rank answered or ``until``.
+
+        Each round trip is one pipeline of single-key BLPOPs, one per answer still
+        missing (so each command stays in its engine's slot, as Redis Cluster needs);
+        Redis serves them in order, so their timeouts share the time left: answers that
+        arrive together, as a healthy fleet's do, are all taken in one round trip, and a
+        silent rank cannot hold the query past ``until`` (but for 1 ms a BLPOP at least).
+        """
         waiting = {
             e.keys.probe_reply(query_id): e for e in found if e.live and set(e.expected) <= e.live
         }
@@ -344,22 +422,57 @@ class FleetClient:
             left = until - time.monotonic()
             if left <= 0:
                 return
-            popped = client.blpop(list(waiting), timeout=max(left, 0.001))
-            if popped is None:
-                return
-            key, raw = _text(popped[0]), popped[1]
-            raw = raw.encode() if isinstance(raw, str) else raw
-            e = waiting[key]
-            try:
-                answer = decode_answer(raw)
-            except MalformedMessage as exc:
-                self._warn(logging.WARNING, "fleet query: %s", exc)
-                continue
-            if answer.status != "ok":
-                e.bad = True
-            e.got[answer.rank] = answer.tokens
-            if e.bad or set(e.expected) <= set(e.got):
-                del waiting[key]
+            missing = {key: len(set(e.expected) - set(e.got)) for key, e in waiting.items()}
+            share = f"{max(left / sum(missing.values()), MIN_BLOCK_S):.3f}"
+            commands: list[Command] = [
+                ("BLPOP", key, share) for key, count in missing.items() for _ in range(count)
+            ]
+            for popped in _call(link, commands):
+                if not popped:
+                    continue
+                key, raw = _text(popped[0]), popped[1]
+                e = waiting.get(key)
+                if e is None:  # the engine was settled earlier in this round
+                    continue
+                self._take(e, raw.encode() if isinstance(raw, str) else raw)
+                if e.bad or set(e.expected) <= set(e.got):
+                    del waiting[key]
+
+    def _take(self, e: _Engine, raw: bytes) -> None:
+        try:
+            answer = decode_answer(raw)
+        except MalformedMessage as exc:
+            self._warn(logging.WARNING, "fleet query: %s", exc)
+            return
+        if answer.status != "ok":
+            e.bad = True
+        e.got[answer.rank] = answer.tokens
+
+
+def _probe(e: _Engine, fields: dict[str, bytes | str | int]) -> list[Command]:
+    """The probe's XADD to ``e``, and the stream's PEXPIRE (every time: the XADD may have
+    just made the stream again, with no TTL)."""
+    xadd: list[Arg] = ["XADD", e.keys.probes, "MAXLEN", "~", PROBES_MAXLEN, "*"]
+    for name, value in fields.items():
+        xadd += [name, value]
+    return [xadd, ("PEXPIRE", e.keys.probes, PROBES_TTL_MS)]
+
+
+def _call(link: Link, commands: list[Command]) -> list[Any]:
+    """The replies of ``commands``, sent in one write; the first error reply raised."""
+    replies = link.call(commands)
+    for reply in replies:
+        if isinstance(reply, redis.ResponseError):
+            raise reply
+    return replies
+
+
+def _live(e: _Engine, beats: dict[int, bytes | str | None]) -> None:
+    """Note the ranks with a heartbeat among ``beats``, and the world size they name."""
+    for rank, beat in beats.items():
+        if beat is not None and rank in e.ranks:
+            e.live.add(rank)
+            e.world = max(e.world, _world_size(beat))
 
 
 def _answer(e: _Engine, age_ms: float) -> EngineAnswer:

@@ -6,12 +6,16 @@
 * an engine answers 0 with its reason: ``no_ranks``, ``dead_rank`` (a rank closed, or
   never started), ``deadline`` (a live rank that does not answer), ``unavailable`` (an
   engine that cannot answer; Redis gone), ``miss``;
-* bad input and Redis failures are answers, never exceptions.
+* bad input and Redis failures are answers, never exceptions;
+* the answers are collected in pipelined BLPOPs: silent engines share the deadline, and a
+  rank new since the client's last query is asked too;
+* Redis lost while reserving queries run (fakeredis): no wrong answer, no leaked pin.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -165,6 +169,37 @@ def test_reasons_for_zero(fleet: Fleet, engine_id: str) -> None:
         engine_id + "-none": (0, "no_ranks"),
     }
     assert answer.best() is None
+
+
+def test_silent_engines_share_the_deadline_instead_of_each_taking_it(
+    fleet: Fleet, engine_id: str
+) -> None:
+    # The answers are popped by pipelined BLPOPs that Redis serves one after another:
+    # three silent engines must not cost three deadlines.
+    silent = [f"{engine_id}-silent{k}" for k in range(3)]
+    for name in silent:
+        fleet.rank(name, fleet.engine(4)).prober.stop(5.0)
+    fleet.rank(engine_id, fleet.engine(2))
+    answer = fleet.client.query(TOKENS, engines=[*silent, engine_id], deadline_ms=400)
+    got = {e.engine_id: (e.tokens, e.reason) for e in answer.engines}
+    assert got == {engine_id: (2 * CHUNK, None), **dict.fromkeys(silent, (0, "deadline"))}
+    assert answer.elapsed_ms < 2 * 400, answer.elapsed_ms
+
+
+def test_a_rank_new_since_the_last_query_is_asked_too(fleet: Fleet, engine_id: str) -> None:
+    # The client remembers an engine's ranks between queries; a rank that registers
+    # later must be found (its heartbeat read, its answer awaited), never left out.
+    fleet.rank(engine_id, fleet.engine(4), rank=0, world_size=2)
+    first = fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=2000).engines[0]
+    assert (first.tokens, first.reason, first.expected) == (0, "dead_rank", (0, 1))
+    fleet.rank(engine_id, fleet.engine(1), rank=1, world_size=2)
+    later = fleet.client.query(TOKENS, engines=[engine_id], deadline_ms=2000).engines[0]
+    assert (later.tokens, later.answered, later.reason) == (CHUNK, (0, 1), None)
+    # A new engine, never asked before, answers in its first query.
+    other = engine_id + "-new"
+    fleet.rank(other, fleet.engine(3))
+    both = by_engine(fleet.client.query(TOKENS, engines=[engine_id, other], deadline_ms=2000))
+    assert (both[other].tokens, both[engine_id].tokens) == (3 * CHUNK, CHUNK)
 
 
 def test_a_rank_closed_turns_its_engine_to_dead_rank(fleet: Fleet, engine_id: str) -> None:
@@ -385,3 +420,56 @@ def test_a_reservation_ends_at_its_ttl_while_redis_is_gone(
     wait_until(lambda: _pinned(engine) == 0, timeout=5, message="released with Redis gone")
     assert server.reservations.counts["released_ttl"] == 1
     backend.fake.connected = True
+
+
+@pytest.mark.parametrize("backend", ["fake"], indirect=True)  # connection loss: fakeredis
+def test_redis_lost_while_queries_and_reservations_run(
+    fleet: Fleet, backend: Backend, engine_id: str
+) -> None:
+    # The fakeredis twin of the real-process fault tests: Redis goes and comes back under
+    # a steady stream of reserving queries on two ranks.
+    engines = [fleet.engine(4), fleet.engine(4)]
+    for rank, engine in enumerate(engines):
+        fleet.rank(engine_id, engine, rank=rank, world_size=2)
+    seen: list[tuple[int, str | None, int]] = []
+    stop = threading.Event()
+
+    def ask() -> None:
+        while not stop.is_set():
+            e = fleet.client.query(
+                TOKENS, engines=[engine_id], deadline_ms=300, reserve_ms=300
+            ).engines[0]
+            seen.append((e.tokens, e.reason, e.reserved))
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    try:
+        wait_until(lambda: len(seen) >= 5, timeout=10, message="queries before the loss")
+        backend.fake.connected = False
+        lost = len(seen)
+        wait_until(lambda: len(seen) >= lost + 3, timeout=10, message="queries during the loss")
+        backend.fake.connected = True
+        back = len(seen)
+        wait_until(
+            lambda: any(s == (FULL, None, FULL) for s in seen[back + 1 :]),
+            timeout=10,
+            message="queries and reservations answer in full again",
+        )
+    finally:
+        backend.fake.connected = True
+        stop.set()
+        asker.join(10)
+    assert not asker.is_alive()
+    assert {(t, r) for t, r, _ in seen} <= {
+        (FULL, None),
+        (0, "unavailable"),
+        (0, "deadline"),
+        (0, "dead_rank"),
+    }
+    assert (0, "unavailable", 0) in seen[lost:back]
+    assert all(reserved in (0, tokens) for tokens, _, reserved in seen)
+    wait_until(
+        lambda: all(_pinned(e) == 0 for e in engines),
+        timeout=10,
+        message="every reservation released at its TTL: none leaked by the loss",
+    )

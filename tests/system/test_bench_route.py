@@ -96,7 +96,14 @@ def test_quick_run_measures_every_arm_and_the_query(real_server: RealServer) -> 
     assert reserved["queries_failed"] == 0 and reserved["query"]["n"] == 120
     assert reserved["routed_expecting"] > 0 and reserved["reservations_reserved"] > 0
     # Every false hit of a reserved route is a restart or a reservation that fell short.
-    assert reserved["false_hits"] - reserved["false_hits_restart"] <= reserved["reserved_short"]
+    assert reserved["false_hits_unexplained"] == 0
+    assert reserved["false_hits_reserved_short"] <= reserved["reserved_short"]
+    for arm in arms.values():
+        assert arm["false_hits"] == (
+            arm["false_hits_restart"]
+            + arm["false_hits_reserved_short"]
+            + arm["false_hits_unexplained"]
+        )
     assert arms["fleet query, no reservation"].get("reservations_reserved", 0) == 0
     (cost,) = result["query_cost"]
     assert cost["engines"] == 4 and cost["latency"]["n"] == 40

@@ -1,9 +1,9 @@
 """The fleet query against real rank processes (``python -m workers``) under faults: a
-rank killed, the querier's link held (through the TCP fault proxy), Redis restarted,
-while queries and reservations are in flight. In every case: no wrong answer (a count
-is the prefix every rank holds, or 0 with its reason), no hang (each query returns
-within its deadline, or its socket timeout when Redis is unreachable), no leaked pin
-(a reservation is released at its TTL, whatever happened to Redis meanwhile).
+rank killed, the querier's link or one rank's link held (through the TCP fault proxy),
+Redis restarted, while queries and reservations are in flight. In every case: no wrong
+answer (a count is the prefix every rank holds, or 0 with its reason), no hang (each
+query returns within its deadline, or its socket timeout when Redis is unreachable), no
+leaked pin (a reservation is released at its TTL, whatever happened to Redis meanwhile).
 """
 
 from __future__ import annotations
@@ -139,3 +139,104 @@ def test_a_reservation_is_released_at_its_ttl_across_a_redis_restart(
         assert _full(fleet, engine_id).tokens == FULL  # the probers reconnected
     finally:
         fleet.close()
+
+
+Seen = list[tuple[int, str | None, int, float]]
+#: Every answer a fault may give besides the truth: 0 with its reason.
+FAULTED = {"deadline", "dead_rank", "no_ranks", "unavailable"}
+
+
+def _asking(fleet: FleetClient, engine_id: str, seen: Seen, stop: threading.Event) -> None:
+    """Query with a reservation until ``stop``: (tokens, reason, reserved, seconds) each."""
+    while not stop.is_set():
+        started = time.monotonic()
+        e = fleet.query(HOT, engines=[engine_id], reserve_ms=1000).engines[0]
+        seen.append((e.tokens, e.reason, e.reserved, time.monotonic() - started))
+
+
+def _judge(seen: Seen, bound_s: float) -> None:
+    """No wrong answer, no reservation beyond what was found, no query past ``bound_s``."""
+    wrong = [
+        s for s in seen if not ((s[0], s[1]) == (FULL, None) or (s[0] == 0 and s[1] in FAULTED))
+    ]
+    assert not wrong, wrong[:5]
+    assert all(reserved in (0, tokens) for tokens, _, reserved, _ in seen)
+    assert max(took for *_, took in seen) < bound_s
+
+
+def test_redis_restarted_while_queries_and_reservations_run(
+    fresh_real_server: EmbeddedServer, engine_id: str, rank_procs: StartRank
+) -> None:
+    url = fresh_real_server.url
+    _ranks(url, engine_id, rank_procs)
+    fleet = _fleet(url, socket_timeout_ms=1500)
+    seen: Seen = []
+    stop = threading.Event()
+    asker = threading.Thread(target=_asking, args=(fleet, engine_id, seen, stop))
+    try:
+        _full(fleet, engine_id)
+        asker.start()
+        wait_until(lambda: len(seen) >= 10, timeout=30, message="queries before the restart")
+        fresh_real_server.restart()
+        restarted = len(seen)
+        wait_until(
+            lambda: any(s[0] == FULL and s[2] == FULL for s in seen[restarted + 1 :]),
+            timeout=60,
+            message="queries and reservations answer in full again",
+        )
+    finally:
+        stop.set()
+        asker.join(30)
+        fleet.close()
+    assert not asker.is_alive()  # no hang
+    _judge(seen, 2 * DEADLINE_MS / 1000 + 1.5 + 1.0)
+    wait_until(
+        lambda: all(_pinned(url, engine_id, r) == 0 for r in (0, 1)),
+        timeout=30,
+        message="every reservation released: none leaked across the restart",
+    )
+
+
+def test_a_ranks_link_held_while_queries_and_reservations_run(
+    real_server: RealServer, fault_proxy: FaultProxy, engine_id: str, rank_procs: StartRank
+) -> None:
+    # Rank 1 reaches Redis through the proxy: held, it answers nothing (its heartbeat
+    # lapses too), while rank 0 keeps answering and pinning.
+    procs = [
+        rank_procs(real_server.url, engine_id, 2, 0, PROMPTS),
+        rank_procs(fault_proxy.url, engine_id, 2, 1, PROMPTS),
+    ]
+    assert procs
+    fleet = _fleet(real_server.url)
+    seen: Seen = []
+    stop = threading.Event()
+    asker = threading.Thread(target=_asking, args=(fleet, engine_id, seen, stop))
+    try:
+        _full(fleet, engine_id)
+        asker.start()
+        wait_until(lambda: len(seen) >= 10, timeout=30, message="queries before the hold")
+        fault_proxy.hold()
+        held = len(seen)
+        wait_until(
+            lambda: any(s[1] in ("deadline", "dead_rank") for s in seen[held:]),
+            timeout=30,
+            message="the held rank's engine answers 0 with its reason",
+        )
+        fault_proxy.release()
+        released = len(seen)
+        wait_until(
+            lambda: any(s[0] == FULL and s[2] == FULL for s in seen[released + 1 :]),
+            timeout=60,
+            message="queries and reservations answer in full again",
+        )
+    finally:
+        stop.set()
+        asker.join(30)
+        fleet.close()
+    assert not asker.is_alive()
+    _judge(seen, 2 * DEADLINE_MS / 1000 + 1.0)
+    wait_until(
+        lambda: all(_pinned(real_server.url, engine_id, r) == 0 for r in (0, 1)),
+        timeout=30,
+        message="every reservation released at its TTL: none leaked by the hold",
+    )
