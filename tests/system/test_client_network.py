@@ -318,11 +318,18 @@ def test_close_while_the_caller_writes_submits_never_raises_into_it(
 
 
 def test_close_under_a_stalled_server_is_bounded_and_opens_no_connection(
-    cluster: RedisAsyncLookupClient, fault_proxy: FaultProxy
+    real_server: RealServer,
+    fault_proxy: FaultProxy,
+    engine_id: str,
+    rank_procs: StartRank,
+    clients: MakeLookupClient,
 ) -> None:
     """A stalled server (held: no RST) at close(): close() returns within its grace, every
     thread of the client ends within a bounded join, and nothing connects again."""
-    client = cluster
+    # A short socket timeout: the wait for a late reconnect below is twice this one.
+    client = _two_ranks(
+        real_server, fault_proxy, engine_id, rank_procs, clients, socket_timeout_ms=1500
+    )
     ours = {t for t in threading.enumerate() if t.name.startswith("broker-lookup-")}
     fault_proxy.hold()
     for i in range(50):  # in flight and queued: close() cancels each of them
