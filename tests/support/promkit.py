@@ -132,13 +132,14 @@ def rules_with_for(work: Path, hold: str) -> Path:
 
 @dataclass
 class Prometheus:
-    """A Prometheus server scraping ``targets`` every second (rules evaluated every second
-    too), with a storage dir of its own."""
+    """A Prometheus server scraping ``targets`` every ``interval`` (rules evaluated as
+    often), with a storage dir of its own."""
 
     binary: str
     targets: list[str]
     work: Path
     rules: Path | None = None
+    interval: str = "1s"
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
 
@@ -147,7 +148,7 @@ class Prometheus:
         self.port = free_port()
         config = self.work / "prometheus.yml"
         settings: dict[str, Any] = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "global": {"scrape_interval": self.interval, "evaluation_interval": self.interval},
             "scrape_configs": [
                 {"job_name": "broker-lookup", "static_configs": [{"targets": self.targets}]}
             ],

@@ -53,8 +53,11 @@ def not_redis() -> Iterator[str]:
     thread.start()
     yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
     stop.set()
+    # close() alone leaves accept() blocked until join() times out; shutdown() wakes it now.
+    listener.shutdown(socket.SHUT_RDWR)
     listener.close()
     thread.join(5)
+    assert not thread.is_alive(), "the fake web server's thread did not stop"
 
 
 @pytest.mark.parametrize("tool", TOOLS, ids=TOOL_IDS)

@@ -1,13 +1,13 @@
 """Network faults between the scheduler's client and Redis, through a TCP fault proxy.
 
-Real server, real rank processes (``python -m workers``, connected straight to the
-server); only the client's connections go through the :class:`FaultProxy`, so each
-fault lands on the scheduler's side alone: a stalled or partitioned server (hold
-without RST), resets, a submit that ran on the server but whose reply was lost, a
-completion event lost on its way to the listener, latency. In every case: no
-exception reaches the caller, no lookup hangs, no answer is wrong, a full hit is
-never answered 0 unless a fault was active during that lookup, and everything
-recovers by itself.
+Real server, ranks in this process connected straight to it (a rank process's own link
+is faulted in test_rank_network.py); only the client's connections go through the
+:class:`FaultProxy`, so each fault lands on the scheduler's side alone: a stalled or
+partitioned server (hold without RST), resets, a submit that ran on the server but whose
+reply was lost, a completion event lost on its way to the listener, latency. In every
+case: no exception reaches the caller, no lookup hangs, no answer is wrong, a full hit is
+never answered 0 unless a fault was active during that lookup, and everything recovers
+by itself.
 """
 
 from __future__ import annotations
@@ -19,21 +19,23 @@ from typing import Any
 
 import pytest
 import redis
-from faultkit import MakeLookupClient, StartRank, alive, answer, config, eventually_right, prompt
-from helpers import RealServer, wait_until
+from faultkit import MakeLookupClient, alive, answer, config, eventually_right, prompt, ready
+from helpers import Made, RealServer, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.client import sender as sender_module
+from broker_lookup.config import LookupMetadata
 from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.link import LeanLink
 from faultproxy.proxy import FaultProxy
+from workers.server import RedisAsyncLookupServer
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
-HOT = prompt(1000)  # in memory on every rank: a full hit
-PROMPTS = [{"tokens": HOT}]
-FULL = len(HOT)
+HOT = prompt(1000)
+FULL = len(HOT)  # what every rank answers: a full hit
 
 
 @pytest.fixture
@@ -41,23 +43,41 @@ def cluster(
     real_server: RealServer,
     fault_proxy: FaultProxy,
     engine_id: str,
-    rank_procs: StartRank,
+    made: Made,
     clients: MakeLookupClient,
 ) -> RedisAsyncLookupClient:
-    """Two rank processes on the server and a client (world 2) through the proxy."""
-    return _two_ranks(real_server, fault_proxy, engine_id, rank_procs, clients)
+    """Two ranks on the server and a client (world 2) through the proxy."""
+    return _two_ranks(real_server, fault_proxy, engine_id, made, clients)
+
+
+def _ranks(made: Made, url: str, engine_id: str, world_size: int) -> None:
+    """Every rank of ``engine_id`` in this process, on ``url``, each answering a full hit.
+
+    In-process ranks start in milliseconds where a rank process takes seconds (torch), and
+    nothing here faults a rank: these tests assert what the client does.
+    """
+    servers = [
+        made.keep(
+            RedisAsyncLookupServer(
+                StubEngine("instant", hits=FULL),
+                LookupMetadata(engine_id=engine_id, world_size=world_size, worker_id=rank),
+                config(url),
+            )
+        )
+        for rank in range(world_size)
+    ]
+    ready(*servers)
 
 
 def _two_ranks(
     real_server: RealServer,
     fault_proxy: FaultProxy,
     engine_id: str,
-    rank_procs: StartRank,
+    made: Made,
     clients: MakeLookupClient,
     **overrides: Any,
 ) -> RedisAsyncLookupClient:
-    for rank in range(2):
-        rank_procs(real_server.url, engine_id, 2, rank, PROMPTS)
+    _ranks(made, real_server.url, engine_id, 2)
     cfg = config(fault_proxy.url, **{"lookup_timeout_ms": 3000, **overrides})
     client = clients(cfg, engine_id, 2)
     alive(client)
@@ -171,9 +191,9 @@ def test_the_caller_writes_its_own_submits_on_a_plain_connection(
 
 
 def test_submit_on_caller_thread_off_sends_every_submit_from_the_sender(
-    real_server: RealServer, engine_id: str, rank_procs: StartRank, clients: MakeLookupClient
+    real_server: RealServer, engine_id: str, made: Made, clients: MakeLookupClient
 ) -> None:
-    rank_procs(real_server.url, engine_id, 1, 0, PROMPTS)
+    _ranks(made, real_server.url, engine_id, 1)
     client = clients(config(real_server.url, submit_on_caller_thread=False), engine_id, 1)
     alive(client)
     for i in range(3):
@@ -227,15 +247,13 @@ def test_a_direct_submit_whose_reply_is_lost_and_hangs_still_answers_and_recover
     real_server: RealServer,
     fault_proxy: FaultProxy,
     engine_id: str,
-    rank_procs: StartRank,
+    made: Made,
     clients: MakeLookupClient,
 ) -> None:
     """The server ran the caller's submit, its reply is lost and the connection hangs:
     the answer comes anyway (it needs no reply), the overdue reply drops the
     connection, and the submit sent again changes nothing."""
-    client = _two_ranks(
-        real_server, fault_proxy, engine_id, rank_procs, clients, socket_timeout_ms=1500
-    )
+    client = _two_ranks(real_server, fault_proxy, engine_id, made, clients, socket_timeout_ms=1500)
     conn = redis.Redis.from_url(real_server.url)
     requests = KeySpace(engine_id).requests
     before = conn.xlen(requests)
@@ -279,11 +297,11 @@ def test_a_torn_direct_write_drops_the_connection_and_sends_again(
 
 
 def test_close_while_the_caller_writes_submits_never_raises_into_it(
-    real_server: RealServer, engine_id: str, rank_procs: StartRank, clients: MakeLookupClient
+    real_server: RealServer, engine_id: str, made: Made, clients: MakeLookupClient
 ) -> None:
     """close() on one thread while another keeps calling lookup() (each written on the
     caller's thread): the caller only ever sees answers, and every connection closes."""
-    rank_procs(real_server.url, engine_id, 1, 0, PROMPTS)
+    _ranks(made, real_server.url, engine_id, 1)
     client = clients(config(real_server.url), engine_id, 1)
     alive(client)
     errors: list[BaseException] = []
@@ -318,12 +336,25 @@ def test_close_while_the_caller_writes_submits_never_raises_into_it(
 
 
 def test_close_under_a_stalled_server_is_bounded_and_opens_no_connection(
-    cluster: RedisAsyncLookupClient, fault_proxy: FaultProxy
+    real_server: RealServer,
+    fault_proxy: FaultProxy,
+    engine_id: str,
+    made: Made,
+    clients: MakeLookupClient,
 ) -> None:
     """A stalled server (held: no RST) at close(): close() returns within its grace, every
     thread of the client ends within a bounded join, and nothing connects again."""
-    client = cluster
-    ours = {t for t in threading.enumerate() if t.name.startswith("broker-lookup-")}
+    _ranks(made, real_server.url, engine_id, 2)
+    ranks = set(threading.enumerate())  # the ranks' threads live on: not the client's
+    # A short socket timeout: the wait for a late reconnect below is twice this one.
+    cfg = config(fault_proxy.url, lookup_timeout_ms=3000, socket_timeout_ms=1500)
+    client = clients(cfg, engine_id, 2)
+    alive(client)
+    client.lookup(HOT, "warm")
+    assert answer(client, "warm", timeout=10) == FULL
+    ours = {
+        t for t in threading.enumerate() if t.name.startswith("broker-lookup-") and t not in ranks
+    }
     fault_proxy.hold()
     for i in range(50):  # in flight and queued: close() cancels each of them
         client.lookup(HOT, f"stalled-{i}")

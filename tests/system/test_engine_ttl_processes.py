@@ -29,7 +29,10 @@ from broker_lookup.config import env_name
 from broker_lookup.processes import child_env
 from broker_lookup.protocol.keys import KeySpace
 
-pytestmark = [pytest.mark.real, pytest.mark.slow]
+# Real processes, seconds each: in the long leg (`-m long`), to keep the default run
+# within its CI budget; the in-process engine TTL tests (tests/protocol/test_engine_ttl.py)
+# run on fakeredis and a real server in the default run.
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.long]
 
 HOT = prompt(1000)  # in memory on every rank: a full hit
 #: Short enough to wait through; the FAST lookup hashes (deadline plus 500 ms) fit under it.

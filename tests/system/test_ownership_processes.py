@@ -16,7 +16,10 @@ from helpers import RealServer, wait_until
 from broker_lookup.processes import ExitCode, free_port
 from broker_lookup.protocol.keys import KeySpace, rank_role
 
-pytestmark = [pytest.mark.real, pytest.mark.slow]
+# Real processes, seconds each: in the long leg (`-m long`), to keep the default run
+# within its CI budget; the in-process ownership tests (tests/protocol/test_ownership.py,
+# test_owners_in_process.py) run on fakeredis and a real server in the default run.
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.long]
 
 PROMPT = prompt(5000, chunks=256)  # 1,024 tokens at the tests' chunk size
 FULL = len(PROMPT)

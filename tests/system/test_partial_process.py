@@ -30,7 +30,11 @@ from broker_lookup.protocol.keys import KeySpace
 from faultproxy.proxy import FaultProxy
 from workers.server import RedisAsyncLookupServer
 
-pytestmark = [pytest.mark.real, pytest.mark.slow]
+# Real processes, seconds each: in the long leg (`-m long`), to keep the default run
+# within its CI budget; the in-process partial-answer tests (tests/protocol:
+# test_partial_answers, test_partial_promises) run on fakeredis and a real server in the
+# default run.
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.long]
 
 TOKENS = prompt(7000)  # 8 chunks
 PARTIAL: dict[str, Any] = {

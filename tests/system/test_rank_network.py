@@ -33,7 +33,10 @@ from broker_lookup.client import RedisAsyncLookupClient
 from broker_lookup.protocol.keys import KeySpace
 from faultproxy.proxy import FaultProxy
 
-pytestmark = [pytest.mark.real, pytest.mark.slow]
+# Real processes, seconds each: in the long leg (`-m long`), to keep the default run
+# within its CI budget; the in-process connection-loss and delivery tests (tests/protocol)
+# run on fakeredis and a real server in the default run.
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.long]
 
 HOT = prompt(1000)  # in memory on the rank: a full hit
 PROMPTS = [{"tokens": HOT}]

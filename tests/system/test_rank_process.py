@@ -27,7 +27,10 @@ from helpers import RealServer, epoch_ms, lookup_request, request_entry, wait_un
 
 from broker_lookup.protocol.keys import KeySpace
 
-pytestmark = [pytest.mark.real, pytest.mark.slow]
+# Real processes, seconds each: in the long leg (`-m long`), to keep the default run
+# within its CI budget; the in-process rank tests (tests/protocol: delivery, dead rank,
+# connection loss) run on fakeredis and a real server in the default run.
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.long]
 
 HOT = prompt(1000)  # in memory on every rank: a full hit
 SLOW = prompt(2000)  # on disk on every rank: 8 chunks x 250 ms of loading

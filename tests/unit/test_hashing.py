@@ -138,7 +138,8 @@ def test_matches_plain_recipe_at_chunk_edges(size: int, save_unfull: bool) -> No
         assert list(hasher.process_tokens(tokens)) == reference(tokens, size, save_unfull)
 
 
-@settings(max_examples=150, deadline=None)
+@pytest.mark.property
+@settings(deadline=None)
 @given(
     tokens=st.lists(st.integers(min_value=0, max_value=2**31), max_size=300),
     size=st.integers(min_value=1, max_value=40),

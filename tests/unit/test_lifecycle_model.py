@@ -14,6 +14,7 @@ time against a model of the engine (plain dicts), checking after every step that
 
 from __future__ import annotations
 
+import pytest
 from helpers import lookup_request
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -186,8 +187,8 @@ class LifecycleModel(RuleBasedStateMachine):
         assert self.entered == self.released
 
 
-LifecycleModel.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
-test_lifecycle_against_model = LifecycleModel.TestCase
+LifecycleModel.TestCase.settings = settings(stateful_step_count=40, deadline=None)
+test_lifecycle_against_model = pytest.mark.property(LifecycleModel.TestCase)
 
 
 def test_close_releases_every_generation_the_engine_holds() -> None:

@@ -158,7 +158,8 @@ none_hashes = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.property
+@settings(deadline=None)
 @given(
     tokens=st.lists(ints, max_size=800),
     size=sizes,
@@ -179,7 +180,8 @@ def test_lists_of_any_ints(
     )
 
 
-@settings(max_examples=200, deadline=None)
+@pytest.mark.property
+@settings(deadline=None)
 @given(
     tokens=st.lists(ints, min_size=200, max_size=1500),
     size=st.integers(min_value=1, max_value=12),
@@ -202,7 +204,8 @@ def int_arrays(draw: st.DrawFn) -> np.ndarray[Any, Any]:
     return draw(hnp.arrays(dtype, st.integers(min_value=0, max_value=1000), elements=elements))
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.property
+@settings(deadline=None)
 @given(
     array=int_arrays(),
     size=sizes,
@@ -226,7 +229,8 @@ def test_numpy_integer_buffers_full_range(
     assert native.chain(given_tokens, size, end, hash(none_hash), EMPTY_LANE) == expected
 
 
-@settings(max_examples=200, deadline=None)
+@pytest.mark.property
+@settings(deadline=None)
 @given(
     values=st.lists(st.integers(-(2**63), 2**63 - 1) | st.sampled_from(EDGES[:13]), max_size=900),
     dtype=st.sampled_from([torch.int64, torch.int32]),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -143,8 +144,8 @@ class TableMachine(RuleBasedStateMachine):
         assert len(t._cleared) <= CAP and len(t._finished) <= CAP
 
 
-TableMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
-test_table_against_model = TableMachine.TestCase
+TableMachine.TestCase.settings = settings(stateful_step_count=40, deadline=None)
+test_table_against_model = pytest.mark.property(TableMachine.TestCase)
 
 
 class _CountingLock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,7 +43,8 @@ _hash = st.one_of(_edge_hash, st.integers(_INT64_MIN - 5, _UINT64_MAX + 5))
 _small = st.integers(-3, 300)
 
 
-@settings(max_examples=400, deadline=None)
+@pytest.mark.property
+@settings(deadline=None)
 @given(
     lookup_id=st.one_of(st.text(max_size=20), st.just("\udc80"), st.just("naïve-日本")),
     budget_ms=st.integers(-2, 5),
