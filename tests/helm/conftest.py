@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -11,6 +12,7 @@ import yaml
 
 from ._chart import (
     KUBE_VERSION,
+    Manifest,
     Rendered,
     RenderFailFn,
     RenderFn,
@@ -36,20 +38,29 @@ def helm() -> str:
 
 @pytest.fixture(scope="session")
 def render(helm: str) -> RenderFn:
-    """render(*sets, values_files=(), extra=(), kube_version=...) -> Rendered."""
+    """render(*sets, values_files=(), extra=(), kube_version=..., fresh=False) -> Rendered.
+
+    The chart does not change during a session, so a render is run once per set of
+    arguments and values files' contents (half the suite's renders repeat one), and each
+    caller gets its own copy to change. ``fresh=True`` runs helm again: what the chart
+    generates per render (passwords) differs between two fresh renders.
+    """
+    done: dict[tuple[str, ...], list[Manifest]] = {}
 
     def _render(
         *sets: str,
         values_files: Iterable[Path] = (),
         extra: Iterable[str] = (),
         kube_version: str = KUBE_VERSION,
+        fresh: bool = False,
     ) -> Rendered:
-        args = template_args(
-            sets=sets, values_files=values_files, extra=extra, kube_version=kube_version
-        )
-        result = run_helm(helm, *args, check=True)
-        docs = [d for d in yaml.safe_load_all(result.stdout) if d]
-        return Rendered(docs)
+        files = list(values_files)
+        args = template_args(sets=sets, values_files=files, extra=extra, kube_version=kube_version)
+        key = (*args, *(path.read_text() for path in files))
+        if fresh or key not in done:
+            result = run_helm(helm, *args, check=True)
+            done[key] = [d for d in yaml.safe_load_all(result.stdout) if d]
+        return Rendered(copy.deepcopy(done[key]))
 
     return _render
 

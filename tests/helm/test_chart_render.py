@@ -853,9 +853,9 @@ def _without_secrets(rendered: Rendered) -> list[Manifest]:
 def test_renderers_get_new_passwords_unless_pinned_and_the_docs_say_so(render: RenderFn) -> None:
     """A render without a cluster (Argo CD's ``helm template``) generates new passwords each
     time; ``auth.existingSecret`` makes two renders identical."""
-    first, second = render(), render()
+    first, second = render(fresh=True), render(fresh=True)
     assert first.get("Secret")["data"] != second.get("Secret")["data"]
-    pinned = [render("auth.existingSecret=fleet-redis") for _ in range(2)]
+    pinned = [render("auth.existingSecret=fleet-redis", fresh=True) for _ in range(2)]
     assert not pinned[0].of_kind("Secret")
     assert pinned[0].docs == pinned[1].docs
     doc = " ".join(DEPLOY_DOC.read_text().split())

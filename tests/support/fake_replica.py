@@ -64,7 +64,10 @@ class FakeReplica:
         self._ids = itertools.count()
         self._http = _Server(("127.0.0.1", 0), _Handler)
         self._http.owner = self
-        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
+        # A short poll: shutdown() waits for serve_forever's next poll (0.5 s by default).
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self._thread.start()
 
     @property

@@ -23,7 +23,10 @@ from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.tools.embedded import EmbeddedServer
 from faultproxy.proxy import FaultProxy
 
-pytestmark = [pytest.mark.real, pytest.mark.slow]
+# Real rank processes and restarted servers, seconds each: in the long leg (`-m long`), to
+# keep the default run within its CI budget; the in-process fleet-query tests
+# (tests/protocol/test_fleet_query.py) run on fakeredis and a real server in the default run.
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.long]
 
 HOT = prompt(2000)  # preloaded in memory on every rank
 PROMPTS = [{"tokens": HOT}]

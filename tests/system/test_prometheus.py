@@ -162,6 +162,9 @@ def _firing_for(prom: Prometheus, alert: str, **labels: str) -> bool:
     return any(labels.items() <= found.items() for found in firing(prom, alert))
 
 
+# Waits out each alert's 'for' window four times (15 s): timing, so the long leg; the
+# scrape, the dashboard's queries and the rules' load run in the default run above.
+@pytest.mark.long
 def test_the_alerts_fire_for_a_held_scheduler_link_redis_down_and_a_gone_exporter(
     prometheus_binary: str,
     real_server: RealServer,
