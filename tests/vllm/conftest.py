@@ -115,8 +115,27 @@ def sync_report(scenario_reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return scenario_reports["sync"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def replicas_early(request: pytest.FixtureRequest) -> None:
+    """Start the replicas with the session where a selected test needs them: they start
+    while the first tests' own engines do (an engine spends much of its start waiting),
+    and the tests that use them wait for them to be healthy."""
+    if not all(installed(d) for d in ("vllm", "lmcache", "tokenizers")):
+        return  # the vLLM tests skip (vllm_installed); the others need no replica
+    if any("replicas" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("replicas_started")
+
+
 @pytest.fixture(scope="session")
-def replicas(
+def replicas(replicas_started: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The two replicas of ``replicas_started``, healthy."""
+    procs = {r["log"]: r["proc"] for r in replicas_started.values()}
+    wait_healthy([r["port"] for r in replicas_started.values()], procs, SERVE_START_TIMEOUT_S)
+    return replicas_started
+
+
+@pytest.fixture(scope="session")
+def replicas_started(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, dict[str, Any]]]:
     """Two replicas of vLLM's OpenAI API server on the tiny model, LMCache and one broker,
@@ -125,7 +144,7 @@ def replicas(
     its async mode kills the engine at a prompt's third load); each binds its OpenMP
     threads to a CPU of its own where there are two; their processes publish metrics
     every 500 ms. ``probe(want)`` asks a replica's processes for our objects' stats
-    (``probe.py``).
+    (``probe.py``). Started, not yet healthy: see ``replicas``.
     """
     work = tmp_path_factory.mktemp("serve")
     broker = EmbeddedServer().start()
@@ -160,7 +179,6 @@ def replicas(
                 "redis_url": broker.url,
                 "engine_id": engine_id,
             }
-        wait_healthy([r["port"] for r in found.values()], procs, SERVE_START_TIMEOUT_S)
         yield found
     finally:
         end_all(list(procs.values()))
