@@ -14,13 +14,14 @@ pytest removes with the session's other old temporary directories (it keeps thre
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +30,18 @@ from probe import request as probe_request
 from vllm_harness import (
     HERE,
     REQUIRE_ENV,
-    ROOT,
+    end_all,
     engine_env,
-    healthy,
     in_ci,
     installed,
     run_group,
     scenario,
+    serve_command,
+    start,
+    wait_healthy,
 )
 
-from broker_lookup.processes import end_group, free_port
+from broker_lookup.processes import free_port
 from broker_lookup.tools.embedded import EmbeddedServer
 
 #: How long ``vllm serve`` may take to answer /health.
@@ -81,69 +84,112 @@ def tiny_model(vllm_installed: None, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture(scope="session")
-def async_report(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One async-mode engine through hit, abort and outage (shared by several tests)."""
-    return scenario(tiny_model, tmp_path_factory.mktemp("async"), "async", "hit,abort,outage")
+def scenario_reports(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Any]]:
+    """The reports of two engines run at once, each bound to a CPU of its own where there
+    are two: ``async`` through hit, abort and outage, ``sync``
+    (``enable_async_loading: false``) through hit and outage."""
+    cpus = sorted(os.sched_getaffinity(0))
+    runs = {"async": ("hit,abort,outage", cpus[0]), "sync": ("hit,outage", cpus[-1])}
+    works = {mode: tmp_path_factory.mktemp(mode) for mode in runs}
+    with ThreadPoolExecutor(len(runs)) as pool:
+        done = {
+            mode: pool.submit(
+                scenario, tiny_model, works[mode], mode, steps, VLLM_CPU_OMP_THREADS_BIND=str(cpu)
+            )
+            for mode, (steps, cpu) in runs.items()
+        }
+    return {mode: future.result() for mode, future in done.items()}
 
 
 @pytest.fixture(scope="session")
-def sync_report(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One sync-mode engine (``enable_async_loading: false``) through hit and outage."""
-    return scenario(tiny_model, tmp_path_factory.mktemp("sync"), "sync", "hit,outage")
+def async_report(scenario_reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The async-mode engine's report (shared by several tests)."""
+    return scenario_reports["async"]
 
 
 @pytest.fixture(scope="session")
-def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """vLLM's OpenAI API server on the tiny model, the broker and LMCache, shared by the
-    session's tests (one engine start); its processes publish metrics every 500 ms.
+def sync_report(scenario_reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The sync-mode engine's report (shared by several tests)."""
+    return scenario_reports["sync"]
 
-    ``vllm serve`` itself fails in vllm-cpu 0.32.0 (``PackageNotFoundError: No package
-    metadata was found for vllm``: the distribution is ``vllm-cpu``), so the server runs
-    as ``python -m vllm.entrypoints.openai.api_server``, the same server. ``probe(want)``
-    asks vLLM's processes for our objects' stats (``probe.py``).
+
+@pytest.fixture(scope="session", autouse=True)
+def replicas_early(request: pytest.FixtureRequest) -> None:
+    """Start the replicas with the session where a selected test needs them: they start
+    while the first tests' own engines do (an engine spends much of its start waiting),
+    and the tests that use them wait for them to be healthy."""
+    if not all(installed(d) for d in ("vllm", "lmcache", "tokenizers")):
+        return  # the vLLM tests skip (vllm_installed); the others need no replica
+    if any("replicas" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("replicas_started")
+
+
+@pytest.fixture(scope="session")
+def replicas(replicas_started: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The two replicas of ``replicas_started``, healthy."""
+    procs = {r["log"]: r["proc"] for r in replicas_started.values()}
+    wait_healthy([r["port"] for r in replicas_started.values()], procs, SERVE_START_TIMEOUT_S)
+    return replicas_started
+
+
+@pytest.fixture(scope="session")
+def replicas_started(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, dict[str, Any]]]:
+    """Two replicas of vLLM's OpenAI API server on the tiny model, LMCache and one broker,
+    started together and shared by the session's tests: ``a`` (engine id ``bl-ra``) and
+    ``b`` (``bl-serve``, also the ``served`` fixture). Sync lookups (LMCache's default:
+    its async mode kills the engine at a prompt's third load); each binds its OpenMP
+    threads to a CPU of its own where there are two; their processes publish metrics
+    every 500 ms. ``probe(want)`` asks a replica's processes for our objects' stats
+    (``probe.py``). Started, not yet healthy: see ``replicas``.
     """
     work = tmp_path_factory.mktemp("serve")
     broker = EmbeddedServer().start()
-    probe_dir = work / "probe"
-    probe_dir.mkdir()
     config = work / "lmcache.yaml"
     config.write_text("chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 1\n")
-    port = free_port()
-    env = engine_env(
-        probe_dir,
-        BROKER_LOOKUP_REDIS_URL=broker.url,
-        LMCACHE_CONFIG_FILE=str(config),
-        BROKER_LOOKUP_METRICS_INTERVAL_MS="500",
-    )
-    kv = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
-    kv["engine_id"] = SERVE_ENGINE_ID
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model)]
-    cmd += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048"]
-    cmd += ["--block-size", "128", "--no-enable-prefix-caching", "--kv-transfer-config"]
-    cmd += [json.dumps(kv)]
-    log = work / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    seq = itertools.count(1)
+    vocab = json.loads((tiny_model / "tiny-llama.json").read_text())["vocab"]
+    cpus = sorted(os.sched_getaffinity(0))
+    procs: dict[Path, subprocess.Popen[bytes]] = {}
+    found: dict[str, dict[str, Any]] = {}
     try:
-        deadline = time.monotonic() + SERVE_START_TIMEOUT_S
-        while not healthy(port):
-            assert proc.poll() is None, log.read_bytes()[-4000:].decode(errors="replace")
-            assert time.monotonic() < deadline, "vllm serve did not become healthy"
-            time.sleep(1)
-        vocab = json.loads((tiny_model / "tiny-llama.json").read_text())["vocab"]
-        yield {
-            "port": port,
-            "proc": proc,
-            "probe": lambda want: probe_request(probe_dir, next(seq), want=want),
-            "log": log,
-            "vocab": vocab,
-            "redis_url": broker.url,
-            "engine_id": SERVE_ENGINE_ID,
-        }
+        for name, engine_id, cpu in (("a", "bl-ra", cpus[0]), ("b", SERVE_ENGINE_ID, cpus[-1])):
+            probe_dir = work / f"probe-{name}"
+            probe_dir.mkdir()
+            env = engine_env(
+                probe_dir,
+                BROKER_LOOKUP_REDIS_URL=broker.url,
+                LMCACHE_CONFIG_FILE=str(config),
+                BROKER_LOOKUP_METRICS_INTERVAL_MS="500",
+                VLLM_CPU_OMP_THREADS_BIND=str(cpu),
+            )
+            port, log = free_port(), work / f"replica-{name}.log"
+            proc = start(serve_command(tiny_model, port, engine_id), env, log)
+            procs[log] = proc
+            seq = itertools.count(1)
+            found[name] = {
+                "port": port,
+                "url": f"http://127.0.0.1:{port}",
+                "proc": proc,
+                "probe": functools.partial(_probe, probe_dir, seq),
+                "log": log,
+                "vocab": vocab,
+                "redis_url": broker.url,
+                "engine_id": engine_id,
+            }
+        yield found
     finally:
-        end_group(proc)
+        end_all(list(procs.values()))
         broker.stop()
+
+
+def _probe(probe_dir: Path, seq: Iterator[int], want: int) -> list[dict[str, Any]]:
+    return probe_request(probe_dir, next(seq), want=want)
+
+
+@pytest.fixture(scope="session")
+def served(replicas: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Replica ``b`` of ``replicas``: the engine ``bl-serve``, the broker at ``redis_url``."""
+    return replicas["b"]

@@ -5,7 +5,10 @@ config (its own ``instance_id``), so before the broker keyed multi-node engines 
 rendezvous, node 1's rank registered under another namespace and every lookup missed.
 
 The same prompt three times must hit 0, 256, 256 tokens (LMCache's own log line in the
-scheduler), and every process of the engine must be in one namespace.
+scheduler), and every process of the engine must be in one namespace. It is also the
+vLLM leg's tensor-parallel engine: every lookup reaches both ranks and is completed by
+their reports (min over ranks), each rank loads its shard of every hit, and the loaded
+KV gives the computed logprobs.
 
 vLLM-CPU binds each node's OpenMP threads to its own CPU (``VLLM_CPU_OMP_THREADS_BIND``),
 so this needs two CPUs.
@@ -25,10 +28,21 @@ from typing import Any
 
 import pytest
 import redis
+from probe import request as probe_request
 from scenario import prompt_ids
-from vllm_harness import HERE, ROOT, engine_env, healthy, post
+from vllm_harness import (
+    CHUNK,
+    HERE,
+    LOGPROB_TOLERANCE,
+    ROOT,
+    end_all,
+    engine_env,
+    healthy,
+    max_logprob_diff,
+    post,
+)
 
-from broker_lookup.processes import end_group, free_port
+from broker_lookup.processes import free_port
 from broker_lookup.tools.embedded import EmbeddedServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -95,26 +109,43 @@ def two_nodes(
             assert time.monotonic() < deadline, f"not healthy:\n{_tail(logs['node0'])}"
             time.sleep(1)
         vocab = json.loads((tiny_model / "tiny-llama.json").read_text())["vocab"]
-        yield {"port": port, "logs": logs, "vocab": vocab, "broker": broker, "procs": procs}
+        probes = [work / "probe0", work / "probe1"]
+        yield {
+            "port": port,
+            "logs": logs,
+            "vocab": vocab,
+            "broker": broker,
+            "procs": procs,
+            "probes": probes,
+        }
     finally:
-        for proc in procs:
-            end_group(proc)
+        end_all(procs)
         broker.stop()
 
 
-def test_one_engine_over_two_nodes_hits_in_one_namespace(two_nodes: dict[str, Any]) -> None:
-    port, logs = two_nodes["port"], two_nodes["logs"]
+@pytest.fixture(scope="module")
+def repeated(two_nodes: dict[str, Any]) -> list[dict[str, Any]]:
+    """The choice vLLM answered for each of 3 requests of one prompt (top-5 logprobs)."""
     body = {"model": "tiny", "prompt": prompt_ids(11, two_nodes["vocab"]), "max_tokens": 4}
-    body["temperature"] = 0
-    texts = []
+    body.update(temperature=0, logprobs=5)
+    choices = []
     for _ in range(3):
-        status, reply = post(port, body)
+        status, reply = post(two_nodes["port"], body)
         assert status == 200, reply
-        texts.append(reply["choices"][0]["text"])
+        choices.append(reply["choices"][0])
+    return choices
+
+
+def test_one_engine_over_two_nodes_hits_in_one_namespace(
+    two_nodes: dict[str, Any], repeated: list[dict[str, Any]]
+) -> None:
+    logs = two_nodes["logs"]
     node0 = logs["node0"].read_text(errors="replace")
     hits = [int(n) for n in re.findall(r"LMCache hit tokens: (\d+)", node0)]
     assert hits == [0, 256, 256], f"{hits}\n{node0[-4000:]}"
-    assert texts[1] == texts[2]
+    assert repeated[0]["text"] == repeated[1]["text"] == repeated[2]["text"]
+    computed, loaded = ({"logprobs": c["logprobs"]["top_logprobs"]} for c in repeated[:2])
+    assert max_logprob_diff(computed, loaded) <= LOGPROB_TOLERANCE
     conn = redis.Redis.from_url(two_nodes["broker"].url, decode_responses=True)
     try:
         beats = sorted(conn.scan_iter(match=f"bl:{{{ENGINE_ID}*}}:hb:*"))
@@ -130,3 +161,22 @@ def test_one_engine_over_two_nodes_hits_in_one_namespace(two_nodes: dict[str, An
         assert f"joins engine {namespace}" in log
         assert "is SPLIT" not in log
     assert all(proc.poll() is None for proc in two_nodes["procs"])
+
+
+def test_every_lookup_reaches_both_ranks_and_each_loads_its_shard(
+    two_nodes: dict[str, Any], repeated: list[dict[str, Any]]
+) -> None:
+    node0, node1 = two_nodes["probes"]
+    # After the 3 requests (0, 256, 256 hit tokens). Node 0 runs vLLM's EngineCore (our
+    # client) and rank 0's worker, node 1 rank 1's worker.
+    found = [*probe_request(node0, 1, want=2), *probe_request(node1, 1, want=1)]
+    (client,) = [c for p in found for c in p["clients"]]
+    servers = sorted((s for p in found for s in p["servers"]), key=lambda s: s["rank"])
+    assert [s["rank"] for s in servers] == [0, 1]
+    counts = [s["counts"] for s in servers]
+    assert counts[0]["requests"] == counts[1]["requests"] >= 3, counts
+    completed = sum(c.get("report_complete", 0) for c in counts)
+    assert completed == counts[0]["requests"], counts  # the last report completes each
+    assert client["outcomes"]["hit"] == 2 and client["hit_tokens"] == 2 * CHUNK, client
+    loads = [p["connector"]["to_gpu_chunks"] for p in found if p["servers"]]
+    assert loads == [2, 2]  # each rank loaded its shard of the chunk, twice

