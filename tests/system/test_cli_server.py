@@ -124,6 +124,9 @@ def _path_without_redis_cli(tmp_path: Path) -> str:
     return os.pathsep.join([str(bin_dir), *kept])
 
 
+# Ten seconds of processes (the demo, then each hint it prints): the long leg; the default
+# run keeps the plain demo's tests (test_cli.py), and CI runs `broker-lookup demo` itself.
+@pytest.mark.long
 def test_demo_keep_leaves_only_the_server_and_its_hints_work(tmp_path: Path) -> None:
     env = child_env(os.environ, {"PATH": _path_without_redis_cli(tmp_path)})
     demo = subprocess.run(

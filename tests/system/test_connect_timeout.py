@@ -21,7 +21,9 @@ from broker_lookup.config import env_name
 from broker_lookup.processes import ExitCode, child_env, python_module
 from faultproxy.proxy import FaultProxy
 
-pytestmark = [pytest.mark.real, pytest.mark.timeout(180)]
+# Each test waits out a connect timeout against a held server (seconds, and timing is the
+# outcome): in the long leg (`-m long`), to keep the default run within its CI budget.
+pytestmark = [pytest.mark.real, pytest.mark.long, pytest.mark.timeout(180)]
 
 TIMEOUT_S = 2.0
 #: What a give-up may take past the timeout: connecting, closing, a loaded machine.
