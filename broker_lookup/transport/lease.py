@@ -240,7 +240,7 @@ class Lease:
             )
         new = holder is None or self.holder is None or holder.token != self.holder.token
         if new:
-            self.counts["conflicts"] += 1
+            # Logged before it is counted: whoever sees the count (stats, a test) finds the line.
             logger.error(
                 "%s is already served by %s; this process (%s) does not serve it and takes "
                 "over only once that lease expires. Two processes were started for one role: "
@@ -249,6 +249,7 @@ class Lease:
                 holder.describe() if holder else "?",
                 self.identity.describe(),
             )
+            self.counts["conflicts"] += 1
         now = self._clock()
         if self._unheld_since is None:
             self._unheld_since = now
