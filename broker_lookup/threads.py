@@ -59,12 +59,6 @@ class LoopThread:
         """Whether the thread runs."""
         return self._thread.is_alive()
 
-    def ask_to_stop(self) -> None:
-        """Ask the loop to stop without waiting for it: an owner stopping several threads
-        that each block on a read of their own asks them all first, then joins each with
-        :meth:`stop`, so their blocked reads run out together, not one after another."""
-        self._stop.set()
-
     def stop(self, timeout_s: float) -> bool:
         """Ask the loop to stop and join it (bounded); False if the join timed out."""
         self._stop.set()

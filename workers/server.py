@@ -196,7 +196,7 @@ class RedisAsyncLookupServer:
         self._closed = True
         grace = self.config.block_ms / 1000 + 2.0
         # The probe thread's blocked read has no order to keep: it runs out beside the loop's.
-        self.prober.ask_to_stop()
+        self.prober.stop(0.0)
         ok = self._loop.stop(grace)
         ok = self.prober.stop(grace) and ok
         ok = self._sweeper.stop(grace) and ok

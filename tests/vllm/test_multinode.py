@@ -34,12 +34,13 @@ from vllm_harness import (
     CHUNK,
     HERE,
     LOGPROB_TOLERANCE,
-    ROOT,
     end_all,
     engine_env,
     healthy,
     max_logprob_diff,
     post,
+    start,
+    tail,
 )
 
 from broker_lookup.processes import free_port
@@ -49,17 +50,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ENGINE_ID = "bl-mn"
 START_TIMEOUT_S = 480
-
-
-def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
-def _tail(log: Path) -> str:
-    return log.read_bytes()[-4000:].decode(errors="replace")
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +91,12 @@ def two_nodes(
             else:
                 cmd = [sys.executable, str(HERE / "headless_node.py"), *model]
                 cmd += ["--node-rank", "1", "--headless"]
-            procs.append(_start(cmd, env, logs[f"node{node}"]))
+            procs.append(start(cmd, env, logs[f"node{node}"]))
         deadline = time.monotonic() + START_TIMEOUT_S
         while not healthy(port):
             for proc, log in zip(procs, logs.values(), strict=True):
-                assert proc.poll() is None, f"{log.name} exited:\n{_tail(log)}"
-            assert time.monotonic() < deadline, f"not healthy:\n{_tail(logs['node0'])}"
+                assert proc.poll() is None, f"{log.name} exited:\n{tail(log)}"
+            assert time.monotonic() < deadline, f"not healthy:\n{tail(logs['node0'])}"
             time.sleep(1)
         vocab = json.loads((tiny_model / "tiny-llama.json").read_text())["vocab"]
         probes = [work / "probe0", work / "probe1"]
