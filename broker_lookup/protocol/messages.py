@@ -10,6 +10,19 @@ Request stream entry (``bl:{E}:requests``), written by the scheduler's client::
     tokens       prefix to keep (keeps)       readable copy
     m            msgpack of LookupRequest | Abort | Keep (tagged union): the only field decoded
 
+A *batch entry* carries the lookups one ``submit.lua`` batch registered (the sender's
+queued submits, sent in one round trip), so the server appends, delivers to each rank's
+group and acks one entry per batch instead of one per lookup::
+
+    type         "batch"                      readable
+    n            number of lookups            readable
+    m0 .. m<n-1> msgpack of each LookupRequest, in submit order
+
+A rank decodes each part on its own (:func:`decode_entry`): a part that can't be served
+is dead-lettered alone and the others are served. Aborts and keeps are never batched.
+Every process of one engine must read batch entries (this version on): an older rank
+dead-letters them ("no 'm' field"), and their lookups are answered 0 at the timeout.
+
 Completion entry (``bl:{E}:done``), written by ``report.lua``: ``id``, ``gen``, ``result``;
 with ``rank_insights`` (the lookup hash holds a ``submitted_us`` stamp) also::
 
@@ -36,14 +49,17 @@ import msgspec
 from broker_lookup.errors import MalformedMessage
 
 __all__ = [
+    "BATCH_TYPE",
     "Abort",
     "ConfigsProblem",
     "DoneEvent",
     "Keep",
     "LookupRequest",
     "Request",
+    "batch_field",
     "check_lookup_id",
     "decode_done",
+    "decode_entry",
     "decode_request",
     "encode_request",
     "request_configs_problem",
@@ -155,6 +171,51 @@ def decode_request(fields: dict[bytes, bytes] | None) -> Request:
         return _DECODER.decode(raw)
     except msgspec.DecodeError as exc:
         raise MalformedMessage(f"undecodable 'm' field: {exc}", raw) from None
+
+
+#: ``type`` of a batch entry (``submit.lua`` writes it; :func:`decode_entry` reads it).
+BATCH_TYPE = b"batch"
+
+
+def batch_field(index: int) -> str:
+    """The field holding part ``index`` of a batch entry (``submit.lua`` builds the same)."""
+    return f"m{index}"
+
+
+def decode_entry(fields: dict[bytes, bytes] | None) -> list[Request | MalformedMessage]:
+    """Every request of one stream entry, in order: one for a plain entry, ``n`` for a
+    batch entry. A part that can't be decoded is its :class:`MalformedMessage`, so the
+    caller dead-letters that part alone; a batch entry whose ``n`` is unusable is one.
+    """
+    if fields is None or fields.get(b"type") != BATCH_TYPE:
+        try:
+            return [decode_request(fields)]
+        except MalformedMessage as exc:
+            return [exc]
+    try:
+        n = int(fields[b"n"])
+    except (KeyError, ValueError):
+        return [MalformedMessage("batch entry without a count 'n'", fields)]
+    # n is the producer's word: a part is one field, so no entry holds more parts than
+    # fields, and a forged count can't make a rank loop beyond what it read.
+    if not 0 < n <= len(fields):
+        return [MalformedMessage(f"batch entry count n={n} is outside 1..{len(fields)}", fields)]
+    out: list[Request | MalformedMessage] = []
+    for i in range(n):
+        raw = fields.get(batch_field(i).encode())
+        if raw is None:
+            out.append(MalformedMessage(f"batch entry has no '{batch_field(i)}' field"))
+            continue
+        try:
+            msg = _DECODER.decode(raw)
+        except msgspec.DecodeError as exc:
+            out.append(MalformedMessage(f"undecodable '{batch_field(i)}' field: {exc}", raw))
+            continue
+        if type(msg) is not LookupRequest:
+            out.append(MalformedMessage(f"part '{batch_field(i)}' of a batch is not a lookup", raw))
+            continue
+        out.append(msg)
+    return out
 
 
 def decode_done(fields: dict[bytes, bytes]) -> DoneEvent:

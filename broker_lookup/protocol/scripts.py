@@ -144,11 +144,12 @@ def _submit_batch(calls: Sequence[Call]) -> Call:
     with one expected list, stream cap and stream TTL) do, in their order."""
     head = calls[0].args
     # The single ARGV's order (submit_args): gen, expected, created_ms, deadline_ms,
-    # tokens, ttl ms, maxlen, lookup id, insights, stream ttl ms, then the pairs.
+    # tokens, ttl ms, maxlen, lookup id, insights, stream ttl ms, then the entry's pairs,
+    # whose last is the msgpack ``m`` (request_fields): a batch entry carries it alone.
     args: list[Arg] = ["batch", head[1], head[6], head[9]]
     for call in calls:
         a = call.args
-        args += [a[0], a[2], a[3], a[4], a[5], a[7], a[8], (len(a) - 10) // 2, *a[10:]]
+        args += [a[0], a[2], a[3], a[4], a[5], a[7], a[8], a[-1]]
     return Call(SUBMIT, (calls[0].keys[1], *(call.keys[0] for call in calls)), tuple(args))
 
 
@@ -182,9 +183,12 @@ def submit_batches(calls: Sequence[Call], most: int = SUBMIT_BATCH_MAX) -> list[
         run.clear()
 
     for call in calls:
-        if call.script != SUBMIT or (run and (len(run) >= most or not _same_batch(run[0], call))):
+        # A submit whose entry does not end with ``m`` (one not built by submit_call) has
+        # no part to give a batch entry: it goes alone.
+        batchable = call.script == SUBMIT and call.args[-2] == "m"
+        if not batchable or (run and (len(run) >= most or not _same_batch(run[0], call))):
             flush()
-        if call.script == SUBMIT:
+        if batchable:
             run.append(call)
         else:
             out.append((call, 1))

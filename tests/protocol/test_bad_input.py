@@ -206,6 +206,11 @@ BAD_ENTRIES: list[tuple[dict[str, Any], str]] = [
     ({"m": _lookup(tokens=10**6)}, "sum of offsets"),
     ({"m": _lookup(request_configs={"k": "v" * 100})}, "max_request_configs_bytes=64"),
     ({"m": _ENC.encode({"type": "abort", "lookup_id": "", "gen": 1})}, "length 0"),
+    # Batch entries that can't be split into parts: parked whole.
+    ({"type": "batch", "m0": _lookup()}, "without a count"),
+    ({"type": "batch", "n": "zero", "m0": _lookup()}, "without a count"),
+    ({"type": "batch", "n": "0", "m0": _lookup()}, "outside 1..3"),
+    ({"type": "batch", "n": "1000000", "m0": _lookup()}, "outside 1..3"),
 ]
 
 
@@ -234,6 +239,38 @@ def test_rank_dead_letters_bad_entries_and_goes_on(
     client.lookup(TOKENS, "good")
     assert answer(client, "good", timeout=10) == 24
     assert all(s.stats().alive for s in servers)
+
+
+def test_a_batch_entry_serves_its_good_parts_and_parks_each_bad_one(
+    make_server: MakeServer, backend: Backend, engine_id: str
+) -> None:
+    """A batch entry's part that can't be served costs only itself: every rank serves the
+    others, parks each bad part in ``bl:{E}:dead`` named by its place, and acks the entry."""
+    ks = KeySpace(engine_id)
+    engines = [StubEngine("instant", hits=24), StubEngine("instant", hits=32)]
+    servers = [make_server(e, rank=r, world_size=2, **LIMITS) for r, e in enumerate(engines)]
+    ready(*servers)
+    conn = backend.factory()
+    parts: dict[str, bytes | int] = {
+        "m0": _lookup(lookup_id="ok-1"),
+        "m1": b"\xc1\xff\x00garbage",
+        # m2 is missing
+        "m3": _lookup(lookup_id="far", expected=[0, 5]),
+        "m4": _ENC.encode({"type": "abort", "lookup_id": "ok-1", "gen": 1}),
+        "m5": _lookup(lookup_id="ok-2", gen=3),
+    }
+    entry = conn.xadd(ks.requests, stream_fields({"type": "batch", "n": 6, **parts}))
+    wait_until(lambda: all(sorted(e.started_ids()) == ["ok-1", "ok-2"] for e in engines))
+    wait_until(lambda: len(stream_entries(conn.xrange(ks.dead))) >= 2 * 4)
+    letters = stream_entries(conn.xrange(ks.dead))
+    assert all(f[b"entry"] == entry for _, f in letters)
+    reasons = sorted(f[b"reason"].decode() for _, f in letters)
+    for rank_letters in (reasons[0::2], reasons[1::2]):  # each rank parks the same four
+        assert [r.split(":")[0] for r in rank_letters] == [f"part {i} of 6" for i in (1, 2, 3, 4)]
+    assert "undecodable 'm1'" in reasons[0] and "no 'm2' field" in reasons[2]
+    assert "world_size=2" in reasons[4] and "not a lookup" in reasons[6]
+    assert all(s.stats().consumer.dead_letters == 4 for s in servers)
+    wait_until(lambda: all(conn.xpending(ks.requests, ks.group(r))["pending"] == 0 for r in (0, 1)))
 
 
 def test_request_for_other_ranks_is_not_served(make_server: MakeServer) -> None:

@@ -1,21 +1,30 @@
-"""The client's sender sends the submits of one round trip as one ``submit.lua`` batch:
-each lookup is still idempotent per its generation (a batch sent again after a lost reply
-changes nothing), an older generation's hash is replaced, the stream's TTL is set by the
-write that creates it, and a batch writes what the same submits sent one by one write. On
-fakeredis and on a real server."""
+"""The client's sender sends the submits of one round trip as one ``submit.lua`` batch,
+which appends one batch entry for the lookups it registers: each lookup is still
+idempotent per its generation (a batch sent again after a lost reply changes nothing, a
+duplicate is left out of the entry), an older generation's hash is replaced, the stream's
+TTL is set by the write that creates it, and a batch writes what the same submits sent
+one by one write. On fakeredis and on a real server."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any
 
+import msgspec
 import pytest
-from faultkit import Serve
-from helpers import Backend, lookup_request, wait_until
+from faultkit import MakeServer, Serve, ready
+from helpers import Backend, lookup_request, stream_fields, wait_until
 
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import Abort
+from broker_lookup.protocol.messages import (
+    Abort,
+    LookupRequest,
+    batch_field,
+    decode_entry,
+    decode_request,
+    encode_request,
+)
 from broker_lookup.protocol.scripts import (
     SUBMIT,
     Call,
@@ -51,6 +60,17 @@ def _send(conn: object, calls: list[Call]) -> list[Any]:
     scripts = ScriptSet()
     results = [scripts.call(conn, call) for call, _ in packed]  # type: ignore[arg-type]
     return submit_answers(results, [n for _, n in packed])
+
+
+def _parts(conn: Any, ks: KeySpace) -> list[list[tuple[str, int]]]:
+    """(lookup id, generation) of each lookup of each lookup entry, in stream order."""
+    out = []
+    for _, fields in conn.xrange(ks.requests):
+        parts = decode_entry(fields)
+        if fields[b"type"] in (b"lookup", b"batch"):
+            assert all(isinstance(p, LookupRequest) for p in parts), parts
+            out.append([(p.lookup_id, p.gen) for p in parts if isinstance(p, LookupRequest)])
+    return out
 
 
 def _report(conn: object, ks: KeySpace, lookup_id: str, rank: int, gen: int) -> Any:
@@ -89,12 +109,13 @@ def test_a_batch_sent_again_after_a_lost_reply_changes_nothing(
     calls = [_call(ks, "a", 7), _call(ks, "b", 7), _call(ks, "c", 3)]
     first = _send(conn, calls)
     assert all(isinstance(a, bytes) and a != b"duplicate" for a in first)
-    assert conn.xlen(ks.requests) == 3
+    assert len(set(first)) == 1  # one entry carries the three
+    assert _parts(conn, ks) == [[("a", 7), ("b", 7), ("c", 3)]]
     assert _report(conn, ks, "a", 0, 7) == b"recorded"  # a fast rank, before the retry
     before = {k: conn.hgetall(ks.lookup(k)) for k in "abc"}
     assert _send(conn, calls) == [b"duplicate"] * 3  # its reply was lost: sent again
     assert {k: conn.hgetall(ks.lookup(k)) for k in "abc"} == before
-    assert conn.xlen(ks.requests) == 3  # no second entry for any of them
+    assert _parts(conn, ks) == [[("a", 7), ("b", 7), ("c", 3)]]  # no second entry
     assert _report(conn, ks, "a", 1, 7) == b"complete"  # the reports kept still count
 
 
@@ -113,7 +134,8 @@ def test_a_batch_mixing_generations_and_cancelled_lookups_answers_each(
     answers = _send(conn, batch)
     assert answers[1] == b"duplicate"
     assert all(a != b"duplicate" for i, a in enumerate(answers) if i != 1)
-    assert conn.xlen(ks.requests) == entries + 3
+    assert conn.xlen(ks.requests) == entries + 1  # one entry, without the duplicate
+    assert _parts(conn, ks)[-1] == [("old", 7), ("gone", 3), ("new", 1)]
     # The older generation's hash is gone with its report: its late reports are stale.
     assert conn.hmget(ks.lookup("old"), "gen", "r0", lookup_hash.OWED) == [b"7", None, b"2"]
     assert _report(conn, ks, "old", 1, 6) == b"stale"
@@ -126,11 +148,11 @@ def test_a_batch_creating_the_stream_sets_its_ttl_once(backend: Backend, engine_
     conn, ks = backend.factory(), KeySpace(engine_id)
     assert not conn.exists(ks.requests)
     _send(conn, [_call(ks, str(i), 1) for i in range(4)])
-    assert conn.xlen(ks.requests) == 4
+    assert conn.xlen(ks.requests) == 1
     assert ENGINE_TTL_MS - 60_000 < conn.pttl(ks.requests) <= ENGINE_TTL_MS
     conn.pexpire(ks.requests, 100_000)
     _send(conn, [_call(ks, str(i), 2) for i in range(4)])
-    assert conn.xlen(ks.requests) == 8
+    assert _parts(conn, ks)[1] == [(str(i), 2) for i in range(4)]
     assert 0 < conn.pttl(ks.requests) <= 100_000  # there already: left to the beat
 
 
@@ -152,13 +174,18 @@ def test_a_batch_writes_what_single_submits_write(backend: Backend, engine_id: s
     stamp = conn.hget(ks.lookup("b2"), lookup_hash.SUBMITTED_US)
     assert stamp is not None and stamp.isdigit() and len(stamp) >= 16
     entries: Any = conn.xrange(ks.requests)
-    # The same entry, its lookup id aside (s1 sent alone, b1 in the batch).
-    single, batched = entries[0][1], entries[2][1]
-    assert {k: v.replace(b"s1", b"b1") for k, v in single.items()} == batched
+    assert len(entries) == 3  # s1, s2 alone; b1 and b2 in one batch entry
+    # The same requests, their lookup ids aside (s1 sent alone, b1 in the batch).
+    alone = [decode_request(fields) for _, fields in entries[:2]]
+    assert [(m.lookup_id, m.gen) for m in alone] == [("s1", 4), ("s2", 4)]
+    assert entries[2][1][b"type"] == b"batch" and entries[2][1][b"n"] == b"2"
+    batched = decode_entry(entries[2][1])
+    renamed = zip(alone, ["b1", "b2"], strict=True)
+    assert batched == [msgspec.structs.replace(m, lookup_id=b) for m, b in renamed]
 
 
 def test_a_burst_the_sender_queued_goes_as_one_batch_and_every_lookup_is_answered(
-    serve: Serve, monkeypatch: pytest.MonkeyPatch
+    serve: Serve, monkeypatch: pytest.MonkeyPatch, backend: Backend, engine_id: str
 ) -> None:
     engine, _, client = serve(StubEngine(), submit_on_caller_thread=False)
     sender = client._sender
@@ -183,7 +210,34 @@ def test_a_burst_the_sender_queued_goes_as_one_batch_and_every_lookup_is_answere
     submits = [c for calls in sent for c in calls if c.script == SUBMIT]
     assert len(submits) < len(ids)  # one script call carried several lookups
     assert sum(len(c.keys) - 1 if c.args[0] == "batch" else 1 for c in submits) == len(ids)
+    # The rank served them from fewer entries than lookups: a batch entry carried several.
+    entries: Any = backend.factory().xrange(KeySpace(engine_id).requests)
+    assert len(entries) < len(ids)
+    served = [p for _, f in entries for p in decode_entry(f)]
+    assert sorted(p.lookup_id for p in served if isinstance(p, LookupRequest)) == sorted(ids)
     for i, lookup_id in enumerate(ids):
         engine.report(lookup_id, 4 * i)
     answers = {lookup_id: 4 * i for i, lookup_id in enumerate(ids)}
     wait_until(lambda: {i: client.lookup_cache(i) for i in ids} == answers, message="every answer")
+
+
+def test_a_batch_entry_read_before_a_crash_is_served_whole_after_the_restart(
+    make_server: MakeServer, backend: Backend, engine_id: str
+) -> None:
+    """A rank that read a batch entry and died before its ack replays it on restart: every
+    lookup the entry carries is served, once, and the entry is acked."""
+    ks, conn = KeySpace(engine_id), backend.factory()
+    requests = [lookup_request(f"crash-{i}", 1, chunks=4, budget_ms=60_000) for i in range(3)]
+    parts: dict[str, bytes | int] = {
+        batch_field(i): encode_request(r) for i, r in enumerate(requests)
+    }
+    conn.xgroup_create(ks.requests, ks.group(0), "$", mkstream=True)
+    conn.xadd(ks.requests, stream_fields({"type": "batch", "n": len(parts), **parts}))
+    # The rank that died: it read the entry and never acked it.
+    assert conn.xreadgroup(ks.group(0), ks.consumer(0), {ks.requests: ">"})
+    assert conn.xpending(ks.requests, ks.group(0))["pending"] == 1
+    engine = StubEngine("instant", hits=4)
+    ready(make_server(engine, rank=0, world_size=1))
+    wait_until(lambda: sorted(engine.started_ids()) == [r.lookup_id for r in requests])
+    wait_until(lambda: conn.xpending(ks.requests, ks.group(0))["pending"] == 0)
+    assert sorted(engine.started_ids()) == [r.lookup_id for r in requests]  # each once

@@ -14,6 +14,7 @@ from broker_lookup.protocol.messages import (
     LookupRequest,
     check_lookup_id,
     decode_done,
+    decode_entry,
     decode_request,
     encode_request,
     request_fields,
@@ -288,3 +289,17 @@ def test_fields_with_defaults_may_be_absent() -> None:
     decoded = decode_request({b"m": msgspec.msgpack.encode(older)})
     assert isinstance(decoded, LookupRequest)
     assert decoded.request_configs is None and decoded.tokens == 0
+
+
+def test_decode_entry_splits_a_batch_entry_and_names_each_bad_part() -> None:
+    first, second = request(), msgspec.structs.replace(request(), lookup_id="other", gen=9)
+    assert decode_entry(entry(first)) == [first]  # a plain entry: its one request
+    batch = {b"type": b"batch", b"n": b"3", b"m0": encode_request(first)}
+    batch |= {b"m2": encode_request(second)}
+    parts = decode_entry(batch)
+    assert parts[0] == first and parts[2] == second
+    assert isinstance(parts[1], MalformedMessage) and "no 'm1' field" in parts[1].reason
+    [whole] = decode_entry({b"type": b"batch", b"n": b"4", b"m0": encode_request(first)})
+    assert isinstance(whole, MalformedMessage) and "outside 1..3" in whole.reason
+    [trimmed] = decode_entry(None)
+    assert isinstance(trimmed, MalformedMessage) and "trimmed" in trimmed.reason

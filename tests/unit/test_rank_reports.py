@@ -14,7 +14,7 @@ from redis.exceptions import ResponseError
 from broker_lookup.config import LookupConfig
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import request_configs_problem
-from workers.pipeline.reporter import Report, Reporter, _spread
+from workers.pipeline.reporter import SCRIPT_BATCH_MAX, Report, Reporter, _spread
 
 
 def _reporter(settled: list[tuple[Report, str]]) -> Reporter:
@@ -131,3 +131,25 @@ def test_final_reports_of_one_round_trip_go_as_one_batch_and_each_gets_its_answe
     # One final report alone keeps the single call.
     single, _ = reporter._calls([Report("a", 1, 4)])
     assert single[0].args[0] == 0 and len(single[0].keys) == 2
+
+
+def test_a_turn_of_many_reports_goes_in_script_calls_of_bounded_size() -> None:
+    """A read of batch entries can hand a rank thousands of lookups in one turn: their
+    reports go in ``report.lua`` calls of at most SCRIPT_BATCH_MAX, each report's answer
+    found in its own call's list."""
+    reporter = _reporter([])
+    n = 2 * SCRIPT_BATCH_MAX + 5
+    reports = [Report(f"l{i}", 1, i % 7) for i in range(n)]
+    reports.insert(3, Report("p", 1, 8, progress=True))
+    calls, plan = reporter._calls(reports)
+    assert [c.script for c in calls] == ["report"] * 3 + ["progress"]
+    assert [len(c.keys) - 1 for c in calls[:3]] == [SCRIPT_BATCH_MAX, SCRIPT_BATCH_MAX, 5]
+    ids = [str(k).rsplit(":", 1)[-1] for c in calls[:3] for k in c.keys[1:]]
+    assert ids == [f"l{i}" for i in range(n)]  # in order, each once
+    results: list[Any] = [
+        [f"{c}-{p}".encode() for p in range(len(call.keys) - 1)] for c, call in enumerate(calls[:3])
+    ]
+    answers = _spread([*results, b"behind"], plan)
+    assert answers[3] == b"behind"
+    finals = answers[:3] + answers[4:]
+    assert finals == [f"{i // SCRIPT_BATCH_MAX}-{i % SCRIPT_BATCH_MAX}".encode() for i in range(n)]

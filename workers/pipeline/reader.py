@@ -39,11 +39,12 @@ from broker_lookup.errors import (
 from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.protocol.messages import (
+    BATCH_TYPE,
     Abort,
     Keep,
     LookupRequest,
     Request,
-    decode_request,
+    decode_entry,
     request_configs_problem,
     validate_request,
     wire_id_problem,
@@ -215,29 +216,44 @@ class Reader:
         remaining_ms = self._clock.remaining_ms
         aborts = False
         for entry_id, fields in entries:
-            msg = self._decode(dead, entry_id, fields)
-            if type(msg) is LookupRequest:  # the common case first (decoded: never a subclass)
-                messages.append((msg, remaining_ms(msg, entry_id)))
-            elif msg is not None:
-                messages.append((msg, math.inf))
-                aborts = aborts or type(msg) is Abort
+            for msg in self._decode(dead, entry_id, fields):
+                if type(msg) is LookupRequest:  # the common case first (never a subclass)
+                    messages.append((msg, remaining_ms(msg, entry_id)))
+                else:
+                    messages.append((msg, math.inf))
+                    aborts = aborts or type(msg) is Abort
         if aborts and len(messages) > 1:
             messages.sort(key=lambda pair: not isinstance(pair[0], Abort))  # stable: aborts first
         return Batch(messages, [entry_id for entry_id, _ in entries], dead)
 
     def _decode(
         self, dead: list[Command], entry_id: bytes, fields: dict[bytes, bytes] | None
-    ) -> Request | None:
-        try:
-            msg = decode_request(fields)
-        except MalformedMessage as exc:
-            dead += self._dead_letter(entry_id, exc.reason, fields)
-            return None
-        reason = entry_problem(msg, self._config, self._world_size)
-        if reason is not None:
-            dead += self._dead_letter(entry_id, reason, fields)
-            return None
-        return msg
+    ) -> list[Request]:
+        """The requests of one entry (a batch entry's parts, in order) that can be served;
+        each one that can't is dead-lettered alone, so a bad part costs only itself."""
+        parts = decode_entry(fields)
+        if len(parts) == 1 and type(parts[0]) is LookupRequest:  # the common case, checked
+            reason = entry_problem(parts[0], self._config, self._world_size)
+            if reason is None:
+                return [parts[0]]
+        batch = fields is not None and fields.get(b"type") == BATCH_TYPE
+        served: list[Request] = []
+        for i, part in enumerate(parts):
+            if isinstance(part, MalformedMessage):
+                reason, raw = part.reason, part.payload
+            else:
+                problem = entry_problem(part, self._config, self._world_size)
+                if problem is None:
+                    served.append(part)
+                    continue
+                reason, raw = problem, part
+            # A batch's part is parked alone, named; a plain entry (or a batch entry that
+            # can't be split: no usable count) whole, as it came.
+            if batch and raw is not fields:
+                dead += self._dead_letter(entry_id, f"part {i} of {len(parts)}: {reason}", raw)
+            else:
+                dead += self._dead_letter(entry_id, reason, fields)
+        return served
 
     def _dead_letter(self, entry_id: bytes, reason: str, raw: object) -> list[Command]:
         """The XADD parking an entry that can't be served in ``bl:{E}:dead``, and the

@@ -61,6 +61,10 @@ logger = logging.getLogger(__name__)
 MAX_QUEUED = 10_000
 #: Most reports the reporter's thread sends in one round trip.
 MAX_BATCH = 256
+#: Most reports one ``report.lua`` call carries: the server runs a script to its end before
+#: anything else, so a turn's reports (a read of batch entries may hand a rank thousands)
+#: go in calls of this many, and no engine on the server waits on one long call.
+SCRIPT_BATCH_MAX = 128
 #: The longest the idle reporter thread sleeps without a bell. It has nothing to do on
 #: an idle wake-up (no probe, unlike the client's sender), and every report rings the
 #: bell, so this only bounds a wake-up lost to a bug: long, because each idle wake-up
@@ -273,16 +277,18 @@ class Reporter(Batcher[Report]):
     def _calls(self, reports: list[Report]) -> tuple[list[Call], list[tuple[int, int]]]:
         """The script calls that send ``reports`` (the one place a batch's calls are built,
         for both paths), and where each report's answer is: (the call, its place in that
-        call's answers, -1 for a call of its own). Two or more final reports go in one
-        ``report.lua`` batch (the fence read once, one script call); progress reports each
-        in a ``progress.lua`` call of their own."""
+        call's answers, -1 for a call of its own). Two or more final reports go in
+        ``report.lua`` batches of at most :data:`SCRIPT_BATCH_MAX` (the fence read once a
+        call); progress reports each in a ``progress.lua`` call of
+        their own."""
         # The fence of the moment the reports are sent: a token this process holds now.
         fence = self._lease.fence if self._lease is not None else None
         finals = [r for r in reports if not r.progress]
         if len(finals) < 2:
             calls = [self._call(r, fence) for r in reports]
             return calls, [(i, -1) for i in range(len(reports))]
-        calls = [self._batch_call(finals, fence)]
+        most = SCRIPT_BATCH_MAX
+        calls = [self._batch_call(finals[i : i + most], fence) for i in range(0, len(finals), most)]
         plan: list[tuple[int, int]] = []
         place = 0
         for report in reports:
@@ -290,7 +296,7 @@ class Reporter(Batcher[Report]):
                 plan.append((len(calls), -1))
                 calls.append(self._call(report, fence))
             else:
-                plan.append((0, place))
+                plan.append(divmod(place, most))
                 place += 1
         return calls, plan
 

@@ -14,13 +14,17 @@
 -- Four commands a submit (HGET, HSET, PEXPIRE, XADD): each costs the server several times
 -- the same command sent plainly, so none is spent where nothing needs it.
 -- A batch (ARGV[1] 'batch'): one call for every submit the client's sender sends in one
--- round trip, so the server pays one script call, not one per lookup; each lookup is
--- still idempotent per its own generation, and the stream's TTL is set at most once.
+-- round trip, and ONE stream entry for the lookups it registers (a batch entry:
+-- protocol/messages.py), so the server pays one script call, one XADD, one delivery to
+-- each rank's group and one XACK a rank per batch, not per lookup. Each lookup is still
+-- idempotent per its own generation: a duplicate is left out of the entry, and a batch
+-- re-sent whole after a lost reply writes no entry at all. The stream's TTL is set at
+-- most once.
 --   KEYS: the request stream, then one lookup hash per submit
 --   ARGV: 'batch', expected, stream maxlen, the stream's ttl ms, then per submit: gen,
---         created_ms, deadline_ms, tokens, key ttl ms, lookup id, insights, the count of
---         the entry's field/value pairs, then those pairs
---   Returns one answer per submit, in order (the entry's id or 'duplicate').
+--         created_ms, deadline_ms, tokens, key ttl ms, lookup id, insights, the msgpack
+--         of its LookupRequest (the batch entry's part)
+--   Returns one answer per submit, in order (the batch entry's id or 'duplicate').
 local time_stamp = nil
 local function stamp()
   if not time_stamp then
@@ -41,13 +45,13 @@ local function count(expected)
   return owed
 end
 
--- One submit: the hash KEYS[h], its generation and fields, the stream KEYS[s] and the
--- entry's pairs ARGV[first..last]. Keys go by index, so every command names KEYS[n].
-local function submit(h, gen, expected, owed, created, deadline, tokens, ttl, id, insights,
-                      s, maxlen, stream_ttl, first, last)
+-- Register one generation of a lookup in the hash KEYS[h]: true, or false where the hash
+-- already holds this generation (a submit sent again). Keys go by index, so every command
+-- names KEYS[n].
+local function register(h, gen, expected, owed, created, deadline, tokens, ttl, id, insights)
   local held = redis.call('HGET', KEYS[h], 'gen')
   if held == gen then
-    return 'duplicate'
+    return false
   end
   if held then  -- the usual first submit finds no key: nothing to delete
     redis.call('DEL', KEYS[h])
@@ -62,30 +66,51 @@ local function submit(h, gen, expected, owed, created, deadline, tokens, ttl, id
                'owed', owed, 'lowest', tokens)
   end
   redis.call('PEXPIRE', KEYS[h], ttl)
-  -- The stream's TTL is the engine's, refreshed by every live process's beat (lifetime.py):
-  -- only an XADD that creates the stream must set it, here, so nothing is left without one.
+  return true
+end
+
+-- Append one entry (its field/value pairs in the table fields) to the stream KEYS[s].
+-- The stream's TTL is the engine's, refreshed by every live process's beat (lifetime.py):
+-- only an XADD that creates the stream must set it, here, so nothing is left without one.
+local function append(s, maxlen, stream_ttl, fields)
   local entry = redis.call('XADD', KEYS[s], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*',
-                           unpack(ARGV, first, last))
+                           unpack(fields))
   if not entry then
-    entry = redis.call('XADD', KEYS[s], 'MAXLEN', '~', maxlen, '*', unpack(ARGV, first, last))
+    entry = redis.call('XADD', KEYS[s], 'MAXLEN', '~', maxlen, '*', unpack(fields))
     redis.call('PEXPIRE', KEYS[s], stream_ttl)
   end
   return entry
 end
 
 if ARGV[1] ~= 'batch' then
-  return submit(1, ARGV[1], ARGV[2], count(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6],
-                ARGV[8], ARGV[9], 2, ARGV[7], ARGV[10], 11, #ARGV)
+  if not register(1, ARGV[1], ARGV[2], count(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6],
+                  ARGV[8], ARGV[9]) then
+    return 'duplicate'
+  end
+  return append(2, ARGV[7], ARGV[10], {unpack(ARGV, 11, #ARGV)})
 end
 local expected, maxlen, stream_ttl = ARGV[2], ARGV[3], ARGV[4]
 local owed = count(expected)
 local answers = {}
+local fields = {'type', 'batch', 'n', 0}
+local n = 0
 local a = 5
 for k = 2, #KEYS do
-  local pairs_end = a + 7 + 2 * tonumber(ARGV[a + 7])
-  answers[k - 1] = submit(k, ARGV[a], expected, owed, ARGV[a + 1], ARGV[a + 2],
-                          ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], 1, maxlen,
-                          stream_ttl, a + 8, pairs_end)
-  a = pairs_end + 1
+  if register(k, ARGV[a], expected, owed, ARGV[a + 1], ARGV[a + 2], ARGV[a + 3],
+              ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]) then
+    fields[5 + 2 * n] = 'm' .. n
+    fields[6 + 2 * n] = ARGV[a + 7]
+    n = n + 1
+  else
+    answers[k - 1] = 'duplicate'
+  end
+  a = a + 8
+end
+if n > 0 then
+  fields[4] = n
+  local entry = append(1, maxlen, stream_ttl, fields)
+  for k = 1, #KEYS - 1 do
+    if not answers[k] then answers[k] = entry end
+  end
 end
 return answers
