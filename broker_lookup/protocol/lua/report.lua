@@ -67,8 +67,10 @@ local function held()
   return holder and string.sub(holder, 1, #token + 1) == token .. ' '
 end
 
--- The done-entry fields of each lookup this call completed, published by one XADD at the end.
-local completed = {}
+-- The done entry of this call, published by one XADD at the end: 'n' and its count (left
+-- out where it is one), then each completion's pairs, appended as it completes; n counts them.
+local entry = {'n', 0}
+local n = 0
 
 -- Built once per call, not per report: the rank's field and its mark in ',0,1,2,'.
 local own = 'r' .. rank
@@ -157,7 +159,14 @@ local function report(k, gen, sent, lookup_id)
   -- No PEXPIRE of the hash here: submit.lua gave it its TTL (the deadline plus
   -- key_grace_ms), which every command since kept, and nothing that reads it once done
   -- (the client's reconcile, a retried report, deadline.lua) needs it longer or shorter.
-  local parts = {'id', lookup_id, 'gen', gen, 'result', min}
+  -- The first completion's names are bare, a further one's carry its index (header).
+  local sfx = ''
+  if n > 0 then sfx = '.' .. n end
+  n = n + 1
+  local e = #entry
+  entry[e + 1], entry[e + 2] = 'id' .. sfx, lookup_id
+  entry[e + 3], entry[e + 4] = 'gen' .. sfx, gen
+  entry[e + 5], entry[e + 6] = 'result' .. sfx, min
   if stamp then
     local ranks = listed(st[3])
     local names = {}
@@ -172,33 +181,26 @@ local function report(k, gen, sent, lookup_id)
       seen[i] = got[i]
       lat[i] = got[#ranks + i] or ''
     end
-    parts = {'id', lookup_id, 'gen', gen, 'result', min, 'last', rank, 'ranks', st[3],
-             'hits', table.concat(seen, ','), 'lat', table.concat(lat, ',')}
+    entry[e + 7], entry[e + 8] = 'last' .. sfx, rank
+    entry[e + 9], entry[e + 10] = 'ranks' .. sfx, st[3]
+    entry[e + 11], entry[e + 12] = 'hits' .. sfx, table.concat(seen, ',')
+    entry[e + 13], entry[e + 14] = 'lat' .. sfx, table.concat(lat, ',')
   end
-  completed[#completed + 1] = parts
   return 'complete'
 end
 
 -- One done entry for every lookup this call completed (see the header): one XADD, and at
--- most one PEXPIRE, a call.
+-- most one PEXPIRE, a call. A lone completion leaves out the count.
 local function publish()
-  local n = #completed
   if n == 0 then return end
-  local entry = completed[1]
+  local first = 3
   if n > 1 then
-    entry = {'n', n}
-    for j = 1, n do
-      local parts = completed[j]
-      local suffix = j == 1 and '' or '.' .. (j - 1)
-      for i = 1, #parts, 2 do
-        entry[#entry + 1] = parts[i] .. suffix
-        entry[#entry + 1] = parts[i + 1]
-      end
-    end
+    entry[2] = n
+    first = 1
   end
   if not redis.call('XADD', KEYS[done], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*',
-                    unpack(entry)) then
-    redis.call('XADD', KEYS[done], 'MAXLEN', '~', maxlen, '*', unpack(entry))
+                    unpack(entry, first)) then
+    redis.call('XADD', KEYS[done], 'MAXLEN', '~', maxlen, '*', unpack(entry, first))
     redis.call('PEXPIRE', KEYS[done], stream_ttl)  -- the XADD created the stream
   end
 end
