@@ -27,6 +27,7 @@ from broker_lookup.protocol.scripts import (
 )
 from broker_lookup.stub_engine import StubEngine
 from broker_lookup.transport.script_runner import ScriptSet
+from workers.pipeline.reporter import MAX_BATCH
 
 ENGINE_TTL_MS = 600_000
 SUBMIT_TTL_MS = 60_000
@@ -172,7 +173,7 @@ def test_insights_travel_per_lookup_in_a_multi_completion_entry(
     assert (u1.lookup_id, u1.last, u1.ranks) == ("u1", None, ())
     assert (t2.lookup_id, t2.last, t2.ranks, t2.hits) == ("t2", 0, (0,), (16,))
     for ev, lookup_id in ((t0, "t0"), (t2, "t2")):
-        stored = conn.hget(ks.lookup(lookup_id), lookup_hash.latency_field(0))
+        stored: Any = conn.hget(ks.lookup(lookup_id), lookup_hash.latency_field(0))
         assert ev.latency_us == (int(stored),)
 
 
@@ -212,9 +213,9 @@ def test_a_malformed_multi_entry_completes_what_it_can(
     for lookup_id in ("g0", "bad", "g2"):
         assert client.lookup(TOKENS, lookup_id) is None
     wait_until(lambda: {"g0", "bad", "g2"} <= set(engines[0].started_ids()))
-    gen = {i: conn.hget(ks.lookup(i), "gen") for i in ("g0", "bad", "g2")}
+    gen: dict[str, Any] = {i: conn.hget(ks.lookup(i), "gen") for i in ("g0", "bad", "g2")}
     caplog.set_level(logging.ERROR, logger="broker_lookup.client.listener")
-    entry = {
+    entry: dict[Any, Any] = {
         "n": 3,
         "id": "g0",
         "gen": gen["g0"],
@@ -235,3 +236,20 @@ def test_a_malformed_multi_entry_completes_what_it_can(
     # The one that did not decode is answered from its hash, once a rank completes it.
     assert _report_as_rank0(conn, ks, {"bad": 16}) == [b"complete"]
     assert wait_until(lambda: client.lookup_cache("bad") == 16)
+
+
+def test_a_rank_s_largest_batch_of_timed_completions_fits_one_entry(
+    backend: Backend, engine_id: str
+) -> None:
+    """Every completion timed (the longest entry), as many as a rank sends in one call:
+    the entry stays within what the script can pass to XADD."""
+    conn, ks = backend.factory(), KeySpace(engine_id)
+    ids = [f"big{i}" for i in range(MAX_BATCH)]
+    for lookup_id in ids:
+        _submit(conn, ks, lookup_id, insights=True)
+    assert _batch(conn, ks, [BatchItem(i, 7, 4) for i in ids]) == [b"complete"] * MAX_BATCH
+    [entry] = _entries(conn, ks)
+    assert entry[b"n"] == str(MAX_BATCH).encode() and len(entry) == 1 + 7 * MAX_BATCH
+    events = _events(conn, ks)
+    assert [e.lookup_id for e in events] == ids
+    assert all(e.last == 0 and e.hits == (4,) for e in events)
