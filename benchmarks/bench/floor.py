@@ -45,7 +45,7 @@ from broker_lookup.processes import ExitCode
 from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.hashing import ChunkedTokenHasher
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import LookupRequest, decode_done, decode_request
+from broker_lookup.protocol.messages import LookupRequest, decode_completions, decode_request
 from broker_lookup.protocol.scripts import report_call, submit_call
 from broker_lookup.transport.link import stream_entries
 from broker_lookup.transport.script_runner import ScriptSet
@@ -198,8 +198,8 @@ class FloorClient:
             )
             for entry_id, fields in stream_entries(wire.reply()):
                 self._last_id = entry_id
-                event = decode_done(fields or {})
-                results[event.lookup_id] = event.result
+                for event in decode_completions(fields or {}).events:
+                    results[event.lookup_id] = event.result
 
 
 def _join(url: str, keys: KeySpace, rank: int) -> ScriptSet:

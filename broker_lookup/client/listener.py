@@ -34,14 +34,13 @@ from broker_lookup.errors import (
     REDIS_ERRORS,
     AuthFailed,
     BrokerLookupError,
-    MalformedMessage,
     raise_translated,
     translate_redis_errors,
 )
 from broker_lookup.protocol import lookup_hash
 from broker_lookup.protocol.commands import Command
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import decode_done
+from broker_lookup.protocol.messages import decode_completions
 from broker_lookup.ratelimit import RateLimitedLog
 from broker_lookup.threads import LoopThread
 from broker_lookup.transport.link import Link, open_link, stream_entries
@@ -82,6 +81,8 @@ class Listener(LoopThread):
         #: ``dead_rank`` (Redis unreachable or refusing our password says nothing of ranks).
         self.checked = False
         self.errors = 0
+        #: done-stream entries that did not decode whole (what did decode still completed)
+        self.bad_entries = 0
         self._warn = RateLimitedLog(logger)
         self.connected = False
         self._next = {"hb": 0.0, "reconcile": 0.0, "evict": 0.0}
@@ -147,20 +148,29 @@ class Listener(LoopThread):
         except REDIS_ERRORS as exc:  # no context manager entered per read
             raise_translated(exc, "reading completions")
         insights = self.insights
+        table = self._table
         for entry_id, fields in stream_entries(resp):
             self._last_id = entry_id
-            try:
-                ev = decode_done(fields or {})
-            except MalformedMessage as exc:
-                logger.error("ignoring bad completion entry %r: %s", entry_id, exc)
-                continue
-            if ev.last is not None and insights is not None:
-                # Only our own lookups (other clients of the engine share the stream),
-                # read before finish takes the entry out of flight.
-                entry = self._table.inflight.get(ev.lookup_id)
-                if entry is not None and entry.gen == ev.gen:
-                    insights.record(ev, entry.tokens, entry.weight)
-            self._table.finish(ev.lookup_id, ev.gen, ev.result, "hit" if ev.result > 0 else "miss")
+            # One entry completes every lookup a rank's report batch completed.
+            events, problem = decode_completions(fields or {})
+            if problem is not None:
+                self.bad_entries += 1
+                self._warn(
+                    logging.ERROR,
+                    "bad completion entry %r (%d so far): %s; its lookups that did not "
+                    "decode are reconciled from their hashes",
+                    entry_id,
+                    self.bad_entries,
+                    problem,
+                )
+            for ev in events:
+                if ev.last is not None and insights is not None:
+                    # Only our own lookups (other clients of the engine share the stream),
+                    # read before finish takes the entry out of flight.
+                    entry = table.inflight.get(ev.lookup_id)
+                    if entry is not None and entry.gen == ev.gen:
+                        insights.record(ev, entry.tokens, entry.weight)
+                table.finish(ev.lookup_id, ev.gen, ev.result, "hit" if ev.result > 0 else "miss")
 
     def _xread_command(self) -> Command:
         return (

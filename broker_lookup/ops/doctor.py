@@ -29,7 +29,6 @@ from broker_lookup.errors import (
     BrokerLookupError,
     BrokerResponseError,
     ConfigError,
-    MalformedMessage,
     translate_redis_errors,
 )
 from broker_lookup.ops.access import acting_user, denial, denied_line
@@ -45,7 +44,7 @@ from broker_lookup.protocol.keys import (
     selected_patterns,
     validate_engine_id,
 )
-from broker_lookup.protocol.messages import decode_done
+from broker_lookup.protocol.messages import decode_completions
 from broker_lookup.transport.connection import make_factory
 from broker_lookup.transport.fingerprint import live_members
 
@@ -233,10 +232,8 @@ def _hit_rate(client: redis.Redis, keys: KeySpace) -> Finding:
         entries: Any = client.xrevrange(keys.done, count=RECENT)
     results = []
     for _entry_id, fields in entries or []:
-        try:
-            results.append(decode_done(fields or {}).result)
-        except MalformedMessage:
-            continue
+        # An entry may carry several completions (a rank's report batch): each counts.
+        results += [ev.result for ev in decode_completions(fields or {}).events]
     if not results:
         return Finding("ok", "hit rate", f"{keys.engine_id}: no completed lookup recorded")
     hits = sum(1 for r in results if r > 0)

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker_lookup.errors import BrokerLookupError
-from broker_lookup.protocol.messages import DoneEvent, decode_done
+from broker_lookup.protocol.messages import DoneEvent, decode_completions
 
 __all__ = ["rank_latency", "render_rank_latency"]
 
@@ -33,21 +32,22 @@ def _percentile(ordered: list[int], q: float) -> int:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _timed(entries: list[tuple[Any, Any]]) -> tuple[list[DoneEvent], list[int]]:
-    """The entries' events that carry insights, and every entry's stamp (server ms)."""
+def _timed(entries: list[tuple[Any, Any]]) -> tuple[list[DoneEvent], list[int], int]:
+    """The entries' events that carry insights, every entry's stamp (server ms), and how
+    many completions the entries hold."""
     events: list[DoneEvent] = []
     stamps: list[int] = []
+    completions = 0
     for entry_id, fields in entries:
         stamp = _stamp_ms(entry_id)
         if stamp is not None:
             stamps.append(stamp)
-        try:
-            ev = decode_done({_bytes(k): _bytes(v) for k, v in fields.items()})
-        except BrokerLookupError:
-            continue  # not a completion entry we wrote: nothing to time
-        if ev.last is not None:
-            events.append(ev)
-    return events, stamps
+        # Every completion of the entry (a batch's are several); one that does not decode,
+        # or an entry we did not write, has nothing to time.
+        got = decode_completions({_bytes(k): _bytes(v) for k, v in fields.items()})
+        completions += len(got.events)
+        events += [ev for ev in got.events if ev.last is not None]
+    return events, stamps, completions
 
 
 def rank_latency(entries: list[tuple[Any, Any]], read: int | None = None) -> Snapshot:
@@ -57,7 +57,7 @@ def rank_latency(entries: list[tuple[Any, Any]], read: int | None = None) -> Sna
     Entries without insights (``rank_insights`` off, older scripts) are skipped; the
     window is the span of the entries' stream ids (the server's clock).
     """
-    events, stamps = _timed(entries)
+    events, stamps, completions = _timed(entries)
     samples: dict[int, list[int]] = {}
     last: dict[int, int] = {}
     for ev in events:
@@ -77,7 +77,7 @@ def rank_latency(entries: list[tuple[Any, Any]], read: int | None = None) -> Sna
             "last_share": last.get(rank, 0) / len(events) if events else None,
         }
     return {
-        "read": len(entries) if read is None else read,
+        "read": completions if read is None else read,
         "timed": len(events),
         "window_s": (max(stamps) - min(stamps)) / 1000 if stamps else None,
         "newest_ms": max(stamps) if stamps else None,

@@ -34,6 +34,17 @@ with ``rank_insights`` (the lookup hash holds a ``submitted_us`` stamp) also::
 
 An entry without them (insights off, or an older ``report.lua``) still completes its
 lookup; one whose extra fields do not parse completes it too, without the insights.
+
+A ``report.lua`` batch that completes several lookups writes them all in one entry, so
+the server pays one XADD a batch, not one a lookup::
+
+    n      how many completions the entry carries (only where more than one)
+    id gen result [last ranks hits lat]                 the first, as above
+    id.1 gen.1 result.1 [last.1 ranks.1 hits.1 lat.1]   the second, and so on to n-1
+
+:func:`decode_completions` reads either kind: a completion whose fields do not parse is
+left out (and said), the others still complete. An older reader of a multi entry
+completes its first lookup; its client reconciles the others from their hashes.
 Dead letter (``bl:{E}:dead``): ``rank``, ``entry`` (stream id), ``reason``, ``raw``.
 
 Schema evolution: new fields get defaults, nothing is reordered, unknown fields
@@ -51,6 +62,7 @@ from broker_lookup.errors import MalformedMessage
 __all__ = [
     "BATCH_TYPE",
     "Abort",
+    "Completions",
     "ConfigsProblem",
     "DoneEvent",
     "Keep",
@@ -58,6 +70,7 @@ __all__ = [
     "Request",
     "batch_field",
     "check_lookup_id",
+    "decode_completions",
     "decode_done",
     "decode_entry",
     "decode_request",
@@ -218,25 +231,27 @@ def decode_entry(fields: dict[bytes, bytes] | None) -> list[Request | MalformedM
     return out
 
 
-def decode_done(fields: dict[bytes, bytes]) -> DoneEvent:
-    """Decode a completion entry written by ``report.lua``.
+def decode_done(fields: dict[bytes, bytes], index: int = 0) -> DoneEvent:
+    """Decode one completion of a done entry written by ``report.lua``: the first (``id``,
+    ``gen``, ``result``), or with ``index`` > 0 the one under ``id.<index>`` and so on.
 
-    Raises MalformedMessage if ``id``, ``gen`` or ``result`` is missing or bad; the
+    Raises MalformedMessage if its ``id``, ``gen`` or ``result`` is missing or bad; the
     insight fields are optional, and dropped (the completion kept) if they do not parse.
     """
+    suffix = b"" if not index else b".%d" % index
     try:
-        lookup_id = fields[b"id"].decode()
-        gen = int(fields[b"gen"])
-        result = int(fields[b"result"])
+        lookup_id = fields[b"id" + suffix].decode()
+        gen = int(fields[b"gen" + suffix])
+        result = int(fields[b"result" + suffix])
     except (KeyError, ValueError, UnicodeDecodeError) as exc:
         raise MalformedMessage(f"bad completion entry: {exc!r}", fields) from None
-    last = fields.get(b"last")
+    last = fields.get(b"last" + suffix)
     if last is None:
         return DoneEvent(lookup_id=lookup_id, gen=gen, result=result)
     try:
-        ranks = tuple(int(r) for r in fields[b"ranks"].split(b","))
-        hits = tuple(int(h) for h in fields[b"hits"].split(b","))
-        lat = tuple(int(v) if v else None for v in fields[b"lat"].split(b","))
+        ranks = tuple(int(r) for r in fields[b"ranks" + suffix].split(b","))
+        hits = tuple(int(h) for h in fields[b"hits" + suffix].split(b","))
+        lat = tuple(int(v) if v else None for v in fields[b"lat" + suffix].split(b","))
         if not len(ranks) == len(hits) == len(lat):
             raise ValueError("ranks, hits and lat differ in length")
         return DoneEvent(
@@ -250,6 +265,48 @@ def decode_done(fields: dict[bytes, bytes]) -> DoneEvent:
         )
     except (KeyError, ValueError):
         return DoneEvent(lookup_id=lookup_id, gen=gen, result=result)
+
+
+class Completions(NamedTuple):
+    """What one done entry completes: every completion that decoded, in order, and why
+    any did not (None when all did)."""
+
+    events: list[DoneEvent]
+    problem: str | None
+
+
+def decode_completions(fields: dict[bytes, bytes]) -> Completions:
+    """Every completion of a done entry (the module docstring's format); never raises.
+
+    A completion that does not decode is left out and named in ``problem``; the rest
+    still complete. A bad ``n`` reads as many completions as the entry holds.
+    """
+    count = fields.get(b"n")
+    if count is None:  # one completion: the common entry
+        try:
+            return Completions([decode_done(fields)], None)
+        except MalformedMessage as exc:
+            return Completions([], str(exc))
+    problems: list[str] = []
+    # Each completion takes at least three fields (id, gen, result): a bigger count is a lie.
+    most = len(fields) // 3
+    try:
+        n = int(count)
+    except ValueError:
+        n = -1
+    guessed = not 0 < n <= most
+    if guessed:
+        problems.append(f"bad count n={count[:20]!r}")
+        n = most
+    events: list[DoneEvent] = []
+    for index in range(n):
+        if guessed and index and b"id.%d" % index not in fields:
+            break  # no count to trust: the entry ends where its ids do
+        try:
+            events.append(decode_done(fields, index))
+        except MalformedMessage as exc:
+            problems.append(f"completion {index} of {n}: {exc.reason}")
+    return Completions(events, "; ".join(problems) or None)
 
 
 def wire_id_problem(lookup_id: object, max_length: int) -> str | None:

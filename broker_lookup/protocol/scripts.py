@@ -338,10 +338,11 @@ def report_call(
 ) -> Call:
     """The ``report.lua`` call recording ``rank``'s ``hits`` for (``lookup_id``, ``gen``).
 
-    ``done_maxlen`` is the done stream's approximate cap and ``engine_ttl_ms`` its TTL,
-    ``done_ttl_ms`` the hash's PEXPIRE once the last expected rank completed it. With
-    ``fence`` (the rank's lease key and token) nothing is recorded unless the lease holds
-    that token (``fenced``).
+    ``done_maxlen`` is the done stream's approximate cap and ``engine_ttl_ms`` its TTL.
+    ``done_ttl_ms`` is sent but no longer used: the completed hash keeps the TTL its submit
+    gave it (its deadline plus ``key_grace_ms``), which costs no command. With ``fence``
+    (the rank's lease key and token) nothing is recorded unless the lease holds that
+    token (``fenced``).
     """
     args = report_args(
         rank=rank,
@@ -378,8 +379,10 @@ def report_batch_call(
 ) -> Call:
     """One ``report.lua`` call recording every report of ``items`` for ``rank``, in order:
     the rank's lease is read once for them all (with ``fence``), the server pays one
-    script call, and the answer is a list, one per item (:func:`report_answers`). The
-    other arguments are :func:`report_call`'s."""
+    script call, and the answer is a list, one per item (:func:`report_answers`). Every
+    lookup the batch completes goes in one done-stream entry (one XADD a batch; its format
+    is :mod:`~broker_lookup.protocol.messages`'). The other arguments are
+    :func:`report_call`'s."""
     token = "" if fence is None else fence[1]
     args: list[Arg] = ["batch", rank, done_maxlen, done_ttl_ms, engine_ttl_ms, token]
     for item in items:

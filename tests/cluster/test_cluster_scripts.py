@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -17,7 +18,7 @@ from redis.crc import key_slot
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.protocol.keys import KeySpace
-from broker_lookup.protocol.messages import Abort, Keep
+from broker_lookup.protocol.messages import Abort, Keep, decode_completions
 from broker_lookup.protocol.scripts import (
     CANCEL,
     REPORT,
@@ -165,8 +166,13 @@ def test_the_batched_scripts_run_on_every_master_in_their_engines_slot(
         results = scripts.run(link, cluster_client, reports)
         assert results == [[b"recorded"] * 2, [b"complete"] * 2]
         node = local_cluster.admin(local_cluster.owner(slot_of(engine_id)))
-        # One batch entry carries both lookups; each completed on its own.
-        assert node.xlen(ks.requests) == 1 and node.xlen(ks.done) == 2
+        # One batch entry carries both lookups; rank 1's batch completed both: one done
+        # entry carries them.
+        assert node.xlen(ks.requests) == 1 and node.xlen(ks.done) == 1
+        done: Any = node.xrange(ks.done)
+        [(_, entry)] = done
+        events = decode_completions(entry).events
+        assert [(e.lookup_id, e.result) for e in events] == [("b1", 16), ("b2", 8)]
         cluster_client.delete(ks.requests, ks.done, ks.lookup("b1"), ks.lookup("b2"))
 
 

@@ -1,6 +1,7 @@
 """A rank's reports go to Redis as one ``report.lua`` batch; a batch whose reply was lost
 (the fault proxy runs it on the server, then resets the connection) is sent again and
-changes nothing: each report answers ``duplicate`` and each lookup completes once."""
+changes nothing: each report answers ``duplicate`` and each lookup completes once, in the
+one done entry of the batch that completed it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from helpers import RealServer, lookup_request, wait_until
 
 from broker_lookup.config import LookupConfig
 from broker_lookup.protocol.keys import KeySpace
+from broker_lookup.protocol.messages import decode_completions
 from broker_lookup.protocol.scripts import submit_call
 from broker_lookup.transport.script_runner import ScriptSet
 from faultproxy.proxy import FaultProxy
@@ -59,6 +61,8 @@ def test_a_batch_whose_reply_was_lost_is_sent_again_and_changes_nothing(
     assert conn.hmget(ks.lookup("b"), "state", "result") == [b"done", b"12"]
     assert conn.hmget(ks.lookup("c"), "state", "result") == [b"done", b"4"]
     done: Any = conn.xrange(ks.done)
-    assert sorted(fields[b"id"] for _, fields in done) == [b"b", b"c"]
+    [(_, entry)] = done  # one entry for the batch's two completions, and none again
+    events, problem = decode_completions(entry)
+    assert problem is None and [(e.lookup_id, e.result) for e in events] == [("b", 12), ("c", 4)]
     conn.delete(*(ks.lookup(i) for i in "abc"), ks.done, ks.requests)
     conn.close()

@@ -13,6 +13,7 @@ from broker_lookup.protocol.messages import (
     DoneEvent,
     LookupRequest,
     check_lookup_id,
+    decode_completions,
     decode_done,
     decode_entry,
     decode_request,
@@ -132,6 +133,59 @@ def test_uint64_and_negative_int64_hashes_round_trip(hashes: list[int]) -> None:
 def test_done_event_decodes_the_report_script_fields() -> None:
     fields = {b"id": b"req-1", b"gen": b"7", b"result": b"512"}
     assert decode_done(fields) == DoneEvent(lookup_id="req-1", gen=7, result=512)
+
+
+def _multi(*completions: dict[bytes, bytes], n: bytes | None = None) -> dict[bytes, bytes]:
+    """A multi-completion done entry: ``n``, the first's fields, then the others' by index."""
+    fields = {b"n": n if n is not None else str(len(completions)).encode()}
+    for index, parts in enumerate(completions):
+        suffix = b"" if not index else b".%d" % index
+        fields |= {name + suffix: value for name, value in parts.items()}
+    return fields
+
+
+def _done(lookup_id: str, result: int) -> dict[bytes, bytes]:
+    return {b"id": lookup_id.encode(), b"gen": b"7", b"result": str(result).encode()}
+
+
+def test_a_multi_completion_entry_decodes_every_completion_in_order() -> None:
+    timed = _done("b", 4) | {b"last": b"1", b"ranks": b"0,1", b"hits": b"8,4", b"lat": b",90"}
+    events, problem = decode_completions(_multi(_done("a", 8), timed, _done("c", 0)))
+    assert problem is None
+    assert events == [
+        DoneEvent(lookup_id="a", gen=7, result=8),
+        DoneEvent(
+            lookup_id="b", gen=7, result=4, last=1, ranks=(0, 1), hits=(8, 4), latency_us=(None, 90)
+        ),
+        DoneEvent(lookup_id="c", gen=7, result=0),
+    ]
+    # A lone completion (no n) is the entry of old.
+    assert decode_completions(_done("s", 3)) == ([DoneEvent(lookup_id="s", gen=7, result=3)], None)
+
+
+def test_a_malformed_multi_entry_completes_what_it_can_and_says_why() -> None:
+    broken = {b"id": b"b", b"gen": b"7", b"result": b"many"}
+    events, problem = decode_completions(_multi(_done("a", 8), broken, _done("c", 1)))
+    assert [e.lookup_id for e in events] == ["a", "c"]
+    assert problem is not None and "completion 1 of 3" in problem
+    # Insight fields that do not parse drop the insights, not the completion.
+    garbled = _done("b", 4) | {b"last": b"1", b"ranks": b"0", b"hits": b"x,y", b"lat": b""}
+    events, problem = decode_completions(_multi(_done("a", 8), garbled))
+    assert problem is None and events[1] == DoneEvent(lookup_id="b", gen=7, result=4)
+    # A missing completion is named; the ones there still complete.
+    fields = _multi(_done("a", 8), _done("b", 4), _done("c", 1))
+    del fields[b"id.1"]
+    events, problem = decode_completions(fields)
+    assert [e.lookup_id for e in events] == ["a", "c"] and "completion 1 of 3" in str(problem)
+    # A count that is not a number, or more than the entry can hold, reads what is there.
+    for n in (b"x", b"-1", b"0", b"999999999"):
+        events, problem = decode_completions(_multi(_done("a", 8), _done("b", 4), n=n))
+        assert [e.lookup_id for e in events] == ["a", "b"], n
+        assert problem is not None and "bad count" in problem, n
+    # Nothing that decodes at all: no events, and why, never an exception.
+    assert decode_completions({b"n": b"2", b"junk": b"1"}).events == []
+    events, problem = decode_completions({b"id": b"x"})
+    assert events == [] and problem is not None and "bad completion entry" in problem
 
 
 # -- malformed payloads ----------------------------------------------------------------------

@@ -225,6 +225,23 @@ def _entry(ms: int, last: int | None, lat: str = "", hits: str = "4,4") -> tuple
     return f"{ms}-0".encode(), fields
 
 
+def test_inspect_rank_latency_reads_every_completion_of_a_multi_entry() -> None:
+    """A rank's report batch writes its completions in one entry: each one is timed."""
+    fields: dict[bytes, bytes] = {b"n": b"3"}
+    for index, last in enumerate((1, None, 0)):
+        suffix = b"" if not index else b".%d" % index
+        fields |= {b"id" + suffix: b"x%d" % index, b"gen" + suffix: b"1"}
+        fields[b"result" + suffix] = b"4"
+        if last is not None:
+            fields[b"last" + suffix] = str(last).encode()
+            fields |= {b"ranks" + suffix: b"0,1", b"hits" + suffix: b"4,4"}
+            fields[b"lat" + suffix] = b"100,2000"
+    rl = rank_latency([(b"5000-0", fields)])
+    assert rl["read"] == 3 and rl["timed"] == 2
+    assert rl["ranks"][0]["samples"] == rl["ranks"][1]["samples"] == 2
+    assert rl["ranks"][0]["last"] == rl["ranks"][1]["last"] == 1
+
+
 def test_inspect_rank_latency_percentiles_and_last_share() -> None:
     entries = [
         _entry(10_000 + i, 1 if i % 4 else 0, f"{100 + i},{1000 + 10 * i}") for i in range(100)

@@ -1,13 +1,20 @@
 -- report.lua: record one rank's hit count; the last expected rank completes the lookup.
 -- KEYS[1] lookup hash   KEYS[2] done stream
 -- The hash's fields are named in protocol/lookup_hash.py.
--- ARGV: rank, gen, hits, done maxlen, lookup id, ttl ms once done, done stream ttl ms,
---       and the rank's lease token when fenced (below)
+-- ARGV: rank, gen, hits, done maxlen, lookup id, (unused: was the hash's TTL once done),
+--       done stream ttl ms, and the rank's lease token when fenced (below)
 -- With a submitted_us stamp (submit.lua, rank_insights on) it also records l<rank>, the
 -- µs from the submit to this report on the server's clock, and the done entry carries
 -- ranks (the expected list), hits and lat (per rank in that order; lat empty where a
 -- rank has no stamp) and last (the rank that completed it). Without a stamp the entry
 -- is id, gen, result only.
+-- The done entry (protocol/messages.py reads it): one per call that completed anything.
+-- One completion is id, gen, result (and the insight fields), as above. A call that
+-- completed n > 1 (a batch) writes n first, then the first completion's fields as they
+-- are and each further one's with its index: id.1 gen.1 result.1 (last.1 ranks.1 hits.1
+-- lat.1), id.2 ..., up to n-1. Per completion at most 7 pairs, and a rank's batch is at
+-- most 256 reports (workers/pipeline/reporter.py), so the entry stays far under unpack's
+-- limit of about 8,000 values.
 -- Returns: complete | recorded | dropped (no key: cancelled, timed out, expired)
 --          | stale (another generation) | duplicate (rank already reported)
 --          | settled:<n> (deadline.lua answered it <n> tokens at its deadline: nothing
@@ -18,10 +25,11 @@
 -- batch, about 7 µs of server CPU a report that does not complete: the HMGET 3, the HSET
 -- 2, the Lua between them 1-2, the batch's own 1): one HMGET reads everything it decides
 -- on, owed (reports still owed) and lowest (the fewest hits so far) among them (result
--- only on the rare settled path), so a report that does not complete the lookup makes two commands
--- (HMGET, HSET) and the completing one four (HMGET, one HSET for its hits and the answer,
--- PEXPIRE, XADD). TIME, and a second read of the ranks' fields for the done entry, only
--- with a submitted_us stamp (rank_insights). A hash without owed (written by an older
+-- only on the rare settled path), so a report that does not complete the lookup makes two
+-- commands (HMGET, HSET) and the completing one two as well (HMGET, one HSET for its hits
+-- and the answer), plus the call's one XADD for everything it completed. TIME, and a
+-- second read of the ranks' fields for the done entry, only with a submitted_us stamp
+-- (rank_insights). A hash without owed (written by an older
 -- submit.lua) is completed by reading the ranks' fields again after the HSET.
 -- The script runs atomically, so reading this rank's field first is as good as an HSETNX.
 -- The done stream's TTL is refreshed by every live process's beat (lifetime.py): only an
@@ -35,18 +43,20 @@
 -- A batch (ARGV[1] 'batch'): one call for every report a rank sends in one round trip,
 -- so the fence is read once, not once per report.
 --   KEYS: done stream, the lease key when fenced, then one lookup hash per report
---   ARGV: 'batch', rank, done maxlen, ttl ms once done, done stream ttl ms, the token
---         (ignored unfenced), then per report: gen, hits, lookup id
+--   ARGV: 'batch', rank, done maxlen, (unused), done stream ttl ms, the token (ignored
+--         unfenced), then per report: gen, hits, lookup id
 --   Returns one answer per report, in order (all 'fenced' when the lease is not held).
+--   Every lookup the batch completes goes in one done entry (above): one XADD a batch,
+--   none when it completed nothing (a retry after a lost reply, a fenced batch).
 local batch = ARGV[1] == 'batch'
-local rank, maxlen, done_ttl, stream_ttl, token, done, lease
+local rank, maxlen, stream_ttl, token, done, lease
 if batch then
-  rank, maxlen, done_ttl, stream_ttl, token = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+  rank, maxlen, stream_ttl, token = ARGV[2], ARGV[3], ARGV[5], ARGV[6]
   done = 1
   -- One key more than done + a hash per report is the lease (a token may be empty).
   if #KEYS == (#ARGV - 6) / 3 + 2 then lease = 2 end
 else
-  rank, maxlen, done_ttl, stream_ttl, token = ARGV[1], ARGV[4], ARGV[6], ARGV[7], ARGV[8]
+  rank, maxlen, stream_ttl, token = ARGV[1], ARGV[4], ARGV[7], ARGV[8]
   done = 2
   if KEYS[3] then lease = 3 end
 end
@@ -56,6 +66,11 @@ local function held()
   local holder = redis.call('GET', KEYS[lease])
   return holder and string.sub(holder, 1, #token + 1) == token .. ' '
 end
+
+-- The done entry of this call, published by one XADD at the end: 'n' and its count (left
+-- out where it is one), then each completion's pairs, appended as it completes; n counts them.
+local entry = {'n', 0}
+local n = 0
 
 -- Built once per call, not per report: the rank's field and its mark in ',0,1,2,'.
 local own = 'r' .. rank
@@ -141,8 +156,17 @@ local function report(k, gen, sent, lookup_id)
     end
     redis.call('HSET', KEYS[k], 'state', 'done', 'result', min)
   end
-  redis.call('PEXPIRE', KEYS[k], done_ttl)
-  local entry = {'id', lookup_id, 'gen', gen, 'result', min}
+  -- No PEXPIRE of the hash here: submit.lua gave it its TTL (the deadline plus
+  -- key_grace_ms), which every command since kept, and nothing that reads it once done
+  -- (the client's reconcile, a retried report, deadline.lua) needs it longer or shorter.
+  -- The first completion's names are bare, a further one's carry its index (header).
+  local sfx = ''
+  if n > 0 then sfx = '.' .. n end
+  n = n + 1
+  local e = #entry
+  entry[e + 1], entry[e + 2] = 'id' .. sfx, lookup_id
+  entry[e + 3], entry[e + 4] = 'gen' .. sfx, gen
+  entry[e + 5], entry[e + 6] = 'result' .. sfx, min
   if stamp then
     local ranks = listed(st[3])
     local names = {}
@@ -157,20 +181,35 @@ local function report(k, gen, sent, lookup_id)
       seen[i] = got[i]
       lat[i] = got[#ranks + i] or ''
     end
-    entry = {'id', lookup_id, 'gen', gen, 'result', min, 'last', rank, 'ranks', st[3],
-             'hits', table.concat(seen, ','), 'lat', table.concat(lat, ',')}
-  end
-  if not redis.call('XADD', KEYS[done], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*',
-                    unpack(entry)) then
-    redis.call('XADD', KEYS[done], 'MAXLEN', '~', maxlen, '*', unpack(entry))
-    redis.call('PEXPIRE', KEYS[done], stream_ttl)  -- the XADD created the stream
+    entry[e + 7], entry[e + 8] = 'last' .. sfx, rank
+    entry[e + 9], entry[e + 10] = 'ranks' .. sfx, st[3]
+    entry[e + 11], entry[e + 12] = 'hits' .. sfx, table.concat(seen, ',')
+    entry[e + 13], entry[e + 14] = 'lat' .. sfx, table.concat(lat, ',')
   end
   return 'complete'
 end
 
+-- One done entry for every lookup this call completed (see the header): one XADD, and at
+-- most one PEXPIRE, a call. A lone completion leaves out the count.
+local function publish()
+  if n == 0 then return end
+  local first = 3
+  if n > 1 then
+    entry[2] = n
+    first = 1
+  end
+  if not redis.call('XADD', KEYS[done], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*',
+                    unpack(entry, first)) then
+    redis.call('XADD', KEYS[done], 'MAXLEN', '~', maxlen, '*', unpack(entry, first))
+    redis.call('PEXPIRE', KEYS[done], stream_ttl)  -- the XADD created the stream
+  end
+end
+
 if not batch then
   if not held() then return 'fenced' end
-  return report(1, ARGV[2], ARGV[3], ARGV[5])
+  local answer = report(1, ARGV[2], ARGV[3], ARGV[5])
+  publish()
+  return answer
 end
 local first = lease and 3 or 2
 local answers = {}
@@ -182,4 +221,5 @@ for i = 0, #KEYS - first do
     answers[i + 1] = 'fenced'
   end
 end
+publish()
 return answers
