@@ -184,8 +184,10 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     #: every heartbeat_interval_ms; a second process takes over once it is this long
     #: unrenewed. None: heartbeat_ttl_ms
     owner_lease_ms: int | None = None
-    stream_maxlen: int = 20000  #: approximate cap of the request stream
-    done_maxlen: int = 20000  #: approximate cap of the completion stream
+    #: approximate cap of the request stream, in lookups (a batch entry counts its lookups)
+    stream_maxlen: int = 20000
+    #: approximate cap of the completion stream, in completions (an entry counts its own)
+    done_maxlen: int = 20000
     dead_maxlen: int = 1000  #: approximate cap of the dead-letter stream
     key_grace_ms: int = 10000  #: a lookup hash lives lookup_timeout_ms + this
     #: every key of an engine expires at most this long after its last process stopped

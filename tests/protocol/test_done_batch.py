@@ -253,3 +253,29 @@ def test_a_rank_s_largest_batch_of_timed_completions_fits_one_entry(
     events = _events(conn, ks)
     assert [e.lookup_id for e in events] == ids
     assert all(e.last == 0 and e.hits == (4,) for e in events)
+
+
+def test_the_done_streams_cap_counts_completions_not_entries(
+    backend: Backend, engine_id: str
+) -> None:
+    """``done_maxlen`` bounds the completions the done stream holds: an entry of n trims it
+    to about done_maxlen / n entries."""
+    conn, ks = backend.factory(), KeySpace(engine_id)
+    cap, size = 128, 64
+    for b in range(10):
+        ids = [f"cap-{b}-{i}" for i in range(size)]
+        for lookup_id in ids:
+            _submit(conn, ks, lookup_id)
+        call = report_batch_call(
+            ks,
+            [BatchItem(lookup_id, 7, 4) for lookup_id in ids],
+            rank=0,
+            done_maxlen=cap,
+            done_ttl_ms=5000,
+            engine_ttl_ms=ENGINE_TTL_MS,
+        )
+        assert report_answers(ScriptSet().call(conn, call), size) == [b"complete"] * size
+    events = _events(conn, ks)
+    assert [e.lookup_id for e in events[-size:]] == [f"cap-9-{i}" for i in range(size)]
+    # Trimming is approximate (whole nodes): at most about twice the cap, not 640.
+    assert len(events) <= 2 * cap

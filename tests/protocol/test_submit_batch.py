@@ -241,3 +241,30 @@ def test_a_batch_entry_read_before_a_crash_is_served_whole_after_the_restart(
     wait_until(lambda: sorted(engine.started_ids()) == [r.lookup_id for r in requests])
     wait_until(lambda: conn.xpending(ks.requests, ks.group(0))["pending"] == 0)
     assert sorted(engine.started_ids()) == [r.lookup_id for r in requests]  # each once
+
+
+def test_the_request_streams_cap_counts_lookups_not_entries(
+    backend: Backend, engine_id: str
+) -> None:
+    """``stream_maxlen`` bounds the lookups the stream holds: a batch entry of n trims the
+    stream to about maxlen / n entries, so fat entries don't multiply its memory."""
+    conn, ks = backend.factory(), KeySpace(engine_id)
+    cap, size = 128, 64
+    for b in range(10):
+        calls = [
+            submit_call(
+                ks,
+                lookup_request(f"cap-{b}-{i}", 1, chunks=30, expected=[0, 1]),
+                expected="0,1",
+                created_ms=1,
+                ttl_ms=60_000,
+                maxlen=cap,
+                engine_ttl_ms=ENGINE_TTL_MS,
+            )
+            for i in range(size)
+        ]
+        _send(conn, calls)
+    held = _parts(conn, ks)
+    assert held[-1] == [(f"cap-9-{i}", 1) for i in range(size)]  # the newest is whole
+    # Trimming is approximate (whole nodes): at most about twice the cap, not 640.
+    assert sum(len(parts) for parts in held) <= 2 * cap

@@ -194,13 +194,17 @@ end
 local function publish()
   if n == 0 then return end
   local first = 3
+  local cap = maxlen
   if n > 1 then
     entry[2] = n
     first = 1
+    -- The cap counts completions, not entries: an entry of n keeps about cap / n entries,
+    -- so a stream of fat entries holds about as many completions as one of lone ones.
+    cap = math.ceil(tonumber(maxlen) / n)
   end
-  if not redis.call('XADD', KEYS[done], 'NOMKSTREAM', 'MAXLEN', '~', maxlen, '*',
+  if not redis.call('XADD', KEYS[done], 'NOMKSTREAM', 'MAXLEN', '~', cap, '*',
                     unpack(entry, first)) then
-    redis.call('XADD', KEYS[done], 'MAXLEN', '~', maxlen, '*', unpack(entry, first))
+    redis.call('XADD', KEYS[done], 'MAXLEN', '~', cap, '*', unpack(entry, first))
     redis.call('PEXPIRE', KEYS[done], stream_ttl)  -- the XADD created the stream
   end
 end

@@ -108,7 +108,9 @@ for k = 2, #KEYS do
 end
 if n > 0 then
   fields[4] = n
-  local entry = append(1, maxlen, stream_ttl, fields)
+  -- The cap counts lookups, not entries: an entry of n keeps about maxlen / n entries, so
+  -- a stream of batch entries holds about as many lookups as one of lone ones.
+  local entry = append(1, math.ceil(tonumber(maxlen) / n), stream_ttl, fields)
   for k = 1, #KEYS - 1 do
     if not answers[k] then answers[k] = entry end
   end
