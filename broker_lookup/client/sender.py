@@ -219,7 +219,7 @@ class Sender(Batcher[Item]):
             return
         # Consecutive submits ride one submit.lua batch: the server pays one script call
         # for them, not one each.
-        packed = submit_batches([call for _, call in pairs])
+        packed = submit_batches([call for _, call in pairs], horizon_ms=self._config.key_ttl_ms)
         calls = [call for call, _ in packed]
         results: list[Any] | None = None
         try:

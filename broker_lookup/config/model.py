@@ -184,7 +184,8 @@ class LookupConfig(_Validated, frozen=True, kw_only=True):
     #: every heartbeat_interval_ms; a second process takes over once it is this long
     #: unrenewed. None: heartbeat_ttl_ms
     owner_lease_ms: int | None = None
-    #: approximate cap of the request stream, in lookups (a batch entry counts its lookups)
+    #: approximate cap of the request stream, in entries (a batch entry counts one; a
+    #: batch also trims the entries older than the longest lookup hash's TTL)
     stream_maxlen: int = 20000
     #: approximate cap of the completion stream, in completions (an entry counts its own)
     done_maxlen: int = 20000

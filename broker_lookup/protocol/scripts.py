@@ -139,14 +139,15 @@ def submit_call(
     return Call(SUBMIT, (keys.lookup(request.lookup_id), keys.requests), tuple(args))
 
 
-def _submit_batch(calls: Sequence[Call]) -> Call:
+def _submit_batch(calls: Sequence[Call], horizon_ms: int) -> Call:
     """One ``submit.lua`` batch call doing what ``calls`` (single submits to one stream,
-    with one expected list, stream cap and stream TTL) do, in their order."""
+    with one expected list, stream cap and stream TTL) do, in their order, trimming the
+    entries older than ``horizon_ms`` (0: none)."""
     head = calls[0].args
     # The single ARGV's order (submit_args): gen, expected, created_ms, deadline_ms,
     # tokens, ttl ms, maxlen, lookup id, insights, stream ttl ms, then the entry's pairs,
     # whose last is the msgpack ``m`` (request_fields): a batch entry carries it alone.
-    args: list[Arg] = ["batch", head[1], head[6], head[9]]
+    args: list[Arg] = ["batch", head[1], head[6], head[9], horizon_ms]
     for call in calls:
         a = call.args
         args += [a[0], a[2], a[3], a[4], a[5], a[7], a[8], a[-1]]
@@ -164,10 +165,14 @@ def _same_batch(a: Call, b: Call) -> bool:
     )
 
 
-def submit_batches(calls: Sequence[Call], most: int = SUBMIT_BATCH_MAX) -> list[tuple[Call, int]]:
+def submit_batches(
+    calls: Sequence[Call], most: int = SUBMIT_BATCH_MAX, horizon_ms: int = 0
+) -> list[tuple[Call, int]]:
     """``calls`` as sent: each run of consecutive :func:`submit_call` calls (at most
     ``most``) as one ``submit.lua`` batch, every other call as it is, in order; each with
     the count of ``calls`` it stands for (:func:`submit_answers` gives theirs back).
+    ``horizon_ms``: a batch trims the request entries older than this (the longest a
+    lookup hash lives, ``key_ttl_ms``: no rank can serve them); 0 trims none.
 
     The order on the wire is kept, so a cancel queued between two submits still runs
     between them. A run of one is sent as the single call it is.
@@ -179,7 +184,7 @@ def submit_batches(calls: Sequence[Call], most: int = SUBMIT_BATCH_MAX) -> list[
         if len(run) == 1:
             out.append((run[0], 1))
         elif run:
-            out.append((_submit_batch(run), len(run)))
+            out.append((_submit_batch(run, horizon_ms), len(run)))
         run.clear()
 
     for call in calls:

@@ -243,28 +243,41 @@ def test_a_batch_entry_read_before_a_crash_is_served_whole_after_the_restart(
     assert sorted(engine.started_ids()) == [r.lookup_id for r in requests]  # each once
 
 
-def test_the_request_streams_cap_counts_lookups_not_entries(
+def test_a_batch_trims_the_entries_no_rank_can_serve_any_more(
     backend: Backend, engine_id: str
 ) -> None:
-    """``stream_maxlen`` bounds the lookups the stream holds: a batch entry of n trims the
-    stream to about maxlen / n entries, so fat entries don't multiply its memory."""
+    """A batch entry counts as one against the stream's cap, and the batch trims the
+    entries older than the horizon (the longest a lookup hash lives) by the server's
+    clock, so a stream of batch entries holds what can still be served, not 64 times a
+    lone submit's stream. Entries within the horizon, and the batch's own, stay."""
     conn, ks = backend.factory(), KeySpace(engine_id)
-    cap, size = 128, 64
-    for b in range(10):
-        calls = [
+    now_ms = int(conn.time()[0]) * 1000
+    # Two full macro nodes (100 entries each) of old entries, then some within the horizon.
+    for i in range(200):
+        conn.xadd(ks.requests, {"type": "old"}, id=f"{now_ms - 600_000}-{i}")
+    for i in range(5):
+        conn.xadd(ks.requests, {"type": "young"}, id=f"{now_ms - 1_000}-{i}")
+
+    def calls(prefix: str) -> list[Call]:
+        return [
             submit_call(
                 ks,
-                lookup_request(f"cap-{b}-{i}", 1, chunks=30, expected=[0, 1]),
+                lookup_request(f"{prefix}-{i}", 1, chunks=10, expected=[0, 1]),
                 expected="0,1",
                 created_ms=1,
                 ttl_ms=60_000,
-                maxlen=cap,
+                maxlen=10_000,
                 engine_ttl_ms=ENGINE_TTL_MS,
             )
-            for i in range(size)
+            for i in range(3)
         ]
-        _send(conn, calls)
-    held = _parts(conn, ks)
-    assert held[-1] == [(f"cap-9-{i}", 1) for i in range(size)]  # the newest is whole
-    # Trimming is approximate (whole nodes): at most about twice the cap, not 640.
-    assert sum(len(parts) for parts in held) <= 2 * cap
+
+    _send(conn, calls("h"))  # no horizon: nothing trimmed
+    assert conn.xlen(ks.requests) == 206
+    packed = submit_batches(calls("h2"), horizon_ms=60_000)
+    ScriptSet().call(conn, packed[0][0])
+    entries: Any = conn.xrange(ks.requests)
+    kinds = [f[b"type"] for _, f in entries]
+    # Trimming is by whole nodes: the old nodes go, nothing within the horizon does.
+    assert kinds.count(b"old") < 200
+    assert kinds[-7:] == [b"young"] * 5 + [b"batch"] * 2

@@ -21,7 +21,12 @@
 -- re-sent whole after a lost reply writes no entry at all. The stream's TTL is set at
 -- most once.
 --   KEYS: the request stream, then one lookup hash per submit
---   ARGV: 'batch', expected, stream maxlen, the stream's ttl ms, then per submit: gen,
+-- Its entry counts as one against the stream's cap (MAXLEN, in entries, as a lone
+-- submit's), and it trims the entries older than the horizon (ARGV[5], ms: the longest
+-- a lookup hash lives; 0: none): no rank can serve them any more (their hashes are gone,
+-- their budgets spent), and without it a stream of batch entries would hold up to 64
+-- times the lookups a stream of lone ones holds. Only the server's clock judges age.
+--   ARGV: 'batch', expected, stream maxlen, the stream's ttl ms, horizon ms, then per submit: gen,
 --         created_ms, deadline_ms, tokens, key ttl ms, lookup id, insights, the msgpack
 --         of its LookupRequest (the batch entry's part)
 --   Returns one answer per submit, in order (the batch entry's id or 'duplicate').
@@ -89,12 +94,12 @@ if ARGV[1] ~= 'batch' then
   end
   return append(2, ARGV[7], ARGV[10], {unpack(ARGV, 11, #ARGV)})
 end
-local expected, maxlen, stream_ttl = ARGV[2], ARGV[3], ARGV[4]
+local expected, maxlen, stream_ttl, horizon = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 local owed = count(expected)
 local answers = {}
 local fields = {'type', 'batch', 'n', 0}
 local n = 0
-local a = 5
+local a = 6
 for k = 2, #KEYS do
   if register(k, ARGV[a], expected, owed, ARGV[a + 1], ARGV[a + 2], ARGV[a + 3],
               ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]) then
@@ -108,9 +113,12 @@ for k = 2, #KEYS do
 end
 if n > 0 then
   fields[4] = n
-  -- The cap counts lookups, not entries: an entry of n keeps about maxlen / n entries, so
-  -- a stream of batch entries holds about as many lookups as one of lone ones.
-  local entry = append(1, math.ceil(tonumber(maxlen) / n), stream_ttl, fields)
+  local entry = append(1, maxlen, stream_ttl, fields)
+  if horizon and horizon > 0 then
+    local t = redis.call('TIME')
+    local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    redis.call('XTRIM', KEYS[1], 'MINID', '~', string.format('%.0f', now_ms - horizon) .. '-0')
+  end
   for k = 1, #KEYS - 1 do
     if not answers[k] then answers[k] = entry end
   end
