@@ -242,7 +242,6 @@ class _Answer:
             gen=msg.gen,
             hits=int(len(msg.offsets) * self._fraction) * self._chunk,
             done_maxlen=_DONE_MAXLEN,
-            done_ttl_ms=_TTL_MS,
             engine_ttl_ms=_TTL_MS,
         )
         return self._scripts.command(call)

@@ -320,12 +320,12 @@ def report_args(
     hits: int,
     done_maxlen: int,
     lookup_id: str,
-    done_ttl_ms: int,
     engine_ttl_ms: int,
     token: str | None = None,
 ) -> list[Arg]:
     """ARGV of ``report.lua``, in the order its header documents (``token``: fenced)."""
-    args: list[Arg] = [rank, gen, hits, done_maxlen, lookup_id, done_ttl_ms, engine_ttl_ms]
+    # The 0 fills the slot that once held the completed hash's TTL (report.lua: unused).
+    args: list[Arg] = [rank, gen, hits, done_maxlen, lookup_id, 0, engine_ttl_ms]
     return args if token is None else [*args, token]
 
 
@@ -337,15 +337,14 @@ def report_call(
     gen: int,
     hits: int,
     done_maxlen: int,
-    done_ttl_ms: int,
     engine_ttl_ms: int,
     fence: Fence | None = None,
 ) -> Call:
     """The ``report.lua`` call recording ``rank``'s ``hits`` for (``lookup_id``, ``gen``).
 
     ``done_maxlen`` is the done stream's approximate cap and ``engine_ttl_ms`` its TTL.
-    ``done_ttl_ms`` is sent but no longer used: the completed hash keeps the TTL its submit
-    gave it (its deadline plus ``key_grace_ms``), which costs no command. With ``fence``
+    A completed hash keeps the TTL its submit gave it (its deadline plus
+    ``key_grace_ms``), which costs no command. With ``fence``
     (the rank's lease key and token) nothing is recorded unless the lease holds that
     token (``fenced``).
     """
@@ -355,7 +354,6 @@ def report_call(
         hits=hits,
         done_maxlen=done_maxlen,
         lookup_id=lookup_id,
-        done_ttl_ms=done_ttl_ms,
         engine_ttl_ms=engine_ttl_ms,
         token=None if fence is None else fence[1],
     )
@@ -378,7 +376,6 @@ def report_batch_call(
     *,
     rank: int,
     done_maxlen: int,
-    done_ttl_ms: int,
     engine_ttl_ms: int,
     fence: Fence | None = None,
 ) -> Call:
@@ -389,7 +386,7 @@ def report_batch_call(
     is :mod:`~broker_lookup.protocol.messages`'). The other arguments are
     :func:`report_call`'s."""
     token = "" if fence is None else fence[1]
-    args: list[Arg] = ["batch", rank, done_maxlen, done_ttl_ms, engine_ttl_ms, token]
+    args: list[Arg] = ["batch", rank, done_maxlen, 0, engine_ttl_ms, token]  # 0: unused slot
     for item in items:
         args += [item.gen, item.hits, item.lookup_id]
     head = (keys.done,) if fence is None else (keys.done, fence[0])

@@ -158,9 +158,7 @@ def test_the_batched_scripts_run_on_every_master_in_their_engines_slot(
         assert all(isinstance(a, bytes) and a != b"duplicate" for a in answers)
         items = [BatchItem("b1", GEN, 16), BatchItem("b2", GEN, 8)]
         reports = [
-            report_batch_call(
-                ks, items, rank=rank, done_maxlen=1000, done_ttl_ms=5000, engine_ttl_ms=60_000
-            )
+            report_batch_call(ks, items, rank=rank, done_maxlen=1000, engine_ttl_ms=60_000)
             for rank in (0, 1)
         ]
         results = scripts.run(link, cluster_client, reports)

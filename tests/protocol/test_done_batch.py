@@ -53,14 +53,17 @@ def _submit(
 
 
 def _batch(
-    conn: Any, ks: KeySpace, items: list[BatchItem], fence: tuple[str, str] | None = None
+    conn: Any,
+    ks: KeySpace,
+    items: list[BatchItem],
+    fence: tuple[str, str] | None = None,
+    done_maxlen: int = 100,
 ) -> list[bytes]:
     call = report_batch_call(
         ks,
         items,
         rank=0,
-        done_maxlen=100,
-        done_ttl_ms=5000,
+        done_maxlen=done_maxlen,
         engine_ttl_ms=ENGINE_TTL_MS,
         fence=fence,
     )
@@ -112,14 +115,12 @@ def test_a_batch_completing_several_lookups_writes_one_entry(
         DoneEvent(lookup_id="c", gen=7, result=40),
     ]
     # A completed hash keeps the TTL its submit gave it: it never goes without one, and
-    # its completion costs no PEXPIRE (done_ttl_ms, 5 s here, is not applied).
+    # its completion costs no PEXPIRE.
     for lookup_id in "abcw":
         assert 5000 < conn.pttl(ks.lookup(lookup_id)) <= SUBMIT_TTL_MS, lookup_id
     # A single report that completes still writes today's entry.
     _submit(conn, ks, "s")
-    single = report_call(
-        ks, "s", rank=0, gen=7, hits=12, done_maxlen=100, done_ttl_ms=5000, engine_ttl_ms=1000
-    )
+    single = report_call(ks, "s", rank=0, gen=7, hits=12, done_maxlen=100, engine_ttl_ms=1000)
     assert ScriptSet().call(conn, single) == b"complete"
     assert _entries(conn, ks)[-1] == {b"id": b"s", b"gen": b"7", b"result": b"12"}
 
@@ -266,15 +267,8 @@ def test_the_done_streams_cap_counts_completions_not_entries(
         ids = [f"cap-{b}-{i}" for i in range(size)]
         for lookup_id in ids:
             _submit(conn, ks, lookup_id)
-        call = report_batch_call(
-            ks,
-            [BatchItem(lookup_id, 7, 4) for lookup_id in ids],
-            rank=0,
-            done_maxlen=cap,
-            done_ttl_ms=5000,
-            engine_ttl_ms=ENGINE_TTL_MS,
-        )
-        assert report_answers(ScriptSet().call(conn, call), size) == [b"complete"] * size
+        items = [BatchItem(lookup_id, 7, 4) for lookup_id in ids]
+        assert _batch(conn, ks, items, done_maxlen=cap) == [b"complete"] * size
     events = _events(conn, ks)
     assert [e.lookup_id for e in events[-size:]] == [f"cap-9-{i}" for i in range(size)]
     # Trimming is approximate (whole nodes): at most about twice the cap, not 640.

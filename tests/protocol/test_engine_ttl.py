@@ -86,9 +86,7 @@ def test_a_script_that_creates_a_stream_sets_its_ttl(
         "cancel": cancel_call(ks, abort, maxlen=100, engine_ttl_ms=ttl),
         "deadline": deadline_call(ks, abort, maxlen=100, ttl_ms=1000, engine_ttl_ms=ttl),
         "keep": keep_call(ks, Keep(lookup_id="s", gen=7, tokens=4), maxlen=100, engine_ttl_ms=ttl),
-        "report": report_call(
-            ks, "s", rank=0, gen=7, hits=8, done_maxlen=100, done_ttl_ms=1000, engine_ttl_ms=ttl
-        ),
+        "report": report_call(ks, "s", rank=0, gen=7, hits=8, done_maxlen=100, engine_ttl_ms=ttl),
     }
     if script in ("keep", "report"):  # they write only for a lookup in the right state
         partial = 1 if script == "keep" else 0

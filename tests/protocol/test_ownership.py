@@ -132,7 +132,6 @@ def _report(conn: redis.Redis, ks: KeySpace, lookup_id: str, token: str, hits: i
         gen=7,
         hits=hits,
         done_maxlen=100,
-        done_ttl_ms=1000,
         engine_ttl_ms=60_000,
         fence=(ks.owner("0"), token),
     )

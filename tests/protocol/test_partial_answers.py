@@ -207,7 +207,6 @@ def _report(conn: Any, ks: KeySpace, rank: int, hits: int = 8, gen: int = 7) -> 
         gen=gen,
         hits=hits,
         done_maxlen=100,
-        done_ttl_ms=1000,
         engine_ttl_ms=60_000,
     )
     return ScriptSet().call(conn, call)

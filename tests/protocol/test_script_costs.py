@@ -46,7 +46,6 @@ def _report(conn: object, ks: KeySpace, rank: int, hits: int, gen: int = 7) -> b
         gen=gen,
         hits=hits,
         done_maxlen=100,
-        done_ttl_ms=5000,
         engine_ttl_ms=ENGINE_TTL_MS,
     )
     answer: bytes = ScriptSet().call(conn, call)  # type: ignore[arg-type]
@@ -70,7 +69,7 @@ def test_the_last_report_completes_with_the_fewest_hits(backend: Backend, engine
         b"20",
         b"12",
     ]
-    # The TTL its submit gave it, not done_ttl_ms's 5 s: a completion pays no PEXPIRE.
+    # The TTL its submit gave it: a completion pays no PEXPIRE.
     assert 5000 < conn.pttl(key) <= 60_000
     done: Any = conn.xrange(ks.done)
     [(_, fields)] = done
@@ -143,7 +142,6 @@ def _batch(
         items,
         rank=0,
         done_maxlen=100,
-        done_ttl_ms=5000,
         engine_ttl_ms=ENGINE_TTL_MS,
         fence=fence,
     )

@@ -81,7 +81,6 @@ def _report(conn: object, ks: KeySpace, lookup_id: str, rank: int, gen: int) -> 
         gen=gen,
         hits=8,
         done_maxlen=100,
-        done_ttl_ms=5000,
         engine_ttl_ms=ENGINE_TTL_MS,
     )
     return ScriptSet().call(conn, call)  # type: ignore[arg-type]

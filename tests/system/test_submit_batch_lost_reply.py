@@ -58,9 +58,7 @@ def test_a_submit_batch_whose_reply_was_lost_changes_nothing_when_sent_again(
         scripts.run(ClientLink(proxied), proxied, [batch])
     assert fault_proxy.stats["replies_lost"] == 1
     assert conn.xlen(ks.requests) == 1  # it ran (one entry for the three): the reply was lost
-    rank0 = report_call(
-        ks, "a", rank=0, gen=7, hits=8, done_maxlen=100, done_ttl_ms=5000, engine_ttl_ms=600_000
-    )
+    rank0 = report_call(ks, "a", rank=0, gen=7, hits=8, done_maxlen=100, engine_ttl_ms=600_000)
     assert scripts.call(conn, rank0) == b"recorded"  # a fast rank, before the retry
     before = {k: conn.hgetall(ks.lookup(k)) for k in "abc"}
     again = submit_answers(scripts.run(ClientLink(proxied), proxied, [batch]), [3])

@@ -306,7 +306,6 @@ class Reporter(Batcher[Report]):
             [BatchItem(r.lookup_id, r.gen, r.hits) for r in finals],
             rank=self._rank,
             done_maxlen=self._config.done_maxlen,
-            done_ttl_ms=self._config.key_grace_ms or 1,
             engine_ttl_ms=self._config.engine_ttl_ms,
             fence=fence,
         )
@@ -328,7 +327,6 @@ class Reporter(Batcher[Report]):
             gen=report.gen,
             hits=report.hits,
             done_maxlen=self._config.done_maxlen,
-            done_ttl_ms=self._config.key_grace_ms or 1,
             engine_ttl_ms=self._config.engine_ttl_ms,
             fence=fence,
         )

@@ -12,8 +12,8 @@
 -- One completion is id, gen, result (and the insight fields), as above. A call that
 -- completed n > 1 (a batch) writes n first, then the first completion's fields as they
 -- are and each further one's with its index: id.1 gen.1 result.1 (last.1 ranks.1 hits.1
--- lat.1), id.2 ..., up to n-1. Per completion at most 7 pairs, and a rank's batch is at
--- most 256 reports (workers/pipeline/reporter.py), so the entry stays far under unpack's
+-- lat.1), id.2 ..., up to n-1. Per completion at most 7 pairs, and a rank's call is at
+-- most 128 reports (workers/pipeline/reporter.py), so the entry stays far under unpack's
 -- limit of about 8,000 values.
 -- Returns: complete | recorded | dropped (no key: cancelled, timed out, expired)
 --          | stale (another generation) | duplicate (rank already reported)
