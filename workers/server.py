@@ -140,7 +140,11 @@ class RedisAsyncLookupServer:
             factories.beat,
             f"rank {self.rank} beat",
             heartbeat=Heartbeat(
-                self.rank, cfg.heartbeat_ttl_ms, self._beat_info, metadata.configured_engine_id
+                self.rank,
+                cfg.heartbeat_ttl_ms,
+                self._beat_info,
+                metadata.configured_engine_id,
+                reading=self._loop.reading,
             ),
             metrics=MetricsPublisher(
                 self.keys,
@@ -153,6 +157,7 @@ class RedisAsyncLookupServer:
             ),
             fingerprint=self.fingerprint,
         )
+        self._loop.on_reading = self.beat.wake
         #: Answers the fleet query on its own thread and connection (never the loop's).
         self.prober = Prober(
             engine,

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -78,6 +79,12 @@ class Heartbeat:
 
     ``info`` gives what the rank shows besides who it is (its map sizes, counters); it is
     called on the beat's thread, so it reads state, never engine code.
+
+    ``reading`` is set once the rank reads its consumer group: until then no heartbeat is
+    written (the lease is claimed without it). A heartbeat is what tells the scheduler to
+    submit, and a group made at ``$`` after a submit would never deliver that lookup.
+    Once set it stays set: a rank that loses its group later keeps beating (liveness is a
+    beat) and re-makes the group at ``0``, so nothing submitted meanwhile is skipped.
     """
 
     def __init__(
@@ -86,8 +93,10 @@ class Heartbeat:
         ttl_ms: int,
         info: Callable[[], dict[str, Any]],
         configured_engine_id: str | None = None,
+        reading: threading.Event | None = None,
     ) -> None:
         self._rank = rank
+        self._reading = reading
         self._ttl_ms = ttl_ms
         self._info = info
         #: The engine id the operator configured, where the key namespace was derived
@@ -95,8 +104,10 @@ class Heartbeat:
         self._configured = configured_engine_id
         self._started_ms = int(time.time() * 1000)
 
-    def body(self) -> tuple[str, int]:
-        """The heartbeat ``claim.lua`` writes, and its TTL in ms."""
+    def body(self) -> tuple[str, int] | None:
+        """The heartbeat ``claim.lua`` writes, and its TTL in ms (None: not reading yet)."""
+        if self._reading is not None and not self._reading.is_set():
+            return None
         body: dict[str, Any] = {
             "rank": self._rank,
             "pid": os.getpid(),
@@ -160,6 +171,7 @@ class Beat(LoopThread):
         self.last_beat = 0.0
         #: Beats that failed (Redis unreachable or refusing).
         self.errors = 0
+        self._wake = threading.Event()
         self._warn = RateLimitedLog(logger)
 
     def start(self) -> None:
@@ -168,9 +180,16 @@ class Beat(LoopThread):
         if self.checks is not None:
             self.checks.start()
 
+    def wake(self) -> None:
+        """Beat now rather than at the next interval (a rank that just started reading
+        writes its first heartbeat at once)."""
+        self._wake.set()
+
     def stop(self, timeout_s: float) -> bool:
         """Stop both threads within ``timeout_s`` in all; False if a join timed out."""
         deadline = time.monotonic() + timeout_s
+        self._stop.set()
+        self._wake.set()
         ok = super().stop(timeout_s)
         if self.checks is not None:
             ok = self.checks.stop(max(0.0, deadline - time.monotonic())) and ok
@@ -191,7 +210,9 @@ class Beat(LoopThread):
             while not self._stop.is_set():
                 started = time.monotonic()
                 wait_s = self._beat(client, link)
-                self._stop.wait(max(0.0, started + wait_s - time.monotonic()))
+                # The wake event is the stop's too (stop sets both).
+                self._wake.wait(max(0.0, started + wait_s - time.monotonic()))
+                self._wake.clear()
         finally:
             link.close()
             client.close()

@@ -2,6 +2,8 @@
 whose engine holds its read loop in one synchronous call longer than the lease keeps its
 lease and its heartbeat (the beat renews them on its own thread), so the client answers
 none of its lookups ``dead_rank``, none of its reports is fenced, and every hit is found.
+A starting rank writes no heartbeat before its consumer group exists: the heartbeat is
+what lets the scheduler submit, and a group made after the submit never delivers it.
 """
 
 from __future__ import annotations
@@ -9,10 +11,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from faultkit import Serve, answer, prompt
-from helpers import holds_for
+import pytest
+from faultkit import MakeClient, MakeServer, Serve, alive, answer, beat, prompt
+from helpers import Backend, holds_for, wait_until
 
+from broker_lookup.protocol.keys import KeySpace
 from broker_lookup.stub_engine import StubEngine
+from broker_lookup.transport.link import Link
+from workers.pipeline.reader import Reader
 
 TOKENS = prompt(11_000, chunks=4)
 FULL = len(TOKENS)
@@ -73,3 +79,35 @@ def test_an_engine_call_stalled_past_the_lease_lapses_neither_lease_nor_heartbea
     assert counts.get("report_fenced", 0) == 0 and counts["report_complete"] == len(ids)
     assert server.stats().ownership.claims == 1
     assert client.stats().outcomes.get("dead_rank", 0) == 0
+
+
+def test_a_starting_rank_beats_only_once_its_group_exists(
+    make_server: MakeServer,
+    make_client: MakeClient,
+    backend: Backend,
+    engine_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made = Reader.ensure_group
+    go = threading.Event()
+
+    def slow_group(reader: Reader, link: Link) -> None:
+        go.wait(30)  # a slow link or a busy server at the rank's first command
+        made(reader, link)
+
+    monkeypatch.setattr(Reader, "ensure_group", slow_group)
+    server = make_server(StubEngine("instant"), rank=0, world_size=1)
+    client = make_client(world_size=1, lookup_timeout_ms=10_000)
+    conn = backend.factory()
+    heartbeat = KeySpace(engine_id).heartbeat(0)
+    wait_until(server.lease.held, message="the rank claimed its lease")
+    holds_for(
+        lambda: not beat(conn, heartbeat) and client.stats().dead_ranks == (0,),
+        1.5,
+        interval=0.05,
+        message="no heartbeat while the rank has no group",
+    )
+    go.set()
+    alive(client, timeout=30)
+    client.lookup(TOKENS, "first")  # at once: the rank's group exists by now
+    assert answer(client, "first", timeout=15) == FULL

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from faultkit import config
+from faultkit import config, ready
 from helpers import Backend, Made, wait_until
 
 from broker_lookup.client import RedisAsyncLookupClient
@@ -120,8 +120,7 @@ def test_a_split_is_called_only_once_it_lasted(
 def test_a_whole_engine_is_no_split(backend: Backend, made: Made, engine_id: str) -> None:
     """Every rank alive: nothing is looked up, nothing found."""
     ours = instance_engine_id(engine_id, "c3")
-    for rank in (0, 1):
-        _rank(backend, made, ours, rank)
+    ready(*(_rank(backend, made, ours, rank) for rank in (0, 1)))
     client = _scheduler(backend, made, ours)
     wait_until(lambda: not client.stats().dead_ranks, message="every rank alive")
     assert client.split.found == {} and client.split.checks == 0

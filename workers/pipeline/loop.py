@@ -101,6 +101,10 @@ class RankLoop(LoopThread):
         self.lease = lease
         #: Set while the group exists and the loop is reading.
         self.ready = threading.Event()
+        #: Set once the loop first read its group, never cleared: the heartbeat waits for it.
+        self.reading = threading.Event()
+        #: Called once, when :attr:`reading` is first set (the server wakes its beat).
+        self.on_reading: Callable[[], None] = lambda: None
         self._next_group_info = 0.0
         self._next_pins = 0.0
         self._engine_pins: int | None = None
@@ -134,6 +138,9 @@ class RankLoop(LoopThread):
                 if not self.ready.is_set():  # first turn, or after an error: the group may be gone
                     self.reader.ensure_group(link)
                     self.ready.set()
+                    if not self.reading.is_set():
+                        self.reading.set()
+                        self.on_reading()
                 self._group_info(link)
                 link.call([], self.reader.read_command())
             try:
