@@ -135,6 +135,10 @@ WORKER_METRICS: dict[str, tuple[str, str]] = {
     ),
     "broker_lookup_worker_dead_letters_total": ("counter", "Entries dead-lettered, by reason."),
     "broker_lookup_worker_expired_total": ("counter", "Requests dropped past their deadline."),
+    "broker_lookup_worker_trimmed_total": (
+        "counter",
+        "Own pending entries found trimmed when read again (expired unread), acked.",
+    ),
     "broker_lookup_worker_aborts_total": ("counter", "Abort entries handled."),
     "broker_lookup_worker_group_pending": ("gauge", "Entries delivered to the rank, not acked."),
     "broker_lookup_worker_group_lag": ("gauge", "Entries not yet delivered to the rank's group."),
@@ -488,6 +492,7 @@ class ServerCollector(Collector):
             "broker_lookup_worker_owner_lost_total": own.lost,
             "broker_lookup_worker_requests_total": counts.get("requests", 0),
             "broker_lookup_worker_expired_total": counts.get("expired", 0),
+            "broker_lookup_worker_trimmed_total": consumer.trimmed,
             "broker_lookup_worker_aborts_total": counts.get("aborts", 0),
             "broker_lookup_worker_engine_errors_total": counts.get("engine_errors", 0),
             "broker_lookup_worker_reservations": counts.get("reservations_held", 0),

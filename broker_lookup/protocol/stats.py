@@ -114,6 +114,8 @@ class ConsumerStats(msgspec.Struct, frozen=True, kw_only=True):
     dead_letters: int = 0  #: entries dead-lettered (undecodable or invalid)
     #: dead letters by reason, where the process counts them so (else only the total)
     dead_letter_reasons: dict[str, int] = {}
+    #: own pending entries found trimmed when read again (expired unread): acked, not served
+    trimmed: int = 0
     redis_errors: int = 0  #: Redis errors of the read loop
     nogroup: int = 0  #: times the group was found missing and created again
     pending: int = 0  #: entries delivered to the rank, not acked (last read)
